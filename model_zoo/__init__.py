@@ -1,0 +1,30 @@
+"""Model families: everything that is specific to one HuggingFace architecture lives here.
+
+Each family says how a HF `config.json` becomes `pmx_params.json` and which HF tensor becomes which
+PMX tensor. The engine and the PMX layer never branch on family names.
+"""
+
+from __future__ import annotations
+
+from model_zoo.decoder import DecoderFamily
+from model_zoo.llama import LLAMA
+from model_zoo.mistral import MISTRAL
+from model_zoo.qwen2 import QWEN2
+from runner.errors import PmxError
+
+FAMILIES: tuple[DecoderFamily, ...] = (LLAMA, MISTRAL, QWEN2)
+
+
+def family_for(config: dict, source: str = "config.json") -> DecoderFamily:
+    """The family that handles `config["architectures"][0]`."""
+    archs = config.get("architectures") or []
+    if not archs:
+        raise PmxError(f"{source}: has no 'architectures' entry; cannot tell the model family")
+    for fam in FAMILIES:
+        if archs[0] in fam.architectures:
+            return fam
+    supported = sorted(a for f in FAMILIES for a in f.architectures)
+    raise PmxError(f"{source}: unknown architecture {archs[0]!r}; supported: {', '.join(supported)}")
+
+
+__all__ = ["FAMILIES", "family_for", "DecoderFamily"]

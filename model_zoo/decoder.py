@@ -1,0 +1,129 @@
+"""The decoder-only transformer mapping shared by Llama-like families (HF -> PMX).
+
+A family is this mapping plus a few switches (biases, sliding window); a new Llama-like family is a
+few lines in its own folder, not a copy of the pipeline.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from runner.errors import PmxError
+from runner.pmx.params import PmxParams
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """One PMX tensor and where it comes from in the HF checkpoint."""
+    pmx_name: str
+    hf_names: tuple          # candidates, the first present is used (tied embeddings have two names)
+    shape: tuple             # expected HF shape
+    rotary_heads: int = 0    # > 0: rows are rotate-half q/k of this many heads; un-permute to interleaved pairs
+
+
+def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF rotate-half q/k rows -> ppl.pmx / Meta interleaved-pair rows (inverse of HF's `permute`).
+
+    HF row j < d/2 of a head holds the real part of pair j, row d/2 + j its imaginary part; PMX
+    stores them side by side (rows 2j, 2j+1). Works for weights [rows, in] and biases [rows].
+    """
+    rows = w.shape[0]
+    d = rows // n_heads
+    tail = w.shape[1:]
+    return w.reshape(n_heads, 2, d // 2, *tail).transpose(1, 2).reshape(rows, *tail)
+
+
+def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Interleaved-pair rows -> HF rotate-half rows (the inverse of :func:`unpermute_rotary`)."""
+    rows = w.shape[0]
+    d = rows // n_heads
+    tail = w.shape[1:]
+    return w.reshape(n_heads, d // 2, 2, *tail).transpose(1, 2).reshape(rows, *tail)
+
+
+def _rope(config: dict) -> tuple[float, Optional[dict]]:
+    """(rope_theta, rope_scaling) from either the transformers<5 or the transformers>=5 config style."""
+    rp = config.get("rope_parameters")
+    if isinstance(rp, dict):
+        theta = float(rp.get("rope_theta", config.get("rope_theta", 10000.0)))
+        kind = rp.get("rope_type", rp.get("type", "default"))
+        scaling = None if kind == "default" else {k: v for k, v in rp.items() if k != "rope_theta"}
+        return theta, scaling
+    scaling = config.get("rope_scaling")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return float(config.get("rope_theta", 10000.0)), scaling
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    name: str
+    architectures: tuple
+    qkv_bias: Optional[bool] = None              # None: from config "attention_bias"
+    o_bias: Optional[bool] = None                # None: from config "attention_bias"
+    sliding_window_key: Optional[str] = None     # config key whose truthiness enables "sliding_window"
+    ignored: tuple = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)  # known, unused HF buffers
+
+    def params(self, config: dict, dtype: str, source: str = "config.json") -> PmxParams:
+        c = config
+        try:
+            hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+            kv_heads = int(c.get("num_key_value_heads") or heads)
+            head_dim = int(c.get("head_dim") or hidden // heads)
+            theta, scaling = _rope(c)
+            act = c.get("hidden_act", "silu")
+            if act != "silu":
+                raise PmxError(f"{source}: hidden_act {act!r} is not supported (expected 'silu')")
+            attn_bias = bool(c.get("attention_bias", False))
+            window = None
+            if self.sliding_window_key is not None and c.get(self.sliding_window_key) and c.get("sliding_window"):
+                window = int(c["sliding_window"])
+            return PmxParams(
+                model_type=self.name, architecture=c["architectures"][0],
+                hidden_dim=hidden, intermediate_dim=int(c["intermediate_size"]),
+                num_layers=int(c["num_hidden_layers"]), num_heads=heads, num_kv_heads=kv_heads,
+                head_dim=head_dim, vocab_size=int(c["vocab_size"]), norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta, rope_scaling=scaling,
+                max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+                qkv_bias=attn_bias if self.qkv_bias is None else self.qkv_bias,
+                o_bias=attn_bias if self.o_bias is None else self.o_bias,
+                ffn_bias=bool(c.get("mlp_bias", False)), sliding_window=window, hidden_act=act,
+                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"),
+                pad_token_id=c.get("pad_token_id"), dtype=dtype,
+            )
+        except KeyError as e:
+            raise PmxError(f"{source}: missing key {e.args[0]!r} needed for {self.name}") from None
+
+    def tensor_sources(self, p: PmxParams) -> list[TensorSource]:
+        """Every PMX tensor of an unsplit model, in file order, with its HF origin and expected shape."""
+        D, F, V = p.hidden_dim, p.intermediate_dim, p.vocab_size
+        q, kv = p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
+        src = [TensorSource("tok_embeddings.weight", ("model.embed_tokens.weight", "lm_head.weight"), (V, D))]
+        for i in range(p.num_layers):
+            a, m, pre = f"layers.{i}.attention", f"layers.{i}.feed_forward", f"model.layers.{i}"
+            src.append(TensorSource(f"layers.{i}.attention_norm.weight", (f"{pre}.input_layernorm.weight",), (D,)))
+            for pmx, hf, rows, heads in (("wq", "q_proj", q, p.num_heads), ("wk", "k_proj", kv, p.num_kv_heads),
+                                         ("wv", "v_proj", kv, 0)):
+                src.append(TensorSource(f"{a}.{pmx}.weight", (f"{pre}.self_attn.{hf}.weight",), (rows, D), heads))
+                if p.qkv_bias:
+                    src.append(TensorSource(f"{a}.{pmx}.bias", (f"{pre}.self_attn.{hf}.bias",), (rows,), heads))
+            src.append(TensorSource(f"{a}.wo.weight", (f"{pre}.self_attn.o_proj.weight",), (D, q)))
+            if p.o_bias:
+                src.append(TensorSource(f"{a}.wo.bias", (f"{pre}.self_attn.o_proj.bias",), (D,)))
+            src.append(TensorSource(f"layers.{i}.ffn_norm.weight", (f"{pre}.post_attention_layernorm.weight",), (D,)))
+            for pmx, hf, shape, bshape in (("w1", "gate_proj", (F, D), (F,)), ("w3", "up_proj", (F, D), (F,)),
+                                           ("w2", "down_proj", (D, F), (D,))):
+                src.append(TensorSource(f"{m}.{pmx}.weight", (f"{pre}.mlp.{hf}.weight",), shape))
+                if p.ffn_bias:
+                    src.append(TensorSource(f"{m}.{pmx}.bias", (f"{pre}.mlp.{hf}.bias",), bshape))
+        src.append(TensorSource("norm.weight", ("model.norm.weight",), (D,)))
+        src.append(TensorSource("output.weight", ("lm_head.weight", "model.embed_tokens.weight"), (V, D)))
+        return src
+
+    def is_ignored(self, hf_name: str) -> bool:
+        return any(re.fullmatch(pat, hf_name) for pat in self.ignored)

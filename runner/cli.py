@@ -1,0 +1,80 @@
+"""Command line: `python -m runner <command>` / `pmx-runner <command>`.
+
+Commands: convert, split, merge (PMX layer); generate (engine). Each is a plain, typed function;
+fire turns it into flags, so `--input_dir X` and `--input-dir X` both work. A :class:`PmxError`
+ends the program with its message on stderr and exit status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from runner.errors import PmxError
+
+
+def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: int = 1, overwrite: bool = False,
+            progress: bool = True) -> None:
+    """Convert a HuggingFace checkpoint directory into a PMX directory.
+
+    Args:
+        input_dir: HF directory with config.json and model.safetensors / sharded safetensors / pytorch_model.bin.
+        output_dir: PMX directory to create (pmx_params.json, model.XX.safetensors, tokenizer files).
+        dtype: auto (the checkpoint's), float32, float16 or bfloat16.
+        num_shards: split into this many tensor-parallel shards while converting.
+        overwrite: replace a non-empty output_dir.
+        progress: show a progress bar on stderr for large models.
+    """
+    from runner.pmx.convert import convert as _convert
+    p = _convert(input_dir, output_dir, dtype=dtype, num_shards=num_shards, overwrite=overwrite, progress=progress)
+    print(f"converted {input_dir} ({p.architecture}, {p.num_layers} layers, {p.dtype}) -> {output_dir} "
+          f"({p.num_shards} shard{'s' if p.num_shards > 1 else ''})")
+
+
+def split(input_dir: str, num_shards: int, output_dir: str, overwrite: bool = False, progress: bool = True) -> None:
+    """Cut a PMX model into `num_shards` tensor-parallel shards (an already split model is re-cut).
+
+    Args:
+        input_dir: PMX directory.
+        num_shards: number of ranks the output is for.
+        output_dir: PMX directory to create.
+        overwrite: replace a non-empty output_dir.
+        progress: show a progress bar on stderr for large models.
+    """
+    from runner.pmx.convert import reshard
+    p = reshard(input_dir, output_dir, num_shards, overwrite=overwrite, progress=progress)
+    pads = f", padded {p.padded_dims}" if p.padded_dims else ""
+    reps = f", each KV head on {p.kv_replication} ranks" if p.kv_replication > 1 else ""
+    print(f"split {input_dir} -> {output_dir} ({p.num_shards} shards{reps}{pads})")
+
+
+def merge(input_dir: str, num_shards: int, output_dir: str, overwrite: bool = False, progress: bool = True) -> None:
+    """Put the `num_shards` shards of a split PMX model back into one, bit for bit.
+
+    Args:
+        input_dir: split PMX directory.
+        num_shards: how many shards input_dir holds (checked against its pmx_params.json).
+        output_dir: PMX directory to create (one shard, model.00.safetensors).
+        overwrite: replace a non-empty output_dir.
+        progress: show a progress bar on stderr for large models.
+    """
+    from runner.pmx.convert import reshard
+    reshard(input_dir, output_dir, 1, overwrite=overwrite, progress=progress, expect_input_shards=num_shards)
+    print(f"merged {input_dir} ({num_shards} shards) -> {output_dir}")
+
+
+COMMANDS: dict[str, Callable] = {"convert": convert, "split": split, "merge": merge}
+
+
+def run(component, argv: list[str] | None = None) -> None:
+    """Runs `component` under fire; user errors become a one-line message and exit status 2."""
+    import fire
+    try:
+        fire.Fire(component, command=argv)
+    except PmxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(COMMANDS, argv)

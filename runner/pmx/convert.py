@@ -1,0 +1,175 @@
+"""HF -> PMX conversion and re-sharding (split / merge), all streaming.
+
+Every path ends in :func:`write_pmx`, which takes the unsplit params, the tensor plan and a
+`fetch(name)` that yields one full tensor at a time, and writes `num_shards` safetensors files at
+once. Peak memory is a small multiple of the largest tensor, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from model_zoo import family_for
+from model_zoo.decoder import unpermute_rotary
+from runner.errors import PmxError
+from runner.pmx.hf import HFCheckpoint
+from runner.pmx.params import PmxParams, shard_file
+from runner.pmx.shard import full_shape, merge_tensor, shard_shape, sharded_params, split_tensor, unsharded_params
+from runner.pmx.store import (DTYPE_NAMES, SafetensorsReader, SafetensorsWriter, atomic_output_dir,
+                              copy_tokenizer_files, dtype_name)
+
+Plan = Sequence[tuple[str, torch.dtype, tuple]]  # (name, dtype, full unsplit shape), in file order
+ST_METADATA = {"format": "pt"}
+PROGRESS_MIN_BYTES = 256 << 20  # below this, a progress bar only shows on a terminal
+
+
+def write_pmx(out_dir: Path, params: PmxParams, plan: Plan, fetch: Callable[[str], torch.Tensor],
+              num_shards: int, desc: str = "writing", progress: bool = True) -> PmxParams:
+    """Writes `num_shards` shard files + pmx_params.json into `out_dir`; returns the written params."""
+    sp = sharded_params(unsharded_params(params), num_shards)
+    writers = [SafetensorsWriter(Path(out_dir) / shard_file(r),
+                                 [(n, dt, shard_shape(sp, n, shape)) for n, dt, shape in plan], ST_METADATA)
+               for r in range(num_shards)]
+    total = sum(torch.empty((), dtype=dt).element_size() * _numel(shape) for _, dt, shape in plan)
+    show = progress and (sys.stderr.isatty() or total > PROGRESS_MIN_BYTES)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not show, mininterval=1.0)
+    try:
+        for name, dt, shape in plan:
+            t = fetch(name)
+            if t.dtype != dt or tuple(t.shape) != tuple(shape):
+                raise AssertionError(f"{name}: fetched {t.dtype} {tuple(t.shape)}, planned {dt} {tuple(shape)}")
+            for w, part in zip(writers, split_tensor(sp, name, t)):
+                w.write(name, part)
+            bar.update(t.numel() * t.element_size())
+            del t
+        for w in writers:
+            w.close()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    finally:
+        bar.close()
+    sp.save(out_dir)
+    return sp
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: int = 1, overwrite: bool = False,
+            progress: bool = True) -> PmxParams:
+    """Converts a HuggingFace checkpoint directory into a PMX directory (optionally split)."""
+    ckpt = HFCheckpoint(Path(input_dir))
+    cfg_path = str(Path(input_dir) / "config.json")
+    family = family_for(ckpt.config, source=cfg_path)
+    params = family.params(ckpt.config, _resolve_dtype(dtype, ckpt), source=cfg_path)
+    target = DTYPE_NAMES[params.dtype]
+    sharded_params(params, num_shards)  # fail before any work if the cut is impossible
+
+    available = set(ckpt.keys()) | set(ckpt.aliases)
+    stored = lambda n: ckpt.aliases.get(n, n)  # noqa: E731 (the name a tied alias is stored under)
+    sources, used = {}, set()
+    for src in family.tensor_sources(params):
+        hf = next((n for n in src.hf_names if n in available), None)
+        if hf is None:
+            raise PmxError(f"{input_dir}: missing tensor {src.hf_names[0]!r} (needed for {src.pmx_name})")
+        shape = ckpt.shape(stored(hf))
+        if tuple(shape) != tuple(src.shape):
+            raise PmxError(f"{ckpt.locate(stored(hf))}: tensor {hf!r} has shape {list(shape)}, "
+                           f"expected {list(src.shape)} from config.json")
+        sources[src.pmx_name] = (src, stored(hf))
+        used.add(stored(hf))
+    extra = sorted(n for n in ckpt.keys() if n not in used and not family.is_ignored(n))
+    if extra:
+        raise PmxError(f"{input_dir}: unexpected tensor(s) not used by {family.name}: {extra[:8]}"
+                       f"{' ...' if len(extra) > 8 else ''} ({len(extra)} in all); refusing to drop them silently")
+
+    def fetch(name: str) -> torch.Tensor:
+        src, hf = sources[name]
+        t = ckpt.get(hf)
+        if src.rotary_heads:
+            t = unpermute_rotary(t, src.rotary_heads)
+        return t.to(target)
+
+    plan = [(s.pmx_name, target, s.shape) for s, _ in sources.values()]
+    with atomic_output_dir(Path(output_dir), overwrite) as tmp:
+        written = write_pmx(tmp, params, plan, fetch, num_shards, desc="converting", progress=progress)
+        copy_tokenizer_files(Path(input_dir), tmp)
+    return written
+
+
+def _resolve_dtype(dtype: str, ckpt: HFCheckpoint) -> str:
+    if dtype != "auto":
+        if dtype not in DTYPE_NAMES:
+            raise PmxError(f"--dtype {dtype!r} is not one of auto, {', '.join(DTYPE_NAMES)}")
+        return dtype
+    cfg = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype")
+    if cfg in DTYPE_NAMES:
+        return cfg
+    first = next((ckpt.dtype(n) for n in ckpt.keys() if ckpt.dtype(n).is_floating_point), torch.float32)
+    return dtype_name(first)
+
+
+class PmxModel:
+    """A PMX directory opened for reading: its params and lazily read (merged) tensors."""
+
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self.params = PmxParams.load(self.dir)
+        self.readers = [SafetensorsReader(self.dir / shard_file(r)) for r in range(self.params.num_shards)]
+        extra = sorted(p.name for p in self.dir.glob("model.*.safetensors")
+                       if p.name not in {shard_file(r) for r in range(self.params.num_shards)})
+        if extra:
+            raise PmxError(f"{self.dir}: holds {extra}, but pmx_params.json says num_shards={self.params.num_shards}")
+        keys = self.readers[0].keys()
+        for r, rd in enumerate(self.readers[1:], 1):
+            if rd.keys() != keys:
+                raise PmxError(f"{rd.path}: holds tensors {sorted(set(rd.keys()) ^ set(keys))[:4]} that "
+                               f"{self.readers[0].path} does not (or the other way round)")
+        self.keys = keys
+
+    def full_shape(self, name: str) -> tuple:
+        """Unsplit shape of `name`, checked against every shard's part."""
+        p = self.params
+        full = full_shape(p, name, self.readers[0].shape(name))
+        for rd in self.readers:
+            if tuple(rd.shape(name)) != shard_shape(p, name, full):
+                raise PmxError(f"{rd.path}: tensor {name!r} has shape {list(rd.shape(name))}, expected "
+                               f"{list(shard_shape(p, name, full))} for a {p.num_shards}-way shard")
+        return full
+
+    def get_merged(self, name: str) -> torch.Tensor:
+        return merge_tensor(self.params, name, [rd.get(name) for rd in self.readers])
+
+
+def reshard(input_dir: str, output_dir: str, num_shards: int, overwrite: bool = False,
+            progress: bool = True, expect_input_shards: Optional[int] = None) -> PmxParams:
+    """Rewrites a PMX directory with `num_shards` shards (split: N > 1, merge: N = 1), bit for bit."""
+    model = PmxModel(Path(input_dir))
+    p = model.params
+    if expect_input_shards is not None and expect_input_shards != p.num_shards:
+        raise PmxError(f"{input_dir}: --num_shards {expect_input_shards} given, but the model there has "
+                       f"num_shards={p.num_shards} (pmx_params.json)")
+    sharded_params(unsharded_params(p), num_shards)
+    dt = DTYPE_NAMES[p.dtype]
+    plan = []
+    for name in model.keys:
+        got = model.readers[0].dtype(name)
+        if got != dt:
+            raise PmxError(f"{model.readers[0].path}: tensor {name!r} is {got}, expected {dt} (pmx_params dtype)")
+        plan.append((name, dt, model.full_shape(name)))
+    with atomic_output_dir(Path(output_dir), overwrite) as tmp:
+        desc = "merging" if num_shards == 1 else "splitting"
+        written = write_pmx(tmp, p, plan, model.get_merged, num_shards, desc=desc, progress=progress)
+        copy_tokenizer_files(Path(input_dir), tmp)
+    return written

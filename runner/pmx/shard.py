@@ -1,0 +1,160 @@
+"""The shard-spec table: how each PMX tensor is cut across tensor-parallel ranks.
+
+One table serves both split and merge (Megatron-style cut, as ppl.pmx):
+
+| tensor                                   | cut                                           |
+|------------------------------------------|-----------------------------------------------|
+| attention.wq.{weight,bias}               | query heads, by output rows                   |
+| attention.wk/wv.{weight,bias}            | KV heads by rows; replicated when KV < ranks  |
+| attention.wo.weight                      | query heads, by input columns                 |
+| feed_forward.w1/w3.{weight,bias}         | intermediate rows (zero-padded to divide)     |
+| feed_forward.w2.weight                   | intermediate columns (zero-padded)            |
+| output.weight                            | vocabulary rows (zero-padded)                 |
+| tok_embeddings.weight                    | hidden columns (zero-padded)                  |
+| norms, router `gate`, wo/w2 biases, q/k norms | replicated                               |
+
+Axes count from the end, so MoE experts stacked as [E, out, in] are cut like a dense MLP.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from runner.errors import PmxError
+from runner.pmx.params import PmxParams
+
+
+@dataclass(frozen=True)
+class Cut:
+    kind: str                 # "replicate" | "q_heads" | "kv_heads" | "dim"
+    axis: int = 0             # negative: from the end
+    dim: Optional[str] = None  # logical dim for kind "dim" (its padding is recorded in padded_dims)
+
+
+REPLICATE = Cut("replicate")
+SHARD_SPEC: tuple[tuple[str, Cut], ...] = (
+    (r"tok_embeddings\.weight", Cut("dim", -1, "hidden_dim")),
+    (r"output\.weight", Cut("dim", -2, "vocab_size")),
+    (r"norm\.weight", REPLICATE),
+    (r"layers\.\d+\.(attention_norm|ffn_norm)\.weight", REPLICATE),
+    (r"layers\.\d+\.attention\.wq\.weight", Cut("q_heads", -2)),
+    (r"layers\.\d+\.attention\.wq\.bias", Cut("q_heads", -1)),
+    (r"layers\.\d+\.attention\.(wk|wv)\.weight", Cut("kv_heads", -2)),
+    (r"layers\.\d+\.attention\.(wk|wv)\.bias", Cut("kv_heads", -1)),
+    (r"layers\.\d+\.attention\.(q_norm|k_norm)\.weight", REPLICATE),
+    (r"layers\.\d+\.attention\.wo\.weight", Cut("q_heads", -1)),
+    (r"layers\.\d+\.attention\.wo\.bias", REPLICATE),
+    (r"layers\.\d+\.feed_forward\.(w1|w3)\.weight", Cut("dim", -2, "intermediate_dim")),
+    (r"layers\.\d+\.feed_forward\.(w1|w3)\.bias", Cut("dim", -1, "intermediate_dim")),
+    (r"layers\.\d+\.feed_forward\.w2\.weight", Cut("dim", -1, "intermediate_dim")),
+    (r"layers\.\d+\.feed_forward\.w2\.bias", REPLICATE),
+    (r"layers\.\d+\.feed_forward\.gate\.weight", REPLICATE),
+)
+
+
+def cut_for(name: str) -> Cut:
+    for pattern, cut in SHARD_SPEC:
+        if re.fullmatch(pattern, name):
+            return cut
+    raise PmxError(f"tensor {name!r} has no shard rule; expected one of the PMX tensor names (see runner/pmx/shard.py)")
+
+
+def sharded_params(p: PmxParams, num_shards: int) -> PmxParams:
+    """Params of `p` (unsplit) cut into `num_shards`, or a clear error if the model cannot be cut so."""
+    n = num_shards
+    if not isinstance(n, int) or n < 1:
+        raise PmxError(f"num_shards must be a positive integer, got {n!r}")
+    if p.num_heads % n:
+        raise PmxError(f"num_shards={n} cannot be honoured: num_heads={p.num_heads} is not divisible by {n}")
+    kv = p.num_kv_heads
+    if kv % n and n % kv:
+        raise PmxError(f"num_shards={n} cannot be honoured: num_kv_heads={kv} must divide it or be divisible by it")
+    padded = {d: math.ceil(getattr(p, d) / n) * n for d in ("hidden_dim", "intermediate_dim", "vocab_size")
+              if getattr(p, d) % n}
+    return p.replace(num_shards=n, kv_replication=max(1, n // kv), padded_dims=padded)
+
+
+def unsharded_params(p: PmxParams) -> PmxParams:
+    return p.replace(num_shards=1, kv_replication=1, padded_dims={})
+
+
+def shard_shape(p: PmxParams, name: str, shape: tuple) -> tuple:
+    """Shape of one rank's part of tensor `name` (full `shape`) under sharded params `p`."""
+    cut, n = cut_for(name), p.num_shards
+    shape = list(shape)
+    if cut.kind == "replicate" or n == 1:
+        return tuple(shape)
+    if cut.kind == "dim":
+        shape[cut.axis] = p.padded(cut.dim) // n
+    elif cut.kind == "q_heads":
+        shape[cut.axis] //= n
+    else:  # kv_heads
+        shape[cut.axis] = max(p.num_kv_heads // n, 1) * p.head_dim
+    return tuple(shape)
+
+
+def full_shape(p: PmxParams, name: str, part: tuple) -> tuple:
+    """Unsplit shape of `name` given one rank's part shape (inverse of :func:`shard_shape`)."""
+    cut, n = cut_for(name), p.num_shards
+    shape = list(part)
+    if cut.kind == "replicate" or n == 1:
+        return tuple(shape)
+    if cut.kind == "dim":
+        shape[cut.axis] = getattr(p, cut.dim)
+    elif cut.kind == "q_heads":
+        shape[cut.axis] *= n
+    else:
+        shape[cut.axis] = p.num_kv_heads * p.head_dim
+    return tuple(shape)
+
+
+def split_tensor(p: PmxParams, name: str, t: torch.Tensor) -> list[torch.Tensor]:
+    """Cuts full tensor `t` into `p.num_shards` parts (views where possible)."""
+    cut, n = cut_for(name), p.num_shards
+    if cut.kind == "replicate" or n == 1:
+        return [t] * n
+    ax = cut.axis % t.dim()
+    if cut.kind == "dim":
+        size, padded = getattr(p, cut.dim), p.padded(cut.dim)
+        if padded != size:
+            pad_shape = list(t.shape)
+            pad_shape[ax] = padded - size
+            t = torch.cat([t, t.new_zeros(pad_shape)], dim=ax)
+        return list(t.chunk(n, dim=ax))
+    if cut.kind == "q_heads" or p.kv_replication == 1:
+        return list(t.chunk(n, dim=ax))
+    heads = t.chunk(p.num_kv_heads, dim=ax)  # kv_heads with replication: rank r holds KV head r // replication
+    return [heads[r // p.kv_replication] for r in range(n)]
+
+
+def merge_tensor(p: PmxParams, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Puts the `p.num_shards` parts of `name` back together; replicas must agree bit for bit."""
+    cut, n = cut_for(name), p.num_shards
+    if cut.kind == "replicate" or n == 1:
+        _check_replicas(name, parts, range(n))
+        return parts[0]
+    ax = cut.axis % parts[0].dim()
+    if cut.kind == "kv_heads" and p.kv_replication > 1:
+        rep = p.kv_replication
+        for k in range(p.num_kv_heads):
+            _check_replicas(name, parts, range(k * rep, (k + 1) * rep))
+        parts = parts[::rep]
+    t = torch.cat(parts, dim=ax)
+    if cut.kind == "dim" and t.shape[ax] != getattr(p, cut.dim):
+        t = t.narrow(ax, 0, getattr(p, cut.dim))
+    return t
+
+
+def _check_replicas(name: str, parts: list[torch.Tensor], ranks) -> None:
+    ranks = list(ranks)
+    ref = parts[ranks[0]]
+    for r in ranks[1:]:
+        if not torch.equal(ref.view(torch.uint8) if ref.dtype.is_floating_point else ref,
+                           parts[r].view(torch.uint8) if parts[r].dtype.is_floating_point else parts[r]):
+            raise PmxError(f"tensor {name!r}: shard {r} differs from shard {ranks[0]}, but they must hold the same "
+                           f"replicated values")

@@ -1,0 +1,88 @@
+"""Shared fixtures: the real checkpoints in ../shared/models and random-weight HF checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
+
+
+@pytest.fixture
+def shared_model():
+    """Path of a real checkpoint in ../shared/models; skips when ../shared is absent."""
+    def get(name: str) -> Path:
+        path = SHARED_MODELS / name
+        if not (path / "config.json").is_file():
+            pytest.skip(f"{path} not found: the real checkpoints live in ../shared/models beside the project")
+        return path
+    return get
+
+
+ARCH_CONFIGS = {
+    # name: (transformers config class name, kwargs)
+    "llama_mha": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                      num_key_value_heads=4, num_hidden_layers=2, vocab_size=101)),
+    "llama_gqa_odd": ("LlamaConfig", dict(hidden_size=48, intermediate_size=70, num_attention_heads=8,
+                                          num_key_value_heads=2, head_dim=6, num_hidden_layers=2, vocab_size=77,
+                                          tie_word_embeddings=True)),
+    "llama_bias": ("LlamaConfig", dict(hidden_size=32, intermediate_size=50, num_attention_heads=4,
+                                       num_key_value_heads=2, num_hidden_layers=1, vocab_size=64,
+                                       attention_bias=True, mlp_bias=True)),
+    "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=96, head_dim=8,
+                                      sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(hidden_size=64, intermediate_size=88, num_attention_heads=4,
+                                  num_key_value_heads=2, num_hidden_layers=2, vocab_size=120,
+                                  tie_word_embeddings=True, rope_theta=1000000.0)),
+}
+
+
+def save_hf(model, directory: Path, fmt: str = "safetensors", num_files: int = 1) -> Path:
+    """Writes `model` as a HF checkpoint: safetensors or pytorch .bin, in `num_files` files (+ index)."""
+    from safetensors.torch import save_file
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(directory)
+    sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    names = list(sd)
+    stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
+    if num_files == 1:
+        files = {f"{stem}.{ext}": names}
+    else:
+        files = {f"{stem}-{i + 1:05d}-of-{num_files:05d}.{ext}": names[i::num_files] for i in range(num_files)}
+    for fname, keys in files.items():
+        part = {k: sd[k] for k in keys}
+        if fmt == "safetensors":
+            save_file(part, str(directory / fname), metadata={"format": "pt"})
+        else:
+            torch.save(part, directory / fname)
+    if num_files > 1:
+        index = {"metadata": {}, "weight_map": {k: f for f, keys in files.items() for k in keys}}
+        (directory / f"{stem}.{ext}.index.json").write_text(json.dumps(index))
+    return directory
+
+
+@pytest.fixture
+def make_hf(tmp_path):
+    """make_hf(arch, fmt="safetensors", num_files=1, seed=0, **overrides) -> (dir, HF model in eval mode)."""
+    import transformers
+
+    def make(arch: str, fmt: str = "safetensors", num_files: int = 1, seed: int = 0, **overrides):
+        cls_name, kwargs = ARCH_CONFIGS[arch]
+        cfg = getattr(transformers, cls_name)(**{**kwargs, **overrides})
+        model_cls = getattr(transformers, cls_name.replace("Config", "ForCausalLM"))
+        torch.manual_seed(seed)
+        model = model_cls(cfg).eval()
+        with torch.no_grad():  # HF inits norms to 1 and biases to 0: randomise so the tests see them
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight") or name.endswith(".bias"):
+                    p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("norm.weight") else 0.0))
+        d = save_hf(model, tmp_path / f"{arch}-{fmt}-{num_files}-{seed}", fmt, num_files)
+        return d, model
+    return make
