@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
-from safetensors import safe_open
 
 from runner.errors import PmxError
 
@@ -90,49 +89,76 @@ def _numel(shape) -> int:
 
 
 class SafetensorsReader:
-    """A lazily read safetensors file: names, shapes and dtypes from its header; data on demand.
+    """A safetensors file read one tensor at a time with plain reads (no mmap).
 
-    Errors (missing, truncated or corrupt file, unknown tensor) name the file.
+    Reading with `readinto` rather than through a memory map keeps the process's resident memory at
+    the tensor being handled: pages of a mapped multi-GB file would all count towards RSS. The
+    header is validated up front (offsets, sizes, file length), so a truncated or corrupt file is
+    an error naming the file before any output is written.
     """
+
+    MAX_HEADER = 100 << 20
 
     def __init__(self, path: Path):
         self.path = Path(path)
         if not self.path.is_file():
             raise PmxError(f"{self.path}: file not found")
+        size = self.path.stat().st_size
         try:
-            self._f = safe_open(str(self.path), framework="pt")
-        except Exception as e:  # safetensors raises its own error types for bad headers and short files
+            with open(self.path, "rb") as f:
+                if size < 8:
+                    raise ValueError("shorter than the 8-byte header length")
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > min(size - 8, self.MAX_HEADER):
+                    raise ValueError(f"header length {n} does not fit in a {size}-byte file")
+                header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+            self._meta = header.pop("__metadata__", None) or {}
+            self._data_start = 8 + n
+            end = 0
+            for name, e in header.items():
+                dtype = TORCH_DTYPES.get(e.get("dtype")) if isinstance(e, dict) else None
+                if dtype is None:
+                    raise ValueError(f"tensor {name!r}: unknown dtype {e.get('dtype') if isinstance(e, dict) else e!r}")
+                b, t = e["data_offsets"]
+                if t - b != _numel(e["shape"]) * torch.empty((), dtype=dtype).element_size() or b < 0:
+                    raise ValueError(f"tensor {name!r}: data_offsets {e['data_offsets']} do not match shape {e['shape']}")
+                end = max(end, t)
+            if self._data_start + end != size:
+                raise ValueError(f"header describes {self._data_start + end} bytes, the file has {size} "
+                                 f"(truncated or padded)")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, struct.error) as e:
             raise PmxError(f"{self.path}: not a valid safetensors file ({e})") from None
-        self._keys = _keys_in_file_order(self.path)
+        self._header = header
+        self._keys = sorted(header, key=lambda k: header[k]["data_offsets"][0])  # file order
 
     def keys(self) -> list[str]:
         return list(self._keys)
 
     def metadata(self) -> dict:
-        return self._f.metadata() or {}
+        return dict(self._meta)
 
     def shape(self, name: str) -> tuple:
-        return tuple(self._f.get_slice(name).get_shape())
+        return tuple(self._entry(name)["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
-        return TORCH_DTYPES[self._f.get_slice(name).get_dtype()]
+        return TORCH_DTYPES[self._entry(name)["dtype"]]
+
+    def _entry(self, name: str) -> dict:
+        if name not in self._header:
+            raise PmxError(f"{self.path}: has no tensor {name!r}")
+        return self._header[name]
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self._keys:
-            raise PmxError(f"{self.path}: has no tensor {name!r}")
-        try:
-            return self._f.get_tensor(name)
-        except Exception as e:
-            raise PmxError(f"{self.path}: cannot read tensor {name!r} ({e})") from None
-
-
-def _keys_in_file_order(path: Path) -> list[str]:
-    """Tensor names in the order their data lies in the file (safe_open sorts them by name)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return sorted(header, key=lambda k: header[k]["data_offsets"][0])
+        e = self._entry(name)
+        b, t = e["data_offsets"]
+        buf = torch.empty(t - b, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self._data_start + b)
+            if f.readinto(memoryview(buf.numpy())) != t - b:
+                raise PmxError(f"{self.path}: tensor {name!r} is cut short")
+        return buf.view(TORCH_DTYPES[e["dtype"]]).reshape(e["shape"])
 
 
 @contextlib.contextmanager
