@@ -14,6 +14,7 @@ import torch
 
 from runner.errors import PmxError
 from runner.pmx.params import PmxParams
+from runner.pmx.schema import pmx_tensors
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,27 @@ def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     d = rows // n_heads
     tail = w.shape[1:]
     return w.reshape(n_heads, d // 2, 2, *tail).transpose(1, 2).reshape(rows, *tail)
+
+
+HF_SUFFIX = {  # PMX module -> HF module inside model.layers.{i}
+    "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj", "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
+    "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
+}
+TOP_LEVEL = {  # tied embeddings may be stored under either name: the first present is used
+    "tok_embeddings.weight": ("model.embed_tokens.weight", "lm_head.weight"),
+    "output.weight": ("lm_head.weight", "model.embed_tokens.weight"),
+    "norm.weight": ("model.norm.weight",),
+}
+
+
+def hf_names(pmx_name: str) -> tuple:
+    """Candidate HF names of a PMX tensor (Llama-style naming)."""
+    if pmx_name in TOP_LEVEL:
+        return TOP_LEVEL[pmx_name]
+    _, i, *rest = pmx_name.split(".")
+    return (f"model.layers.{i}.{HF_SUFFIX['.'.join(rest[:-1])]}.{rest[-1]}",)
 
 
 def _rope(config: dict) -> tuple[float, Optional[dict]]:
@@ -101,29 +123,11 @@ class DecoderFamily:
 
     def tensor_sources(self, p: PmxParams) -> list[TensorSource]:
         """Every PMX tensor of an unsplit model, in file order, with its HF origin and expected shape."""
-        D, F, V = p.hidden_dim, p.intermediate_dim, p.vocab_size
-        q, kv = p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
-        src = [TensorSource("tok_embeddings.weight", ("model.embed_tokens.weight", "lm_head.weight"), (V, D))]
-        for i in range(p.num_layers):
-            a, m, pre = f"layers.{i}.attention", f"layers.{i}.feed_forward", f"model.layers.{i}"
-            src.append(TensorSource(f"layers.{i}.attention_norm.weight", (f"{pre}.input_layernorm.weight",), (D,)))
-            for pmx, hf, rows, heads in (("wq", "q_proj", q, p.num_heads), ("wk", "k_proj", kv, p.num_kv_heads),
-                                         ("wv", "v_proj", kv, 0)):
-                src.append(TensorSource(f"{a}.{pmx}.weight", (f"{pre}.self_attn.{hf}.weight",), (rows, D), heads))
-                if p.qkv_bias:
-                    src.append(TensorSource(f"{a}.{pmx}.bias", (f"{pre}.self_attn.{hf}.bias",), (rows,), heads))
-            src.append(TensorSource(f"{a}.wo.weight", (f"{pre}.self_attn.o_proj.weight",), (D, q)))
-            if p.o_bias:
-                src.append(TensorSource(f"{a}.wo.bias", (f"{pre}.self_attn.o_proj.bias",), (D,)))
-            src.append(TensorSource(f"layers.{i}.ffn_norm.weight", (f"{pre}.post_attention_layernorm.weight",), (D,)))
-            for pmx, hf, shape, bshape in (("w1", "gate_proj", (F, D), (F,)), ("w3", "up_proj", (F, D), (F,)),
-                                           ("w2", "down_proj", (D, F), (D,))):
-                src.append(TensorSource(f"{m}.{pmx}.weight", (f"{pre}.mlp.{hf}.weight",), shape))
-                if p.ffn_bias:
-                    src.append(TensorSource(f"{m}.{pmx}.bias", (f"{pre}.mlp.{hf}.bias",), bshape))
-        src.append(TensorSource("norm.weight", ("model.norm.weight",), (D,)))
-        src.append(TensorSource("output.weight", ("lm_head.weight", "model.embed_tokens.weight"), (V, D)))
-        return src
+        out = []
+        for name, shape in pmx_tensors(p).items():
+            rotary = {"wq": p.num_heads, "wk": p.num_kv_heads}.get(name.split(".")[-2], 0) if ".attention." in name else 0
+            out.append(TensorSource(name, hf_names(name), shape, rotary))
+        return out
 
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(pat, hf_name) for pat in self.ignored)

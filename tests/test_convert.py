@@ -7,27 +7,12 @@ import json
 import pytest
 import torch
 
-from model_zoo.decoder import permute_rotary, unpermute_rotary
+from model_zoo.decoder import hf_names, permute_rotary, unpermute_rotary
 from runner.pmx.convert import PmxModel, convert
 from runner.pmx.params import PmxParams
 
-HF_NAMES = {  # pmx suffix -> HF suffix
-    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-
-
 def hf_name(pmx: str) -> str:
-    if pmx == "tok_embeddings.weight":
-        return "model.embed_tokens.weight"
-    if pmx == "output.weight":
-        return "lm_head.weight"
-    if pmx == "norm.weight":
-        return "model.norm.weight"
-    _, i, *rest = pmx.split(".")
-    mod, leaf = ".".join(rest[:-1]), rest[-1]
-    return f"model.layers.{i}.{HF_NAMES[mod]}.{leaf}"
+    return hf_names(pmx)[0]
 
 
 def assert_matches_hf(pmx_dir, model):

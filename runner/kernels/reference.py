@@ -1,0 +1,184 @@
+"""Reference operators in plain torch: the specification every fused kernel is tested against.
+
+Shapes use T for packed tokens (all sequences of a step back to back), B for sequences, H / KV for
+query / key-value heads of this rank, D for head_dim, L for layers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+QUANT_GROUP = 8
+PAGE_SIZE = 128
+
+
+# --- normalisation ---------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = w * x / sqrt(mean(x^2) + eps), computed in float32 and cast back to x's dtype (as HF Llama)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def skip_rms_norm(x: torch.Tensor, skip: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
+    """Residual add fused with RMSNorm: r = x + skip (or x); returns (rms_norm(r), r)."""
+    r = x if skip is None else x + skip
+    return rms_norm(r, weight, eps), r
+
+
+# --- rotary embedding ------------------------------------------------------------------------
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None) -> torch.Tensor:
+    """inv_freq[j] = theta^(-2j/D), j < D/2, adjusted by the HF `rope_scaling` dict.
+
+    - linear: inv_freq / factor (positions are divided by factor).
+    - llama3: wavelengths above original_max / low_freq_factor are divided by factor, those below
+      original_max / high_freq_factor are kept, and the band between is interpolated smoothly.
+    (dynamic NTK and yarn depend on more than the position; see :func:`rope_cos_sin`.)
+    """
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = rope_type(scaling)
+    if kind == "default":
+        return inv.float()
+    if kind == "linear":
+        return (inv / float(scaling["factor"])).float()
+    if kind == "llama3":
+        factor, lo, hi = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
+
+
+def rope_type(scaling: Optional[dict]) -> str:
+    if not scaling:
+        return "default"
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
+    """cos, sin of positions[T] x inv_freq[D/2] -> two [T, D/2] float32 tensors."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates interleaved pairs (x[2j], x[2j+1]) of x[T, heads, D] by angle positions x inv_freq[j].
+
+    (a, b) -> (a cos - b sin, a sin + b cos); this is ppl.pmx's layout, HF's rotate-half rows are
+    permuted into it at conversion.
+    """
+    T, nh, D = x.shape
+    xf = x.float().view(T, nh, D // 2, 2)  # (T, nh, D/2, 2)
+    a, b = xf[..., 0], xf[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).view(T, nh, D).to(x.dtype)
+
+
+# --- feed forward ----------------------------------------------------------------------------
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, silu(g) = g * sigmoid(g)."""
+    return F.silu(gate) * up
+
+
+# --- KV cache --------------------------------------------------------------------------------
+def quantize_int8(x: torch.Tensor, group: int = QUANT_GROUP):
+    """Per-group symmetric int8: scale = max|x| / 127 over `group` consecutive values (floor 1e-5),
+    q = clamp(round(x / scale), -127, 127). Returns (q int8 [..., D], scale float16 [..., D/group])."""
+    g = x.float().unflatten(-1, (-1, group))  # (..., D/group, group)
+    scale = (g.abs().amax(-1) / 127.0).clamp_min(1e-5)
+    q = torch.round(g / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.flatten(-2), scale.to(torch.float16)
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, group: int = QUANT_GROUP):
+    """Inverse of :func:`quantize_int8`: q * scale, per group."""
+    return (q.float().unflatten(-1, (-1, group)) * scale.float()[..., None]).flatten(-2).to(dtype)
+
+
+def cache_shape(layout: int, layers: int, max_tokens: int, kv_heads: int, last: int) -> tuple:
+    """ppl.pmx cache shapes: 0 (MaxT,L,2,H,Dh), 1 (L,MaxT,2,H,Dh), 2 (L,2,MaxT,H,Dh), 3 (L,2,H,MaxT,Dh).
+    `last` is head_dim for the cache, head_dim / 8 for the scale."""
+    return {0: (max_tokens, layers, 2, kv_heads, last), 1: (layers, max_tokens, 2, kv_heads, last),
+            2: (layers, 2, max_tokens, kv_heads, last), 3: (layers, 2, kv_heads, max_tokens, last)}[layout]
+
+
+def cache_view(cache: torch.Tensor, layout: int) -> torch.Tensor:
+    """A (L, 2, MaxT, H, last) view of a cache (or scale) tensor of `layout`; writes go through."""
+    perm = {0: (1, 2, 0, 3, 4), 1: (0, 2, 1, 3, 4), 2: (0, 1, 2, 3, 4), 3: (0, 1, 3, 2, 4)}[layout]
+    return cache.permute(perm)
+
+
+def token_slots(cachestarts: torch.Tensor, positions: torch.Tensor, batch_of_token: torch.Tensor,
+                cache_mode: int, page_size: int = PAGE_SIZE) -> torch.Tensor:
+    """Cache row (index into MaxT) of each token from its sequence's cachestarts and its position.
+
+    cache_mode 0 (offset): cachestarts[B], row = cachestarts[b] + pos.
+    cache_mode 1 (paged):  cachestarts[B, MaxP] page starts, row = cachestarts[b, pos // page] + pos % page.
+    """
+    if cache_mode == 0:
+        return cachestarts[batch_of_token] + positions
+    if cache_mode == 1:
+        return cachestarts[batch_of_token, positions // page_size] + positions % page_size
+    raise ValueError(f"cache_mode must be 0 or 1, got {cache_mode}")
+
+
+def kv_store(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
+             k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Writes k, v [T, KV, D] into rows `slots` of layer `layer` (quantised when `scale` is given)."""
+    view = cache_view(cache, layout)[layer]  # (2, MaxT, KV, D)
+    kv = torch.stack((k, v))                  # (2, T, KV, D)
+    if scale is not None:
+        kv, s = quantize_int8(kv)
+        cache_view(scale, layout)[layer][:, slots] = s.to(scale.dtype)
+    view[:, slots] = kv.to(cache.dtype)
+
+
+def kv_load(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
+            slots: torch.Tensor, dtype: torch.dtype):
+    """Reads rows `slots` of layer `layer` -> k, v of shape slots.shape + (KV, D), dequantised to dtype."""
+    kv = cache_view(cache, layout)[layer][:, slots]  # (2, *slots.shape, KV, D)
+    if scale is not None:
+        kv = dequantize_int8(kv, cache_view(scale, layout)[layer][:, slots], dtype)
+    else:
+        kv = kv.to(dtype)
+    return kv[0], kv[1]
+
+
+# --- attention -------------------------------------------------------------------------------
+def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqstarts: torch.Tensor,
+                     kvstarts: torch.Tensor, start_pos: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                     sliding_window: Optional[int] = None) -> torch.Tensor:
+    """Multi-head attention over packed variable-length sequences, one sequence at a time (the spec).
+
+    q [T, H, D] holds the new tokens of every sequence (seqstarts), k/v [Tkv, KV, D] every sequence's
+    whole key/value history including the new tokens (kvstarts). Query i of sequence b sits at
+    position start_pos[b] + i and sees key positions j <= that (causal; a decoding sequence sees its
+    whole cache), and j > pos - sliding_window when a window is set. H / KV query heads share one
+    KV head (GQA). An explicit additive attn_mask [T, Tkv] replaces the causal rule. Output [T, H, D].
+    """
+    H, KV, D = q.shape[1], k.shape[1], q.shape[2]
+    out = torch.empty_like(q)
+    for b in range(len(start_pos)):
+        s0, s1, k0, k1 = int(seqstarts[b]), int(seqstarts[b + 1]), int(kvstarts[b]), int(kvstarts[b + 1])
+        qb = q[s0:s1].transpose(0, 1).float()                                      # (H, S, D)
+        kb = k[k0:k1].transpose(0, 1).float().repeat_interleave(H // KV, dim=0)    # (H, Skv, D)
+        vb = v[k0:k1].transpose(0, 1).float().repeat_interleave(H // KV, dim=0)
+        scores = qb @ kb.transpose(1, 2) / math.sqrt(D)                            # (H, S, Skv)
+        if attn_mask is not None and attn_mask.numel():
+            scores = scores + attn_mask[s0:s1, k0:k1].float()
+        else:
+            qpos = int(start_pos[b]) + torch.arange(s1 - s0)[:, None]
+            kpos = torch.arange(k1 - k0)[None, :]
+            allowed = kpos <= qpos
+            if sliding_window:
+                allowed &= kpos > qpos - sliding_window
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        out[s0:s1] = (scores.softmax(-1) @ vb).transpose(0, 1).to(q.dtype)
+    return out

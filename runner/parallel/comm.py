@@ -1,0 +1,202 @@
+"""Communicators: all-reduce, all-gather and broadcast over the ranks of one tensor-parallel group.
+
+- :class:`SingleComm`: one rank, no communication at all.
+- :class:`MpiComm`: CPU tensors under mpirun, mpi4py's in-place Allreduce (tens of microseconds here,
+  against milliseconds for gloo).
+- :class:`TorchComm`: torch.distributed, NCCL on CUDA (under mpirun its rendezvous address is
+  broadcast with mpi4py) or gloo on CPU under torchrun.
+
+Every collective runs under a watchdog: if it does not finish within `timeout_s` (a peer died or
+hangs), this rank prints which collective and rank timed out and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+
+from runner.parallel.launch import LaunchEnv
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class Watchdog:
+    """Kills this process if a guarded section outlives its deadline (peers that died leave MPI hanging)."""
+
+    def __init__(self, rank: int, timeout_s: float):
+        self.rank, self.timeout_s = rank, timeout_s
+        self._what: str | None = None
+        self._since = 0.0
+        self._lock = threading.Lock()
+        t = threading.Thread(target=self._run, name="pmx-watchdog", daemon=True)
+        t.start()
+
+    @contextmanager
+    def guard(self, what: str):
+        with self._lock:
+            self._what, self._since = what, time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._what = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            with self._lock:
+                what, since = self._what, self._since
+            if what is not None and time.monotonic() - since > self.timeout_s:
+                print(f"rank {self.rank}: error: {what} did not complete within {self.timeout_s:.0f}s; "
+                      f"another rank has probably died or hung. Exiting.", file=sys.stderr, flush=True)
+                os._exit(3)
+
+
+class SingleComm:
+    rank, world_size = 0, 1
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return t
+
+    def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return t
+
+    def barrier(self) -> None:
+        pass
+
+    def abort(self, code: int = 1) -> None:
+        os._exit(code)
+
+
+def _cat_gathered(flat: torch.Tensor, world: int, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[world * numel] gathered rank-major -> tensors cat along `dim`."""
+    parts = flat.view(world, *t.shape)
+    dim = dim % t.dim()
+    return torch.cat(list(parts.unbind(0)), dim=dim) if dim != 0 else parts.reshape(world * t.shape[0], *t.shape[1:])
+
+
+class MpiComm:
+    """mpi4py on CPU tensors: in-place Allreduce, Allgather, Bcast."""
+
+    def __init__(self, env: LaunchEnv, timeout_s: float = DEFAULT_TIMEOUT_S):
+        from mpi4py import MPI
+        self._MPI, self._comm = MPI, MPI.COMM_WORLD
+        self.rank, self.world_size = env.rank, env.world_size
+        self._dog = Watchdog(env.rank, timeout_s)
+
+    @staticmethod
+    def _np(t: torch.Tensor):
+        if t.dtype == torch.bfloat16:
+            raise TypeError("bfloat16 tensors go through MpiComm as float32")
+        return t.numpy()
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype in (torch.bfloat16, torch.float16):  # MPI has no half types; reduce in fp32
+            t.copy_(self.all_reduce_(t.float()))
+            return t
+        assert t.is_contiguous()
+        with self._dog.guard("all_reduce"):
+            self._comm.Allreduce(self._MPI.IN_PLACE, self._np(t), op=self._MPI.SUM)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        src = t.contiguous()
+        if src.dtype in (torch.bfloat16, torch.float16):
+            return self.all_gather(src.float(), dim).to(t.dtype)
+        out = torch.empty(self.world_size * src.numel(), dtype=src.dtype)
+        with self._dog.guard("all_gather"):
+            self._comm.Allgather(self._np(src), self._np(out))
+        return _cat_gathered(out, self.world_size, src, dim)
+
+    def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        with self._dog.guard("broadcast"):
+            self._comm.Bcast(self._np(t), root=src)
+        return t
+
+    def barrier(self) -> None:
+        with self._dog.guard("barrier"):
+            self._comm.Barrier()
+
+    def abort(self, code: int = 1) -> None:
+        sys.stderr.flush()
+        self._comm.Abort(code)
+
+
+class TorchComm:
+    """torch.distributed: NCCL on CUDA, gloo on CPU; every collective carries the group timeout."""
+
+    def __init__(self, env: LaunchEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S):
+        import torch.distributed as dist
+        self.dist, self.device = dist, device
+        self.rank, self.world_size = env.rank, env.world_size
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = dict(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+        if env.launcher == "mpi":  # mpirun sets no MASTER_ADDR: rank 0 publishes a reachable address
+            kwargs["init_method"] = _mpi_rendezvous()
+        if not dist.is_initialized():
+            dist.init_process_group(**kwargs)
+        self._dog = Watchdog(env.rank, timeout_s + 5)
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        with self._dog.guard("all_reduce"):
+            self.dist.all_reduce(t)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        src = t.contiguous()
+        out = torch.empty(self.world_size * src.numel(), dtype=src.dtype, device=src.device)
+        with self._dog.guard("all_gather"):
+            self.dist.all_gather_into_tensor(out, src.view(-1))
+        return _cat_gathered(out, self.world_size, src, dim)
+
+    def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        with self._dog.guard("broadcast"):
+            self.dist.broadcast(t, src=src)
+        return t
+
+    def barrier(self) -> None:
+        with self._dog.guard("barrier"):
+            self.dist.barrier()
+
+    def abort(self, code: int = 1) -> None:
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _mpi_rendezvous() -> str:
+    """tcp://host:port chosen by rank 0 (MASTER_ADDR if set, else its own IP) and broadcast with mpi4py."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    addr = None
+    if comm.Get_rank() == 0:
+        host = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+        port = int(os.environ.get("MASTER_PORT", 0))
+        if not port:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        addr = f"tcp://{host}:{port}"
+    return comm.bcast(addr, root=0)
+
+
+def make_comm(env: LaunchEnv, device: torch.device, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S):
+    """The communicator for this launch: single, mpi (CPU under mpirun), or torch (nccl / gloo)."""
+    if env.world_size == 1:
+        return SingleComm()
+    if backend == "auto":
+        backend = "mpi" if env.launcher == "mpi" and device.type == "cpu" else "torch"
+    if backend == "mpi":
+        if env.launcher != "mpi" or device.type != "cpu":
+            raise ValueError("the mpi backend needs an mpirun launch and CPU tensors")
+        return MpiComm(env, timeout_s)
+    return TorchComm(env, device, timeout_s)
