@@ -1,0 +1,81 @@
+"""Step dumps in ppl.pmx's layout: `<root>/rank_{r}/step{S}_{name}-{d0}_{d1}_..._{dn}-{dtype}.bin`.
+
+Raw little-endian C-order bytes; dtype one of fp32 fp16 bf16 int8 int64. A dumper belongs to one
+engine run (no globals). :func:`load_step` reads a step back, checking each file's size against
+the shape and dtype in its name.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+import torch
+
+from runner.errors import PmxError
+
+DUMP_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
+               torch.int64: "int64"}
+FROM_NAME = {v: k for k, v in DUMP_DTYPES.items()}
+FILE_RE = re.compile(r"step(\d+)_(.+)-([0-9_]*)-(fp32|fp16|bf16|int8|int64)\.bin")
+STEP_INPUTS = ("token_ids", "attn_mask", "seqstarts", "kvstarts", "cachestarts", "decoding_batches", "start_pos",
+               "max_seqlen", "max_kvlen", "kv_cache", "kv_scale")
+
+
+def dump_file_name(step: int, name: str, t: torch.Tensor) -> str:
+    dims = "_".join(str(d) for d in t.shape)
+    return f"step{step}_{name}-{dims}-{DUMP_DTYPES[t.dtype]}.bin"
+
+
+def write_tensor(directory: Path, step: int, name: str, t: torch.Tensor) -> Path:
+    if t.dtype not in DUMP_DTYPES:
+        t = t.to(torch.int64 if not t.dtype.is_floating_point else torch.float32)
+    t = t.reshape(1) if t.dim() == 0 else t
+    path = Path(directory) / dump_file_name(step, name, t)
+    tmp = path.with_suffix(".bin.tmp")
+    data = t.detach().reshape(-1 if t.dim() == 0 else t.shape).contiguous().cpu()
+    data.view(torch.uint8).numpy().tofile(tmp) if data.numel() else tmp.write_bytes(b"")
+    tmp.replace(path)
+    return path
+
+
+class TensorDumper:
+    """Writes the inputs and logits of chosen steps of one generation run for one rank."""
+
+    def __init__(self, root: str, rank: int, steps: Optional[Iterable[int]] = None):
+        self.dir = Path(root) / f"rank_{rank}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.steps = None if not steps else {int(s) for s in steps}  # None: every step
+
+    def wants(self, step: int) -> bool:
+        return self.steps is None or step in self.steps
+
+    def dump(self, step: int, tensors: dict) -> None:
+        for name, t in tensors.items():
+            if t is not None:
+                write_tensor(self.dir, step, name, torch.as_tensor(t))
+
+
+def load_step(directory: str, step: int) -> dict[str, torch.Tensor]:
+    """{name: tensor} of every tensor dumped for `step` in `directory` (one rank's dump folder)."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise PmxError(f"{d}: dump directory not found")
+    out = {}
+    for path in sorted(d.glob(f"step{step}_*.bin")):
+        m = FILE_RE.fullmatch(path.name)
+        if not m or int(m.group(1)) != step:
+            continue
+        name, dims, dt = m.group(2), m.group(3), FROM_NAME[m.group(4)]
+        shape = tuple(int(x) for x in dims.split("_")) if dims else (0,)
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dt).element_size()
+        if path.stat().st_size != nbytes:
+            raise PmxError(f"{path}: holds {path.stat().st_size} bytes, its name says {list(shape)} {m.group(4)} "
+                           f"= {nbytes} bytes")
+        raw = torch.from_numpy(np.fromfile(path, dtype=np.uint8)) if nbytes else torch.empty(0, dtype=torch.uint8)
+        out[name] = raw.view(dt).reshape(shape)
+    if not out:
+        raise PmxError(f"{d}: no tensors dumped for step {step}")
+    return out

@@ -1,0 +1,201 @@
+"""Dynamic-batching text generation over the engine step.
+
+Each step packs the active sequences, decoding ones first (one token each), then those still in
+prefill (their prompt, or its next chunk when context chunking limits a step's prefill tokens).
+Sequences join while there is room in the batch and the cache, and leave (freeing their cache)
+on EOS or at max_gen_len. Rank 0 samples; the tokens are broadcast so every rank feeds the same.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from runner.engine.dump import TensorDumper
+from runner.engine.model import Transformer
+from runner.engine.sampler import Sampler, SamplingParams
+from runner.errors import PmxError
+from runner.kernels.reference import PAGE_SIZE
+
+
+@dataclass
+class _Seq:
+    index: int                  # position in the caller's prompt list
+    tokens: list                # prompt, then generated ids
+    prompt_len: int
+    max_len: int                # prompt_len + max_gen_len, capped by the model's positions
+    cache: object               # offset (int) or list of page starts
+    done_prefill: int = 0       # prompt tokens already in the cache
+    generated: list = field(default_factory=list)
+
+    @property
+    def decoding(self) -> bool:
+        return self.done_prefill >= self.prompt_len
+
+
+class _CacheRows:
+    """Hands out cache rows: contiguous regions (offset mode) or 128-row pages (paged mode)."""
+
+    def __init__(self, total_rows: int, paged: bool):
+        self.paged = paged
+        if paged:
+            self.free_pages = list(range(0, total_rows, PAGE_SIZE))
+        else:
+            self.free = [(0, total_rows)]  # (start, length), first fit
+
+    def take(self, rows: int):
+        if self.paged:
+            n = math.ceil(rows / PAGE_SIZE)
+            if n > len(self.free_pages):
+                return None
+            pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+            return pages
+        for i, (s, length) in enumerate(self.free):
+            if length >= rows:
+                self.free[i] = (s + rows, length - rows)
+                return (s, rows)
+        return None
+
+    def give(self, handle) -> None:
+        if self.paged:
+            self.free_pages.extend(handle)
+        else:
+            self.free.append(handle)
+            self.free.sort()
+            merged = [self.free[0]]
+            for s, n in self.free[1:]:
+                if merged[-1][0] + merged[-1][1] == s:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
+                else:
+                    merged.append((s, n))
+            self.free = merged
+
+
+class Generator:
+    def __init__(self, model: Transformer, max_batch: int = 256, context_chunk: Optional[int] = None,
+                 dumper: Optional[TensorDumper] = None, cache_rows: Optional[int] = None):
+        self.model, self.max_batch, self.context_chunk, self.dumper = model, max_batch, context_chunk, dumper
+        self.cache_rows = cache_rows
+        self.comm = model.comm
+        self.paged = model.options.cache_mode == 1
+
+    def _rows_needed(self, s_len: int) -> int:
+        return math.ceil(s_len / PAGE_SIZE) * PAGE_SIZE if self.paged else s_len
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_gen_len: int, sampling: SamplingParams = SamplingParams(),
+                 eos_ids: Sequence[int] = (), stats: Optional[dict] = None) -> list[list[int]]:
+        """Generated ids (prompt excluded, EOS excluded) for each prompt."""
+        p = self.model.params
+        if max_gen_len < 1:
+            raise PmxError(f"--max_gen_len must be >= 1, got {max_gen_len}")
+        limit = p.max_position_embeddings
+        for i, pr in enumerate(prompts):
+            if not pr:
+                raise PmxError(f"prompt {i} is empty")
+            if len(pr) >= limit:
+                raise PmxError(f"prompt {i} has {len(pr)} tokens; the model takes at most {limit} positions")
+            bad = [t for t in pr if not 0 <= t < p.vocab_size]
+            if bad:
+                raise PmxError(f"prompt {i} holds token ids {bad[:3]} outside the vocabulary [0, {p.vocab_size})")
+        lens = [min(len(pr) + max_gen_len, limit) for pr in prompts]
+        rows = self.cache_rows or sum(self._rows_needed(n) for n in lens)
+        kv_cache, kv_scale = self.model.new_cache(rows)
+        alloc = _CacheRows(rows, self.paged)
+        sampler = Sampler(sampling)
+        waiting = [(i, list(pr), n) for i, (pr, n) in enumerate(zip(prompts, lens))]
+        active: list[_Seq] = []
+        results: list[list[int]] = [[] for _ in prompts]
+        step, eos = 0, set(eos_ids)
+        while waiting or active:
+            while waiting and len(active) < self.max_batch:
+                i, pr, n = waiting[0]
+                handle = alloc.take(self._rows_needed(n))
+                if handle is None:
+                    if not active:
+                        raise PmxError(f"the KV cache ({rows} rows) cannot hold prompt {i} ({n} rows)")
+                    break
+                waiting.pop(0)
+                active.append(_Seq(i, pr, len(pr), n, handle))
+            batch = self._plan(active)
+            inputs = self._inputs(batch, kv_cache, kv_scale)
+            if self.dumper is not None and self.dumper.wants(step):
+                self.dumper.dump(step, inputs)
+            logits = self.model.forward(**inputs)
+            if self.dumper is not None and self.dumper.wants(step):
+                self.dumper.dump(step, {"logits": logits})
+            step += 1
+            ready = [k for k, (s, n) in enumerate(batch) if s.done_prefill + n >= s.prompt_len]
+            for s, n in batch:
+                s.done_prefill = min(s.done_prefill + n, s.prompt_len) if not s.decoding else s.done_prefill
+            if ready:
+                nxt = sampler(logits[ready]) if self.comm.rank == 0 else torch.empty(len(ready), dtype=torch.int64)
+                nxt = self.comm.broadcast_(nxt.to(torch.int64).contiguous().cpu()).tolist()
+                for k, t in zip(ready, nxt):
+                    s = batch[k][0]
+                    if t in eos:
+                        s.max_len = 0  # finished
+                    else:
+                        s.generated.append(t)
+                        s.tokens.append(t)
+            for s in list(active):
+                if s.max_len == 0 or len(s.tokens) >= s.max_len or len(s.generated) >= max_gen_len:
+                    results[s.index] = s.generated
+                    alloc.give(s.cache)
+                    active.remove(s)
+        if stats is not None:
+            stats["steps"] = step
+        return results
+
+    def _plan(self, active: list[_Seq]) -> list[tuple[_Seq, int]]:
+        """(sequence, new tokens this step): decoding sequences first, then prefill (chunked to the budget)."""
+        active.sort(key=lambda s: not s.decoding)  # stable: decoding first, arrival order kept
+        batch = [(s, 1) for s in active if s.decoding]
+        budget = self.context_chunk
+        for s in active:
+            if s.decoding:
+                continue
+            n = s.prompt_len - s.done_prefill
+            if budget is not None:
+                if budget <= 0:
+                    break
+                n = min(n, budget)
+                budget -= n
+            batch.append((s, n))
+        return batch
+
+    def _inputs(self, batch, kv_cache, kv_scale) -> dict:
+        o = self.model.options
+        tokens, seqlens, start, kvlens = [], [], [], []
+        for s, n in batch:
+            pos = s.done_prefill if not s.decoding else len(s.tokens) - 1
+            tokens.extend(s.tokens[pos:pos + n])
+            seqlens.append(n)
+            start.append(pos)
+            kvlens.append(pos + n)
+        seqstarts = torch.tensor([0] + seqlens, dtype=torch.int64).cumsum(0)
+        kvstarts = torch.tensor([0] + kvlens, dtype=torch.int64).cumsum(0)
+        if self.paged:
+            maxp = max(len(s.cache) for s, _ in batch)
+            cachestarts = torch.tensor([s.cache + [0] * (maxp - len(s.cache)) for s, _ in batch], dtype=torch.int64)
+        else:
+            cachestarts = torch.tensor([s.cache[0] for s, _ in batch], dtype=torch.int64)
+        attn_mask = torch.empty(0, dtype=self.model.dtype)
+        n_decoding = sum(1 for s, _ in batch if s.decoding)
+        if not o.auto_causal and n_decoding < len(batch):  # explicit additive causal mask for prefill sequences
+            attn_mask = torch.zeros(int(seqstarts[-1]), int(kvstarts[-1]), dtype=self.model.dtype)
+            for b in range(len(batch)):
+                s0, s1, k0, k1 = int(seqstarts[b]), int(seqstarts[b + 1]), int(kvstarts[b]), int(kvstarts[b + 1])
+                qpos = start[b] + torch.arange(s1 - s0)[:, None]
+                kpos = torch.arange(k1 - k0)[None, :]
+                window = self.model.params.sliding_window
+                bad = (kpos > qpos) | ((kpos <= qpos - window) if window else torch.zeros_like(kpos, dtype=torch.bool))
+                attn_mask[s0:s1, k0:k1] = torch.zeros(bad.shape, dtype=self.model.dtype).masked_fill(bad, float("-inf"))
+        return dict(token_ids=torch.tensor(tokens, dtype=torch.int64), attn_mask=attn_mask, seqstarts=seqstarts,
+                    kvstarts=kvstarts, cachestarts=cachestarts,
+                    decoding_batches=torch.tensor([n_decoding], dtype=torch.int64),
+                    start_pos=torch.tensor(start, dtype=torch.int64),
+                    max_seqlen=torch.tensor([max(seqlens)], dtype=torch.int64),
+                    max_kvlen=torch.tensor([max(kvlens)], dtype=torch.int64), kv_cache=kv_cache, kv_scale=kv_scale)

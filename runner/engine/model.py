@@ -1,0 +1,216 @@
+"""The transformer of a PMX model, one tensor-parallel rank of it, with ppl.pmx's dynamic-batching step.
+
+Built from `pmx_params.json` alone (no family names): biases, GQA, q/k norms, rope settings and the
+sliding window come from the params. Each rank holds its shard: heads H/N (KV heads KV/N, or one
+replicated KV head), intermediate F/N, vocabulary V/N, embedding columns D/N.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from runner.errors import PmxError
+from runner.kernels import reference as ref
+from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+from runner.pmx.params import PmxParams, shard_file
+from runner.pmx.schema import pmx_tensors
+from runner.pmx.shard import shard_shape
+from runner.pmx.store import SafetensorsReader
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs (the Demo.py switches of ppl.pmx, each with a real effect)."""
+    fused_qkv: bool = True        # one GEMM for q, k and v (weights concatenated at load)
+    fused_ffn_glu: bool = True    # one GEMM for gate and up (weights concatenated at load)
+    fused_kvcache: bool = True    # attention reads K/V straight from the cache, batched over sequences;
+                                  # False: materialise packed K/V (ppl.pmx KeyValueCache) and attend per sequence
+    friendly_gqa: bool = False    # repeat K/V heads to the query heads before attention
+    auto_causal: bool = True      # causal mask made by attention; False: an explicit attn_mask input is used
+    quantized_cache: bool = False  # int8 KV cache, groups of 8, float16 scales
+    cache_layout: int = 0         # 0..3, see runner.kernels.reference.cache_shape
+    cache_mode: int = 0           # 0 offset, 1 paged (page size 128)
+
+    def __post_init__(self):
+        if self.cache_layout not in (0, 1, 2, 3):
+            raise PmxError(f"--cache_layout must be 0, 1, 2 or 3, got {self.cache_layout}")
+        if self.cache_mode not in (0, 1):
+            raise PmxError(f"--cache_mode must be 0 (offset) or 1 (paged), got {self.cache_mode}")
+        if not self.auto_causal and self.fused_kvcache:
+            raise PmxError("--auto_causal False needs --fused_kvcache False (the explicit mask is applied by "
+                           "the unfused attention)")
+
+
+def load_shard(ckpt_dir: Path, rank: int, device: torch.device, dtype: torch.dtype) -> tuple[PmxParams, dict]:
+    """Params and rank `rank`'s tensors, with strict checks: every expected tensor, no other, right shapes."""
+    params = PmxParams.load(ckpt_dir)
+    if params.num_shards <= rank:
+        raise PmxError(f"{ckpt_dir}: holds {params.num_shards} shard(s), rank {rank} has none; split the model "
+                       f"for this many ranks (scripts/Split.py --num_shards N)")
+    rd = SafetensorsReader(Path(ckpt_dir) / shard_file(rank))
+    expected = {n: shard_shape(params, n, s) for n, s in pmx_tensors(params).items()}
+    missing, extra = sorted(set(expected) - set(rd.keys())), sorted(set(rd.keys()) - set(expected))
+    if missing or extra:
+        raise PmxError(f"{rd.path}: tensors do not match pmx_params.json: missing {missing[:5]}, "
+                       f"unexpected {extra[:5]}")
+    weights = {}
+    for name, shape in expected.items():
+        if rd.shape(name) != shape:
+            raise PmxError(f"{rd.path}: tensor {name!r} has shape {list(rd.shape(name))}, expected {list(shape)}")
+        weights[name] = rd.get(name).to(device=device, dtype=dtype)
+    return params, weights
+
+
+class Transformer:
+    """One rank of the model. `forward` is ppl.pmx's dynamic-batching step."""
+
+    def __init__(self, params: PmxParams, weights: dict, comm, options: EngineOptions = EngineOptions()):
+        p, o = params, options
+        self.params, self.comm, self.options = p, comm, o
+        n = p.num_shards
+        if comm.world_size != n:
+            raise PmxError(f"the model is split into {n} shards but {comm.world_size} ranks were started; "
+                           f"launch with -np {n} (or split it for {comm.world_size})")
+        self.heads, self.kv_heads, self.head_dim = p.num_heads // n, max(p.num_kv_heads // n, 1), p.head_dim
+        if p.sliding_window is not None and p.sliding_window <= 0:
+            raise PmxError(f"sliding_window must be positive, got {p.sliding_window}")
+        w = weights
+        self.dtype = w["norm.weight"].dtype
+        self.device = w["norm.weight"].device
+        self.embed = ParallelEmbedding(w["tok_embeddings.weight"], p.hidden_dim, comm)
+        self.inv_freq = ref.rope_inv_freq(p.head_dim, p.rope_theta, p.rope_scaling).to(self.device)
+        self.layers = []
+        for i in range(p.num_layers):
+            a, m = f"layers.{i}.attention", f"layers.{i}.feed_forward"
+            if p.num_experts:
+                raise PmxError("mixture-of-experts models (num_experts > 0) are not supported by this engine yet")
+            qkv = [w[f"{a}.{x}.weight"] for x in ("wq", "wk", "wv")]
+            qkv_b = [w.get(f"{a}.{x}.bias") for x in ("wq", "wk", "wv")]
+            gu = [w[f"{m}.w1.weight"], w[f"{m}.w3.weight"]]
+            gu_b = [w.get(f"{m}.w1.bias"), w.get(f"{m}.w3.bias")]
+            layer = dict(
+                attn_norm=w[f"layers.{i}.attention_norm.weight"], ffn_norm=w[f"layers.{i}.ffn_norm.weight"],
+                q_norm=w.get(f"{a}.q_norm.weight"), k_norm=w.get(f"{a}.k_norm.weight"),
+                wo=RowParallelLinear(w[f"{a}.wo.weight"], w.get(f"{a}.wo.bias"), comm),
+                w2=RowParallelLinear(w[f"{m}.w2.weight"], w.get(f"{m}.w2.bias"), comm),
+            )
+            if o.fused_qkv:
+                layer["qkv"] = [ColumnParallelLinear(torch.cat(qkv), torch.cat(qkv_b) if p.qkv_bias else None, comm)]
+            else:
+                layer["qkv"] = [ColumnParallelLinear(wt, bs, comm) for wt, bs in zip(qkv, qkv_b)]
+            if o.fused_ffn_glu:
+                layer["gate_up"] = [ColumnParallelLinear(torch.cat(gu), torch.cat(gu_b) if p.ffn_bias else None, comm)]
+            else:
+                layer["gate_up"] = [ColumnParallelLinear(wt, bs, comm) for wt, bs in zip(gu, gu_b)]
+            self.layers.append(layer)
+        self.norm = w["norm.weight"]
+        self.output = ColumnParallelLinear(w["output.weight"], None, comm, gather_output=True)
+
+    # -- cache ----------------------------------------------------------------------------------
+    def new_cache(self, max_tokens: int):
+        """Zeroed (kv_cache, kv_scale) for `max_tokens` rows in this engine's layout (scale None unless int8)."""
+        p, o = self.params, self.options
+        shape = ref.cache_shape(o.cache_layout, p.num_layers, max_tokens, self.kv_heads, self.head_dim)
+        if not o.quantized_cache:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device), None
+        sshape = ref.cache_shape(o.cache_layout, p.num_layers, max_tokens, self.kv_heads,
+                                 self.head_dim // ref.QUANT_GROUP)
+        return (torch.zeros(shape, dtype=torch.int8, device=self.device),
+                torch.zeros(sshape, dtype=torch.float16, device=self.device))
+
+    # -- the step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, token_ids, attn_mask, seqstarts, kvstarts, cachestarts, decoding_batches, start_pos,
+                max_seqlen, max_kvlen, kv_cache, kv_scale=None) -> torch.Tensor:
+        """One engine step over packed sequences; returns float32 logits [B, vocab] of each last token.
+
+        token_ids [T] new tokens, seqstarts/kvstarts [B+1] prefix sums of new / total lengths,
+        cachestarts [B] (offset) or [B, MaxP] (paged), start_pos [B] position of each sequence's first
+        new token, decoding_batches: how many leading sequences decode one token, max_seqlen /
+        max_kvlen: maxima of the lengths, kv_cache / kv_scale: the cache, updated in place.
+        """
+        p, o = self.params, self.options
+        if self.options.quantized_cache != (kv_scale is not None):
+            raise PmxError("kv_scale must be given exactly when the cache is quantised")
+        dev = self.device
+        seqstarts, kvstarts, start_pos = seqstarts.to(dev), kvstarts.to(dev), start_pos.to(dev)
+        B, T = start_pos.shape[0], token_ids.shape[0]
+        seqlens = seqstarts[1:] - seqstarts[:-1]
+        kvlens = kvstarts[1:] - kvstarts[:-1]
+        max_s, max_kv = int(max_seqlen), int(max_kvlen)
+        bot = torch.repeat_interleave(torch.arange(B, device=dev), seqlens, output_size=T)  # batch of token
+        offs = torch.arange(T, device=dev) - seqstarts[bot]
+        positions = start_pos[bot] + offs
+        slots = ref.token_slots(cachestarts.to(dev), positions, bot, o.cache_mode)
+        cos, sin = ref.rope_cos_sin(positions, self.inv_freq)
+        if o.fused_kvcache:  # what each sequence's padded query rows may see, and where its history lies
+            kv_pos = torch.arange(max_kv, device=dev)[None, :].expand(B, max_kv)
+            hist_slots = ref.token_slots(cachestarts.to(dev), torch.minimum(kv_pos, (kvlens - 1)[:, None]),
+                                         torch.arange(B, device=dev)[:, None].expand(B, max_kv), o.cache_mode)
+            q_pos = start_pos[:, None] + torch.arange(max_s, device=dev)[None, :]             # (B, S)
+            allowed = (kv_pos[:, None, :] <= q_pos[:, :, None]) & (kv_pos < kvlens[:, None])[:, None, :]
+            if p.sliding_window:
+                allowed &= kv_pos[:, None, :] > q_pos[:, :, None] - p.sliding_window
+            allowed |= (torch.arange(max_s, device=dev)[None, :] >= seqlens[:, None])[:, :, None] & (kv_pos == 0)[:, None, :]
+            plan = (hist_slots, allowed[:, None], bot * max_s + offs, B * max_s)               # mask (B,1,S,KV)
+        else:
+            kv_bot = torch.repeat_interleave(torch.arange(B, device=dev), kvlens, output_size=int(kvstarts[-1]))
+            kv_positions = torch.arange(int(kvstarts[-1]), device=dev) - kvstarts[kv_bot]
+            plan = ref.token_slots(cachestarts.to(dev), kv_positions, kv_bot, o.cache_mode)
+        x = self.embed(token_ids.to(dev))
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = ref.skip_rms_norm(x, residual, layer["attn_norm"], p.norm_eps)
+            attn = self._attention(i, layer, h, cos, sin, slots, plan, kv_cache, kv_scale, attn_mask, seqstarts,
+                                   kvstarts, start_pos)
+            h, residual = ref.skip_rms_norm(layer["wo"](attn), residual, layer["ffn_norm"], p.norm_eps)
+            x = layer["w2"](self._glu(layer, h))
+        last = seqstarts[1:] - 1
+        h, _ = ref.skip_rms_norm(x[last], residual[last], self.norm, p.norm_eps)
+        return self.output(h)[:, : p.vocab_size].float()
+
+    def _glu(self, layer, h):
+        if len(layer["gate_up"]) == 1:
+            gate, up = layer["gate_up"][0](h).chunk(2, dim=-1)
+        else:
+            gate, up = (lin(h) for lin in layer["gate_up"])
+        return ref.swiglu(gate, up)
+
+    def _attention(self, i, layer, h, cos, sin, slots, plan, kv_cache, kv_scale, attn_mask, seqstarts, kvstarts,
+                   start_pos):
+        o, T, hd = self.options, h.shape[0], self.head_dim
+        H, KV = self.heads, self.kv_heads
+        if len(layer["qkv"]) == 1:
+            q, k, v = layer["qkv"][0](h).split([H * hd, KV * hd, KV * hd], dim=-1)
+        else:
+            q, k, v = (lin(h) for lin in layer["qkv"])
+        q, k, v = q.view(T, H, hd), k.view(T, KV, hd), v.view(T, KV, hd)
+        if layer["q_norm"] is not None:
+            q = ref.rms_norm(q, layer["q_norm"], self.params.norm_eps)
+            k = ref.rms_norm(k, layer["k_norm"], self.params.norm_eps)
+        q, k = ref.apply_rotary(q, cos, sin), ref.apply_rotary(k, cos, sin)
+        ref.kv_store(kv_cache, kv_scale, o.cache_layout, i, k, v, slots)
+        if not o.fused_kvcache:  # ppl.pmx KeyValueCache (packed history) + MultiHeadAttention
+            kh, vh = ref.kv_load(kv_cache, kv_scale, o.cache_layout, i, plan, h.dtype)
+            if o.friendly_gqa:
+                kh, vh = kh.repeat_interleave(H // KV, dim=1), vh.repeat_interleave(H // KV, dim=1)
+            out = ref.attention_packed(q, kh, vh, seqstarts, kvstarts, start_pos, attn_mask,
+                                       self.params.sliding_window)
+            return out.reshape(T, H * hd)
+        hist_slots, mask, flat_idx, rows = plan
+        kh, vh = ref.kv_load(kv_cache, kv_scale, o.cache_layout, i, hist_slots, h.dtype)  # (B, KVlen, KV, D)
+        B = hist_slots.shape[0]
+        qp = q.new_zeros(rows, H, hd)
+        qp[flat_idx] = q
+        qp = qp.view(B, rows // B, H, hd).transpose(1, 2)                                 # (B, H, S, D)
+        kh, vh = kh.transpose(1, 2), vh.transpose(1, 2)                                   # (B, KV, KVlen, D)
+        if o.friendly_gqa:
+            kh, vh = kh.repeat_interleave(H // KV, dim=1), vh.repeat_interleave(H // KV, dim=1)
+        out = F.scaled_dot_product_attention(qp, kh, vh, attn_mask=mask, enable_gqa=not o.friendly_gqa and H != KV)
+        return out.transpose(1, 2).reshape(rows, H * hd)[flat_idx]                        # (T, H*D)

@@ -1,0 +1,53 @@
+"""Sampling: greedy (temperature 0), temperature, top-k and top-p (nucleus), with a seeded generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from runner.errors import PmxError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0   # 0: greedy
+    top_k: int = 0             # 0: no top-k cut
+    top_p: float = 1.0         # 1: no nucleus cut
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise PmxError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise PmxError(f"--top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise PmxError(f"--top_p must be in (0, 1], got {self.top_p}")
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.gen = torch.Generator()
+        if params.seed is not None:
+            self.gen.manual_seed(params.seed)
+        else:
+            self.gen.seed()
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] float32 -> next tokens [B] int64."""
+        p = self.params
+        if p.temperature == 0:
+            return logits.argmax(-1)
+        logits = logits.float().cpu() / p.temperature
+        if p.top_k:
+            kth = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if p.top_p < 1:
+            sorted_p, idx = probs.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > p.top_p  # keep the smallest prefix whose mass reaches top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        return torch.multinomial(probs, 1, generator=self.gen).view(-1)

@@ -1,0 +1,47 @@
+"""Tokenizers: a sentencepiece `tokenizer.model` or a HF `tokenizer.json` (the `tokenizers` library)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from runner.errors import PmxError
+
+
+class Tokenizer:
+    """encode(text) -> ids with BOS first; decode(ids) -> text. `path` is a file or a directory holding one."""
+
+    def __init__(self, path: str, bos_id: Optional[int] = None, eos_id: Optional[int] = None):
+        p = Path(path)
+        if p.is_dir():
+            found = [p / n for n in ("tokenizer.model", "tokenizer.json") if (p / n).is_file()]
+            if not found:
+                raise PmxError(f"{p}: holds neither tokenizer.model nor tokenizer.json")
+            p = found[0]
+        if not p.is_file():
+            raise PmxError(f"{p}: tokenizer file not found (expected tokenizer.model or tokenizer.json)")
+        self.path = p
+        if p.suffix == ".json":
+            from tokenizers import Tokenizer as HFTokenizer
+            self._hf = HFTokenizer.from_file(str(p))
+            self._sp = None
+            self.bos_id = bos_id if bos_id is not None else self._hf.token_to_id("<s>")
+            self.eos_id = eos_id if eos_id is not None else self._hf.token_to_id("</s>")
+        else:
+            import sentencepiece as spm
+            self._sp = spm.SentencePieceProcessor(model_file=str(p))
+            self._hf = None
+            self.bos_id = bos_id if bos_id is not None else self._sp.bos_id()
+            self.eos_id = eos_id if eos_id is not None else self._sp.eos_id()
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        ids = self._sp.encode(text) if self._sp else self._hf.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if bos and self.bos_id is not None and self.bos_id >= 0 else []) + list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`, BOS / EOS left out."""
+        ids = [i for i in ids if i not in (self.bos_id, self.eos_id)]
+        if self._sp:
+            return self._sp.decode(ids)
+        text = self._hf.decode(ids, skip_special_tokens=True)
+        return text[1:] if text.startswith(" ") else text  # the space its "prepend ▁" normaliser added

@@ -1,0 +1,42 @@
+"""Tensor-parallel layers (Megatron style). Each takes its communicator explicitly; with one rank
+they do no communication at all."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+class ColumnParallelLinear:
+    """y_r = x W_r^T + b_r with W cut by output rows; the output stays cut unless gather_output."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], comm, gather_output: bool = False):
+        self.weight, self.bias, self.comm, self.gather_output = weight, bias, comm, gather_output
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.comm.all_gather(y, dim=-1) if self.gather_output else y
+
+
+class RowParallelLinear:
+    """y = sum_r x_r W_r^T (+ b once): W cut by input columns, partial sums all-reduced."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], comm):
+        self.weight, self.bias, self.comm = weight, bias, comm
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.comm.all_reduce_(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class ParallelEmbedding:
+    """Embedding cut by hidden columns (as ppl.pmx): look up the local columns, all-gather, drop padding."""
+
+    def __init__(self, weight: torch.Tensor, hidden_dim: int, comm):
+        self.weight, self.hidden_dim, self.comm = weight, hidden_dim, comm
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.comm.all_gather(F.embedding(ids, self.weight), dim=-1)
+        return x[..., : self.hidden_dim] if x.shape[-1] != self.hidden_dim else x
