@@ -7,9 +7,12 @@ ends the program with its message on stderr and exit status 2, without a traceba
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from typing import Callable
 
+from runner.engine.demo import generate
 from runner.errors import PmxError
 
 
@@ -63,16 +66,27 @@ def merge(input_dir: str, num_shards: int, output_dir: str, overwrite: bool = Fa
     print(f"merged {input_dir} ({num_shards} shards) -> {output_dir}")
 
 
-COMMANDS: dict[str, Callable] = {"convert": convert, "split": split, "merge": merge}
+COMMANDS: dict[str, Callable] = {"convert": convert, "split": split, "merge": merge, "generate": generate}
 
 
 def run(component, argv: list[str] | None = None) -> None:
-    """Runs `component` under fire; user errors become a one-line message and exit status 2."""
+    """Runs `component` under fire. A user error becomes `error: ...` (with `rank r: ` before it when
+    several ranks run) and exit status 2; under MPI the whole job is aborted, so that no peer waits
+    for a collective that will never come."""
     import fire
     try:
         fire.Fire(component, command=argv)
-    except PmxError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 (every rank reports its own error, then the job ends)
+        from runner.parallel.launch import detect, under_mpi
+        env = detect() if ("RANK" in os.environ or under_mpi()) else None
+        who = f"rank {env.rank}: " if env and env.world_size > 1 else ""
+        if not isinstance(e, PmxError):
+            traceback.print_exc()
+        print(f"{who}error: {e if isinstance(e, PmxError) else f'{type(e).__name__}: {e}'}", file=sys.stderr,
+              flush=True)
+        if env and env.launcher == "mpi" and env.world_size > 1:
+            from mpi4py import MPI
+            MPI.COMM_WORLD.Abort(2)
         sys.exit(2)
 
 

@@ -1,0 +1,161 @@
+"""Text generation from the command line: `scripts/Demo.py` / `python -m runner generate`.
+
+Runs as one process, under `mpirun -np N` or under `torchrun --nproc_per_node N`; the model must be
+split into N shards. The flags are ppl.pmx's Demo.py flags plus --prompt, --prompts_file, --seed,
+--device and --dtype.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from runner.errors import PmxError
+
+DEFAULT_PROMPT = "I believe the meaning of life is"
+UNALIGNED_PROMPTS = (  # ppl.pmx's unaligned batch: prompts of different lengths in one batch
+    "I believe the meaning of life is",
+    "Simply put, the theory of relativity states that ",
+    "A brief message congratulating the team on the launch:\n\nHi everyone,\n\nI just ",
+    "Translate English to French:\n\nsea otter => loutre de mer\npeppermint => menthe poivrée\n"
+    "plush girafe => girafe peluche\ncheese =>",
+)
+
+
+def _steps(dump_steps) -> list[int]:
+    if dump_steps is None or dump_steps == "" or dump_steps == []:
+        return []
+    if isinstance(dump_steps, int):
+        return [dump_steps]
+    if isinstance(dump_steps, str):
+        dump_steps = [s for s in dump_steps.replace(" ", "").split(",") if s]
+    try:
+        return [int(s) for s in dump_steps]
+    except (TypeError, ValueError):
+        raise PmxError(f"--dump_steps must be a comma-separated list of step numbers, got {dump_steps!r}") from None
+
+
+def generate(
+    ckpt_dir: str,
+    tokenizer_path: Optional[str] = None,
+    prompt: Optional[str] = None,
+    prompts_file: Optional[str] = None,
+    temperature: float = 0.0,
+    top_p: float = 0.95,
+    top_k: int = 0,
+    seed: Optional[int] = None,
+    batch: Optional[int] = None,
+    max_batch: int = 256,
+    seqlen_scale_up: int = 1,
+    unaligned_batch: bool = False,
+    max_gen_len: int = 256,
+    friendly_gqa: bool = False,
+    fused_qkv: bool = True,
+    fused_kvcache: bool = True,
+    fused_ffn_glu: bool = True,
+    auto_causal: bool = True,
+    quantized_cache: bool = False,
+    cache_layout: int = 0,
+    cache_mode: int = 0,
+    dynamic_batching: bool = True,
+    context_chunking: bool = True,
+    context_chunk_size: int = 512,
+    dump_tensor_path: Optional[str] = None,
+    dump_steps: Union[str, int, Sequence[int], None] = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    show_ids: bool = False,
+) -> None:
+    """Generate text with a PMX model on 1 or N ranks (mpirun / torchrun).
+
+    Args:
+        ckpt_dir: PMX directory split into as many shards as ranks are started.
+        tokenizer_path: tokenizer.model or tokenizer.json (default: the one in ckpt_dir).
+        prompt: the prompt (default: ppl.pmx's "I believe the meaning of life is").
+        prompts_file: a file with one prompt per line (instead of --prompt).
+        temperature: 0 is greedy; > 0 samples from softmax(logits / temperature).
+        top_p: nucleus sampling mass (used when temperature > 0).
+        top_k: keep the k most likely tokens, 0 for all (used when temperature > 0).
+        seed: random seed for sampling.
+        batch: number of sequences; the prompts are repeated to fill it (default: one per prompt).
+        max_batch: at most this many sequences in one step; the rest join as others finish.
+        seqlen_scale_up: repeat the prompt's tokens this many times (longer prefill, as ppl.pmx).
+        unaligned_batch: use ppl.pmx's four prompts of different lengths.
+        max_gen_len: new tokens per sequence at most (stops earlier on EOS).
+        friendly_gqa: repeat K/V heads to the query heads before attention.
+        fused_qkv: one GEMM for q, k, v.
+        fused_kvcache: attention reads K/V straight from the cache (False: packed K/V, then attention).
+        fused_ffn_glu: one GEMM for gate and up.
+        auto_causal: the attention makes the causal mask (False: an explicit mask is built and passed; needs
+            --fused_kvcache False).
+        quantized_cache: int8 KV cache (groups of 8, float16 scales).
+        cache_layout: 0..3, ppl.pmx's cache layouts.
+        cache_mode: 0 offset, 1 paged (page size 128).
+        dynamic_batching: must stay True (this engine always batches dynamically).
+        context_chunking: cut long prefills into chunks of context_chunk_size tokens per step.
+        context_chunk_size: prefill tokens per step when context_chunking.
+        dump_tensor_path: write each chosen step's inputs and logits under this directory, per rank.
+        dump_steps: steps to dump, e.g. 0,1,39 (default: every step when dump_tensor_path is set).
+        device: auto, cpu or cuda (rank r uses cuda:local_rank).
+        dtype: compute dtype: auto (float32 on CPU, the checkpoint's on GPU), float32, float16, bfloat16.
+        show_ids: also print the generated token ids.
+    """
+    from runner.engine.dump import TensorDumper
+    from runner.engine.generator import Generator
+    from runner.engine.model import EngineOptions
+    from runner.engine.sampler import SamplingParams
+    from runner.engine.session import open_session
+    from runner.engine.tokenizer import Tokenizer
+    from runner.pmx.params import PmxParams
+
+    if not dynamic_batching:
+        raise PmxError("--dynamic_batching False (static batching) is not supported: this engine always batches "
+                       "dynamically, which gives the same tokens")
+    if prompt is not None and (prompts_file or unaligned_batch):
+        raise PmxError("give one of --prompt, --prompts_file, --unaligned_batch")
+    if seqlen_scale_up < 1 or (batch is not None and batch < 1) or max_batch < 1 or context_chunk_size < 1:
+        raise PmxError("--seqlen_scale_up, --batch, --max_batch and --context_chunk_size must be >= 1")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    options = EngineOptions(fused_qkv=fused_qkv, fused_ffn_glu=fused_ffn_glu, fused_kvcache=fused_kvcache,
+                            friendly_gqa=friendly_gqa, auto_causal=auto_causal, quantized_cache=quantized_cache,
+                            cache_layout=cache_layout, cache_mode=cache_mode)
+    params = PmxParams.load(Path(ckpt_dir))
+    tok = Tokenizer(tokenizer_path or ckpt_dir, params.bos_token_id, params.eos_ids[0] if params.eos_ids else None)
+    if prompts_file:
+        try:
+            texts = [ln for ln in Path(prompts_file).read_text().splitlines() if ln.strip()]
+        except OSError as e:
+            raise PmxError(f"{prompts_file}: cannot read prompts ({e.strerror})") from None
+        if not texts:
+            raise PmxError(f"{prompts_file}: holds no prompts")
+    elif unaligned_batch:
+        texts = list(UNALIGNED_PROMPTS)
+    else:
+        texts = [DEFAULT_PROMPT if prompt is None else str(prompt)]
+    prompts = [tok.encode(t) for t in texts]
+    if seqlen_scale_up > 1:
+        prompts = [p * seqlen_scale_up for p in prompts]
+    n = batch or len(prompts)
+    prompts = [prompts[i % len(prompts)] for i in range(n)]
+
+    sess = open_session(ckpt_dir, options, device=device, dtype=dtype)
+    dumper = TensorDumper(dump_tensor_path, sess.env.rank, _steps(dump_steps)) if dump_tensor_path else None
+    gen = Generator(sess.model, max_batch=max_batch, context_chunk=context_chunk_size if context_chunking else None,
+                    dumper=dumper)
+    eos = set(params.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
+    stats: dict = {}
+    t0 = time.perf_counter()
+    outs = gen.generate(prompts, max_gen_len, sampling, eos_ids=sorted(eos), stats=stats)
+    dt = time.perf_counter() - t0
+    sess.log(f"prepared {len(prompts)} prompts")
+    for pr, out in zip(prompts, outs):
+        sess.log(tok.decode(pr + out))
+        if show_ids:
+            sess.log(f"ids: {out}")
+        sess.log("\n==================================\n")
+    new = sum(len(o) for o in outs)
+    if sess.is_main:
+        print(f"[{sess.env.world_size} rank(s), {sess.device}] {len(prompts)} sequences, {new} new tokens in "
+              f"{dt:.2f}s ({new / dt:.1f} tokens/s, {stats['steps']} steps)", file=sys.stderr, flush=True)
