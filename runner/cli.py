@@ -66,7 +66,17 @@ def merge(input_dir: str, num_shards: int, output_dir: str, overwrite: bool = Fa
     print(f"merged {input_dir} ({num_shards} shards) -> {output_dir}")
 
 
-COMMANDS: dict[str, Callable] = {"convert": convert, "split": split, "merge": merge, "generate": generate}
+def make_random_model(output_dir: str, hidden_dim: int = 128, intermediate_dim: int = 344, num_layers: int = 2,
+                      num_heads: int = 8, num_kv_heads: int = 4, vocab_size: int = 512, dtype: str = "float32",
+                      seed: int = 0, overwrite: bool = False) -> None:
+    """Write a random-weight HF Llama checkpoint with a small BPE tokenizer.json (for demos and benchmarks)."""
+    from runner.pmx.random_model import make_random_model as _make
+    _make(output_dir, hidden_dim, intermediate_dim, num_layers, num_heads, num_kv_heads, vocab_size, dtype, seed,
+          overwrite)
+    print(f"wrote a random-weight Llama checkpoint to {output_dir}")
+
+
+COMMANDS: dict[str, Callable] = {"make_random_model": make_random_model, "convert": convert, "split": split, "merge": merge, "generate": generate}
 
 
 def run(component, argv: list[str] | None = None) -> None:
