@@ -1,0 +1,119 @@
+"""The engine against transformers on the same weights, in one process and tensor-parallel."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.engine.model import EngineOptions, Transformer, load_shard
+from runner.parallel.comm import SingleComm
+from runner.pmx.convert import convert, reshard
+from tp_worker import teacher_forced_logits
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 16
+
+
+def prompts_and_conts(vocab: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    lens = (7, 1, 12)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+    conts = [torch.randint(3, vocab, (STEPS,), generator=g).tolist() for _ in lens]
+    return prompts, conts
+
+
+@torch.no_grad()
+def hf_logits(model, prompts, conts) -> torch.Tensor:
+    """[STEPS + 1, B, V]: transformers' logits at the positions the engine produces them."""
+    per_seq = []
+    for p, c in zip(prompts, conts):
+        logits = model(torch.tensor([p + c])).logits[0].float()
+        per_seq.append(logits[len(p) - 1: len(p) + STEPS])
+    return torch.stack(per_seq, dim=1)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def engine(pmx_dir, **options) -> Transformer:
+    params, w = load_shard(pmx_dir, 0, torch.device("cpu"), torch.float32)
+    return Transformer(params, w, SingleComm(), EngineOptions(**options))
+
+
+@pytest.mark.parametrize("arch", ["llama_mha", "llama_gqa_odd", "llama_bias", "mistral", "qwen2"])
+def test_matches_transformers_every_cache_layout_and_mode(make_hf, tmp_path, arch):
+    src, model = make_hf(arch)
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    ref = hf_logits(model, prompts, conts)
+    for layout, mode, fused in itertools.product(range(4), (0, 1), (True, False)):
+        got = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", cache_layout=layout, cache_mode=mode,
+                                                       fused_kvcache=fused), prompts, conts))
+        assert rel_err(got, ref) < 1e-4, (layout, mode, fused, rel_err(got, ref))
+
+
+def test_unfused_options_match(make_hf, tmp_path):
+    src, model = make_hf("llama_gqa_odd")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    ref = hf_logits(model, prompts, conts)
+    got = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", fused_qkv=False, fused_ffn_glu=False,
+                                                   friendly_gqa=True), prompts, conts))
+    assert rel_err(got, ref) < 1e-4
+
+
+def test_int8_cache_close_to_transformers(make_hf, tmp_path):
+    src, model = make_hf("llama_mha")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    ref = hf_logits(model, prompts, conts)
+    for layout, mode in itertools.product(range(4), (0, 1)):
+        got = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", quantized_cache=True, cache_layout=layout,
+                                                       cache_mode=mode), prompts, conts))
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+        cos = torch.nn.functional.cosine_similarity(got.flatten(1), ref.flatten(1)).min()
+        assert cos >= 0.999, float(cos)
+        assert rel_err(got, ref) > 0  # it really is quantised
+
+
+def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun"):
+    out = tmp_path / f"logits-{launcher}-{n}.pt"
+    worker = [str(ROOT / "tests" / "tp_worker.py"), str(pmx), str(out), json.dumps(options),
+              json.dumps({"prompts": prompts, "conts": conts})]
+    if launcher == "mpirun":
+        cmd = [str(ROOT / "scripts" / "mpirun.sh"), "-np", str(n), sys.executable, *worker]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), *worker]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("arch,n", [("llama_gqa_odd", 2), ("llama_gqa_odd", 4), ("qwen2", 2), ("qwen2", 4),
+                                    ("llama_bias", 4)])
+def test_tensor_parallel_matches_transformers(make_hf, tmp_path, arch, n):
+    src, model = make_hf(arch)
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    reshard(str(tmp_path / "pmx"), str(tmp_path / f"pmx{n}"), n, progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    ref = hf_logits(model, prompts, conts)
+    tp1 = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx"), prompts, conts))
+    for options in ({"cache_layout": 0, "cache_mode": 0}, {"cache_layout": 3, "cache_mode": 1, "fused_kvcache": False}):
+        got = run_tp(tmp_path, tmp_path / f"pmx{n}", n, options, prompts, conts)
+        assert rel_err(got, ref) < 1e-4, (options, rel_err(got, ref))
+        assert rel_err(got, tp1) < 1e-4
+
+
+def test_tensor_parallel_under_torchrun(make_hf, tmp_path):
+    src, model = make_hf("llama_gqa_odd")
+    convert(str(src), str(tmp_path / "pmx2"), num_shards=2, progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    got = run_tp(tmp_path, tmp_path / "pmx2", 2, {"cache_layout": 1}, prompts, conts, launcher="torchrun")
+    assert rel_err(got, hf_logits(model, prompts, conts)) < 1e-4

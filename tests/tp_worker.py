@@ -1,0 +1,62 @@
+"""Runs fixed engine steps on one rank (under mpirun / torchrun, or alone) and saves rank 0's logits.
+
+Used by the tests: prefill of several prompts of different lengths packed in one step, then decode
+steps fed with given tokens (teacher forcing), so logits can be compared with transformers' and with
+TP=1. Usage: python tests/tp_worker.py CKPT OUT.pt '{"cache_layout": 2, ...}' PROMPTS_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import torch
+
+from runner.engine.model import EngineOptions, Transformer
+from runner.kernels.reference import PAGE_SIZE
+
+
+def teacher_forced_logits(model: Transformer, prompts: list, conts: list) -> list[torch.Tensor]:
+    """Step 0 prefills every prompt (one packed step); step k feeds conts[b][k-1]. Returns [B, V] per step."""
+    B, steps = len(prompts), len(conts[0])
+    total = [len(p) + steps + 1 for p in prompts]
+    paged = model.options.cache_mode == 1
+    if paged:
+        pages, nxt = [], 0
+        for n in total:
+            cnt = math.ceil(n / PAGE_SIZE)
+            pages.append(list(range(nxt + (cnt - 1) * PAGE_SIZE, nxt - 1, -PAGE_SIZE)))  # pages out of order
+            nxt += cnt * PAGE_SIZE
+        maxp = max(len(p) for p in pages)
+        cachestarts = torch.tensor([p + [0] * (maxp - len(p)) for p in pages])
+        rows = nxt
+    else:
+        cachestarts = torch.tensor([0] + total[:-1]).cumsum(0)
+        rows = sum(total)
+    kv_cache, kv_scale = model.new_cache(rows)
+    out = []
+    for k in range(steps + 1):
+        if k == 0:
+            toks, seqlens, start = [t for p in prompts for t in p], [len(p) for p in prompts], [0] * B
+        else:
+            toks, seqlens, start = [c[k - 1] for c in conts], [1] * B, [len(p) + k - 1 for p in prompts]
+        kvlens = [s + n for s, n in zip(start, seqlens)]
+        out.append(model.forward(
+            torch.tensor(toks), torch.empty(0), torch.tensor([0] + seqlens).cumsum(0), torch.tensor([0] + kvlens).cumsum(0),
+            cachestarts, torch.tensor([B if k else 0]), torch.tensor(start), torch.tensor([max(seqlens)]),
+            torch.tensor([max(kvlens)]), kv_cache, kv_scale))
+    return out
+
+
+def main(ckpt: str, out: str, options: str, prompts: str) -> None:
+    from runner.engine.session import open_session
+    spec = json.loads(prompts)
+    sess = open_session(ckpt, EngineOptions(**json.loads(options)))
+    logits = teacher_forced_logits(sess.model, spec["prompts"], spec["conts"])
+    if sess.is_main:
+        torch.save(torch.stack([l for l in logits]) if len({l.shape for l in logits}) == 1 else logits, out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
