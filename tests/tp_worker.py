@@ -55,7 +55,8 @@ def main(ckpt: str, out: str, options: str, prompts: str) -> None:
     sess = open_session(ckpt, EngineOptions(**json.loads(options)))
     logits = teacher_forced_logits(sess.model, spec["prompts"], spec["conts"])
     if sess.is_main:
-        torch.save(torch.stack([l for l in logits]) if len({l.shape for l in logits}) == 1 else logits, out)
+        torch.save(torch.stack(logits), out)
+    sess.close()
 
 
 if __name__ == "__main__":

@@ -159,3 +159,4 @@ def generate(
     if sess.is_main:
         print(f"[{sess.env.world_size} rank(s), {sess.device}] {len(prompts)} sequences, {new} new tokens in "
               f"{dt:.2f}s ({new / dt:.1f} tokens/s, {stats['steps']} steps)", file=sys.stderr, flush=True)
+    sess.close()

@@ -25,6 +25,9 @@ class Session:
     def is_main(self) -> bool:
         return self.env.rank == 0
 
+    def close(self) -> None:
+        self.comm.close()
+
     def log(self, *args) -> None:
         """Ordinary output: rank 0 only."""
         if self.is_main:

@@ -74,6 +74,9 @@ class SingleComm:
     def barrier(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
     def abort(self, code: int = 1) -> None:
         os._exit(code)
 
@@ -127,6 +130,9 @@ class MpiComm:
         with self._dog.guard("barrier"):
             self._comm.Barrier()
 
+    def close(self) -> None:
+        self.barrier()
+
     def abort(self, code: int = 1) -> None:
         sys.stderr.flush()
         self._comm.Abort(code)
@@ -167,6 +173,11 @@ class TorchComm:
     def barrier(self) -> None:
         with self._dog.guard("barrier"):
             self.dist.barrier()
+
+    def close(self) -> None:
+        """Tears the process group down (gloo aborts at exit otherwise)."""
+        self.barrier()
+        self.dist.destroy_process_group()
 
     def abort(self, code: int = 1) -> None:
         sys.stderr.flush()

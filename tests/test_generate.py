@@ -1,0 +1,185 @@
+"""Generation end to end: the real checkpoints' reference ids at every TP size, dynamic batching,
+sampling, and ranks that die."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.engine.generator import Generator
+from runner.engine.model import EngineOptions, Transformer, load_shard
+from runner.engine.sampler import Sampler, SamplingParams
+from runner.engine.tokenizer import Tokenizer
+from runner.parallel.comm import SingleComm
+from runner.pmx.convert import convert, reshard
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = {  # ../shared/models/*/SOURCE.md: prompt "Once upon a time", 40 greedy ids
+    "stories260k": [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410, 408, 419,
+                    292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432, 352, 266, 268,
+                    388, 426],
+    "tinystories-656k": [313, 598, 303, 1049, 1468, 267, 628, 333, 94, 1210, 263, 251, 604, 94, 1030, 94, 1030, 94,
+                         436, 220, 1053, 615, 303, 328, 552, 319, 1269, 163, 1945, 897, 645, 1188, 108, 319, 135, 448,
+                         563, 1799, 1380, 1067],
+}
+
+
+@pytest.fixture(scope="module")
+def split_models(tmp_path_factory):
+    """{(name, n): pmx dir} for the real checkpoints, split 1, 2, 4, 8 ways."""
+    from conftest import SHARED_MODELS
+    out = {}
+    base = tmp_path_factory.mktemp("real")
+    for name in REFERENCE:
+        src = SHARED_MODELS / name
+        if not (src / "config.json").is_file():
+            continue
+        convert(str(src), str(base / name / "s1"), progress=False)
+        for n in (2, 4, 8):
+            reshard(str(base / name / "s1"), str(base / name / f"s{n}"), n, progress=False)
+            out[(name, n)] = base / name / f"s{n}"
+        out[(name, 1)] = base / name / "s1"
+    return out
+
+
+def demo(launcher: str, n: int, ckpt: Path, *flags) -> subprocess.CompletedProcess:
+    args = [str(ROOT / "scripts" / "Demo.py"), "--ckpt_dir", str(ckpt), *map(str, flags)]
+    if launcher == "mpirun":
+        cmd = [str(ROOT / "scripts" / "mpirun.sh"), "-np", str(n), sys.executable, *args]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), *args]
+    else:
+        cmd = [sys.executable, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def ids_of(stdout: str) -> list[list[int]]:
+    return [eval(m) for m in re.findall(r"^ids: (\[.*\])$", stdout, re.M)]  # noqa: S307 (our own output)
+
+
+CASES = [("stories260k", "single", 1)] + [("stories260k", l, n) for l in ("mpirun", "torchrun") for n in (2, 4, 8)] \
+    + [("tinystories-656k", "single", 1), ("tinystories-656k", "mpirun", 2), ("tinystories-656k", "torchrun", 2)]
+
+
+@pytest.mark.parametrize("name,launcher,n", CASES)
+def test_real_model_reference_ids(split_models, name, launcher, n):
+    if (name, n) not in split_models:
+        pytest.skip(f"../shared/models/{name} not found")
+    res = demo(launcher, n, split_models[(name, n)], "--prompt", "Once upon a time", "--max_gen_len", 40,
+               "--show_ids")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert ids_of(res.stdout) == [REFERENCE[name]], res.stdout  # printed once: only rank 0 writes output
+    assert res.stdout.count("prepared 1 prompts") == 1
+
+
+def stories_engine(split_models, **options) -> Transformer:
+    if ("stories260k", 1) not in split_models:
+        pytest.skip("../shared/models/stories260k not found")
+    params, w = load_shard(split_models[("stories260k", 1)], 0, torch.device("cpu"), torch.float32)
+    return Transformer(params, w, SingleComm(), EngineOptions(**options))
+
+
+@pytest.mark.parametrize("options,chunk,max_batch", [({}, None, 8), ({"cache_mode": 1, "cache_layout": 2}, 5, 2),
+                                                     ({"fused_kvcache": False}, 3, 1)])
+def test_unaligned_batch_equals_each_alone(split_models, options, chunk, max_batch):
+    model = stories_engine(split_models, **options)
+    tok = Tokenizer(str(split_models[("stories260k", 1)] / "tokenizer.model"))
+    prompts = [tok.encode(t) for t in ("Once upon a time", "The cat", "Lily and Tom went to the big park with")]
+    alone = [Generator(model).generate([p], 24)[0] for p in prompts]
+    together = Generator(model, max_batch=max_batch, context_chunk=chunk).generate(prompts, 24)
+    assert together == alone
+    assert alone[0] == REFERENCE["stories260k"][:24]
+
+
+def test_eos_stops_and_frees(split_models):
+    model = stories_engine(split_models)
+    tok = Tokenizer(str(split_models[("stories260k", 1)] / "tokenizer.model"))
+    p = tok.encode("Once upon a time")
+    out = Generator(model).generate([p], 40, eos_ids=[REFERENCE["stories260k"][10]])
+    assert out == [REFERENCE["stories260k"][:10]]
+
+
+def test_sampling_seeded_and_bounded():
+    logits = torch.randn(4, 50)
+    a = Sampler(SamplingParams(temperature=0.8, top_k=5, seed=3))(logits)
+    b = Sampler(SamplingParams(temperature=0.8, top_k=5, seed=3))(logits)
+    assert torch.equal(a, b)
+    top5 = logits.topk(5).indices
+    for _ in range(20):
+        s = Sampler(SamplingParams(temperature=1.0, top_k=5))(logits)
+        assert all(int(t) in top5[i].tolist() for i, t in enumerate(s))
+    peaked = torch.full((1, 10), -10.0)
+    peaked[0, 7] = 10.0
+    assert Sampler(SamplingParams(temperature=1.0, top_p=0.5))(peaked).item() == 7
+    assert torch.equal(Sampler(SamplingParams())(logits), logits.argmax(-1))
+
+
+def test_sampled_generation_same_on_all_ranks(split_models):
+    if ("stories260k", 2) not in split_models:
+        pytest.skip("../shared/models/stories260k not found")
+    flags = ("--prompt", "Once upon a time", "--max_gen_len", 30, "--temperature", 0.9, "--top_p", 0.9, "--seed", 7,
+             "--show_ids")
+    a = demo("mpirun", 2, split_models[("stories260k", 2)], *flags)
+    b = demo("single", 1, split_models[("stories260k", 1)], *flags)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert ids_of(a.stdout) == ids_of(b.stdout) and ids_of(a.stdout)[0] != REFERENCE["stories260k"][:30]
+
+
+def test_wrong_number_of_ranks(split_models):
+    if ("stories260k", 2) not in split_models:
+        pytest.skip("../shared/models/stories260k not found")
+    res = demo("single", 1, split_models[("stories260k", 2)])
+    assert res.returncode == 2 and "split into 2 shard(s) but 1 rank(s)" in res.stderr
+
+
+def test_killed_rank_makes_the_others_exit(split_models, tmp_path):
+    if ("stories260k", 4) not in split_models:
+        pytest.skip("../shared/models/stories260k not found")
+    ckpt = split_models[("stories260k", 4)]
+    args = [str(ROOT / "scripts" / "mpirun.sh"), "-np", "4", sys.executable, str(ROOT / "scripts" / "Demo.py"),
+            "--ckpt_dir", str(ckpt), "--batch", 64, "--max_gen_len", 400, "--context_chunking", "False"]
+    proc = subprocess.Popen(list(map(str, args)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        victim = None
+        deadline = time.monotonic() + 60
+        while victim is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            victim = _rank_pid(str(ckpt), rank=2)
+        assert victim is not None, "rank 2 never started"
+        time.sleep(2.0)  # let it get into generation
+        assert proc.poll() is None, "generation ended before the kill; make it longer"
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        proc.wait(timeout=45)
+        assert time.monotonic() - t0 < 30
+        assert proc.returncode != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    leftovers = [p for p in range(4) if _rank_pid(str(ckpt), rank=p)]
+    assert not leftovers, f"ranks {leftovers} still running"
+
+
+def _rank_pid(marker: str, rank: int):
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            if marker.encode() not in cmd or not any(c.endswith(b"Demo.py") for c in cmd):
+                continue
+            env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"PMI_RANK", env.get(b"OMPI_COMM_WORLD_RANK")) == str(rank).encode():
+            return int(pid)
+    return None
