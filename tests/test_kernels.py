@@ -1,0 +1,141 @@
+"""Reference ops checked against transformers / plain definitions, over odd shapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model_zoo.decoder import unpermute_rotary
+from runner.kernels import reference as ref
+from runner.parallel.comm import SingleComm
+from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+
+
+def test_rms_norm_matches_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    x, skip = torch.randn(5, 37), torch.randn(5, 37)
+    norm = LlamaRMSNorm(37, eps=1e-5)
+    norm.weight.data = torch.randn(37)
+    y, r = ref.skip_rms_norm(x, skip, norm.weight.data, 1e-5)
+    assert torch.equal(r, x + skip)
+    torch.testing.assert_close(y, norm(x + skip), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rotary_matches_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    H, D, T = 3, 12, 9
+    cfg = LlamaConfig(hidden_size=H * D, num_attention_heads=H, head_dim=D, max_position_embeddings=512,
+                      rope_scaling=dict(scaling) if scaling else None, rope_theta=500.0)
+    pos = torch.tensor([0, 1, 2, 7, 100, 101, 300, 5, 6])
+    q = torch.randn(1, H, T, D)  # HF rotate-half layout
+    cos, sin = LlamaRotaryEmbedding(cfg)(q, pos[None])
+    want, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    c, s = ref.rope_cos_sin(pos, ref.rope_inv_freq(D, 500.0, scaling))
+    x = unpermute_rotary(q[0].transpose(0, 1).reshape(T, H * D).T, H).T.reshape(T, H, D)  # to interleaved
+    got = ref.apply_rotary(x, c, s)
+    want_i = unpermute_rotary(want[0].transpose(0, 1).reshape(T, H * D).T, H).T.reshape(T, H, D)
+    torch.testing.assert_close(got, want_i, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_rope_scaling_is_refused():
+    with pytest.raises(NotImplementedError, match="yarn"):
+        ref.rope_inv_freq(8, 1e4, {"rope_type": "yarn", "factor": 2.0})
+
+
+def test_swiglu():
+    g, u = torch.randn(4, 7), torch.randn(4, 7)
+    torch.testing.assert_close(ref.swiglu(g, u), g * torch.sigmoid(g) * u)
+
+
+def test_int8_quantisation():
+    x = torch.randn(3, 5, 16) * 4
+    x[0, 0, :8] = 0  # an all-zero group: scale floored at 1e-5
+    q, s = ref.quantize_int8(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float16 and s.shape == (3, 5, 2)
+    assert q.abs().max() <= 127 and float(s[0, 0, 0]) == pytest.approx(1e-5, rel=1e-2)
+    expect = x.unflatten(-1, (-1, 8)).abs().amax(-1) / 127
+    torch.testing.assert_close(s.float(), expect.clamp_min(1e-5), rtol=1e-3, atol=1e-6)
+    back = ref.dequantize_int8(q, s, torch.float32)
+    assert (back - x).abs().max() <= (s.float().max() * 0.51 + 1e-3)
+
+
+@pytest.mark.parametrize("layout", range(4))
+def test_cache_layouts(layout):
+    L, T, KV, D = 3, 20, 2, 8
+    cache = torch.zeros(ref.cache_shape(layout, L, T, KV, D))
+    k, v = torch.randn(4, KV, D), torch.randn(4, KV, D)
+    slots = torch.tensor([3, 4, 10, 19])
+    ref.kv_store(cache, None, layout, 1, k, v, slots)
+    # the documented raw layout
+    raw_k = {0: lambda t: cache[t, 1, 0], 1: lambda t: cache[1, t, 0], 2: lambda t: cache[1, 0, t],
+             3: lambda t: cache[1, 0, :, t]}[layout]
+    for i, t in enumerate(slots.tolist()):
+        assert torch.equal(raw_k(t), k[i])
+    k2, v2 = ref.kv_load(cache, None, layout, 1, slots, torch.float32)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    assert cache.count_nonzero() == 2 * k.numel()
+
+
+def test_paged_slots():
+    cachestarts = torch.tensor([[256, 0], [128, 384]])
+    pos = torch.tensor([0, 127, 128, 130, 5])
+    bot = torch.tensor([0, 0, 0, 1, 1])
+    assert ref.token_slots(cachestarts, pos, bot, 1).tolist() == [256, 383, 0, 386, 133]
+    assert ref.token_slots(torch.tensor([10, 50]), pos, bot, 0).tolist() == [10, 137, 138, 180, 55]
+
+
+def test_attention_packed_against_sdpa():
+    H, KV, D = 4, 2, 8
+    lens, starts = [1, 5, 3], [6, 0, 2]  # a decoding sequence, a fresh prompt, a chunk continuing at 2
+    kvl = [s + n for s, n in zip(starts, lens)]
+    q = torch.randn(sum(lens), H, D)
+    k, v = torch.randn(sum(kvl), KV, D), torch.randn(sum(kvl), KV, D)
+    ss = torch.tensor([0] + lens).cumsum(0)
+    ks = torch.tensor([0] + kvl).cumsum(0)
+    out = ref.attention_packed(q, k, v, ss, ks, torch.tensor(starts))
+    for b in range(3):
+        qb = q[ss[b]:ss[b + 1]].transpose(0, 1)
+        kb = k[ks[b]:ks[b + 1]].transpose(0, 1).repeat_interleave(2, 0)
+        vb = v[ks[b]:ks[b + 1]].transpose(0, 1).repeat_interleave(2, 0)
+        mask = torch.ones(lens[b], kvl[b], dtype=torch.bool).tril(diagonal=starts[b])
+        want = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).transpose(0, 1)
+        torch.testing.assert_close(out[ss[b]:ss[b + 1]], want, rtol=1e-5, atol=1e-5)
+    windowed = ref.attention_packed(q, k, v, ss, ks, torch.tensor(starts), sliding_window=2)
+    # the decoding token at position 6 with window 2 sees positions 5 and 6 only
+    kb, vb = k[ks[0]:ks[1]][5:7].repeat_interleave(2, 1), v[ks[0]:ks[1]][5:7].repeat_interleave(2, 1)
+    w = (q[0][None] * kb).sum(-1) / math.sqrt(D)
+    torch.testing.assert_close(windowed[0], (w.softmax(0)[..., None] * vb).sum(0), rtol=1e-5, atol=1e-5)
+
+
+class CountingComm(SingleComm):
+    def __init__(self):
+        self.calls = 0
+
+    def all_reduce_(self, t):
+        self.calls += 1
+        return t
+
+
+def test_parallel_layers_single_rank():
+    comm = SingleComm()
+    w, b, x = torch.randn(6, 4), torch.randn(6), torch.randn(3, 4)
+    torch.testing.assert_close(ColumnParallelLinear(w, b, comm)(x), x @ w.T + b)
+    torch.testing.assert_close(RowParallelLinear(w, b, comm)(x), x @ w.T + b)
+    emb = torch.randn(10, 5)
+    assert torch.equal(ParallelEmbedding(emb, 5, comm)(torch.tensor([3, 1])), emb[[3, 1]])
+
+
+def test_row_parallel_sums_partials_then_adds_bias_once():
+    """Two ranks simulated: each holds half of W's columns; the sum of partials + b equals the full layer."""
+    w, b, x = torch.randn(6, 8), torch.randn(6), torch.randn(3, 8)
+    parts = [RowParallelLinear(w[:, :4], b, CountingComm()), RowParallelLinear(w[:, 4:], b, CountingComm())]
+    partial = [torch.nn.functional.linear(x[:, :4], w[:, :4]), torch.nn.functional.linear(x[:, 4:], w[:, 4:])]
+    torch.testing.assert_close(partial[0] + partial[1] + b, x @ w.T + b)
+    parts[0](x[:, :4])
+    assert parts[0].comm.calls == 1
