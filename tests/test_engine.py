@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from runner.engine.model import EngineOptions, Transformer, load_shard
+from runner.errors import PmxError
 from runner.parallel.comm import SingleComm
 from runner.pmx.convert import convert, reshard
 from tp_worker import teacher_forced_logits
@@ -96,24 +97,39 @@ def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun"):
     return torch.load(out, weights_only=True)
 
 
+ALL_CACHES = [{"cache_layout": l, "cache_mode": m, "fused_kvcache": f}
+              for l, m, f in itertools.product(range(4), (0, 1), (True, False))]
+
+
 @pytest.mark.parametrize("arch,n", [("llama_gqa_odd", 2), ("llama_gqa_odd", 4), ("qwen2", 2), ("qwen2", 4),
                                     ("llama_bias", 4)])
 def test_tensor_parallel_matches_transformers(make_hf, tmp_path, arch, n):
+    """TP = n against transformers and TP = 1, for every cache layout, both cache modes, both attentions,
+    and the int8 cache."""
     src, model = make_hf(arch)
     convert(str(src), str(tmp_path / "pmx"), progress=False)
     reshard(str(tmp_path / "pmx"), str(tmp_path / f"pmx{n}"), n, progress=False)
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     ref = hf_logits(model, prompts, conts)
     tp1 = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx"), prompts, conts))
-    for options in ({"cache_layout": 0, "cache_mode": 0}, {"cache_layout": 3, "cache_mode": 1, "fused_kvcache": False}):
-        got = run_tp(tmp_path, tmp_path / f"pmx{n}", n, options, prompts, conts)
+    with_int8 = model.config.head_dim % 8 == 0 if hasattr(model.config, "head_dim") else True
+    option_sets = ALL_CACHES + ([{"quantized_cache": True, "cache_layout": 1, "cache_mode": 1}] if with_int8 else [])
+    results = run_tp(tmp_path, tmp_path / f"pmx{n}", n, option_sets, prompts, conts)
+    for options, got in zip(ALL_CACHES, results):
         assert rel_err(got, ref) < 1e-4, (options, rel_err(got, ref))
         assert rel_err(got, tp1) < 1e-4
+    if with_int8:
+        int8 = results[-1]
+        assert torch.equal(int8.argmax(-1), ref.argmax(-1))
+        assert torch.nn.functional.cosine_similarity(int8.flatten(1), ref.flatten(1)).min() >= 0.999
+    else:
+        with pytest.raises(PmxError, match="head_dim divisible by 8"):
+            engine(tmp_path / "pmx", quantized_cache=True)
 
 
 def test_tensor_parallel_under_torchrun(make_hf, tmp_path):
     src, model = make_hf("llama_gqa_odd")
     convert(str(src), str(tmp_path / "pmx2"), num_shards=2, progress=False)
     prompts, conts = prompts_and_conts(model.config.vocab_size)
-    got = run_tp(tmp_path, tmp_path / "pmx2", 2, {"cache_layout": 1}, prompts, conts, launcher="torchrun")
+    got = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"cache_layout": 1}], prompts, conts, launcher="torchrun")[0]
     assert rel_err(got, hf_logits(model, prompts, conts)) < 1e-4

@@ -2,7 +2,8 @@
 
 Used by the tests: prefill of several prompts of different lengths packed in one step, then decode
 steps fed with given tokens (teacher forcing), so logits can be compared with transformers' and with
-TP=1. Usage: python tests/tp_worker.py CKPT OUT.pt '{"cache_layout": 2, ...}' PROMPTS_JSON
+TP=1. Usage: python tests/tp_worker.py CKPT OUT.pt '[{"cache_layout": 2, ...}, ...]' PROMPTS_JSON
+(saves [option sets, steps, B, V])
 """
 
 from __future__ import annotations
@@ -51,12 +52,20 @@ def teacher_forced_logits(model: Transformer, prompts: list, conts: list) -> lis
 
 def main(ckpt: str, out: str, options: str, prompts: str) -> None:
     from runner.engine.session import open_session
-    spec = json.loads(prompts)
-    sess = open_session(ckpt, EngineOptions(**json.loads(options)))
-    logits = teacher_forced_logits(sess.model, spec["prompts"], spec["conts"])
+    spec, option_sets = json.loads(prompts), json.loads(options)
+    sess = open_session(ckpt, EngineOptions(**option_sets[0]))
+    results = []
+    for opts in option_sets:  # one launch, every option set: the same shard under each engine setting
+        model = Transformer(sess.model.params, _weights(ckpt, sess), sess.comm, EngineOptions(**opts))
+        results.append(torch.stack(teacher_forced_logits(model, spec["prompts"], spec["conts"])))
     if sess.is_main:
-        torch.save(torch.stack(logits), out)
+        torch.save(torch.stack(results), out)
     sess.close()
+
+
+def _weights(ckpt, sess):
+    from runner.engine.model import load_shard
+    return load_shard(ckpt, sess.env.rank, sess.device, sess.model.dtype)[1]
 
 
 if __name__ == "__main__":

@@ -78,6 +78,9 @@ class Transformer:
             raise PmxError(f"the model is split into {n} shards but {comm.world_size} ranks were started; "
                            f"launch with -np {n} (or split it for {comm.world_size})")
         self.heads, self.kv_heads, self.head_dim = p.num_heads // n, max(p.num_kv_heads // n, 1), p.head_dim
+        if o.quantized_cache and p.head_dim % ref.QUANT_GROUP:
+            raise PmxError(f"--quantized_cache needs head_dim divisible by {ref.QUANT_GROUP}; this model has "
+                           f"head_dim={p.head_dim}")
         if p.sliding_window is not None and p.sliding_window <= 0:
             raise PmxError(f"sliding_window must be positive, got {p.sliding_window}")
         w = weights
