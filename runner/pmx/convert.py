@@ -20,7 +20,7 @@ from runner.errors import PmxError
 from runner.pmx.hf import HFCheckpoint
 from runner.pmx.params import PmxParams, shard_file
 from runner.pmx.shard import full_shape, merge_tensor, shard_shape, sharded_params, split_tensor, unsharded_params
-from runner.pmx.store import (DTYPE_NAMES, SafetensorsReader, SafetensorsWriter, atomic_output_dir,
+from runner.pmx.store import (DTYPE_NAMES, _numel, SafetensorsReader, SafetensorsWriter, atomic_output_dir,
                               copy_tokenizer_files, dtype_name)
 
 Plan = Sequence[tuple[str, torch.dtype, tuple]]  # (name, dtype, full unsplit shape), in file order
@@ -57,13 +57,6 @@ def write_pmx(out_dir: Path, params: PmxParams, plan: Plan, fetch: Callable[[str
         bar.close()
     sp.save(out_dir)
     return sp
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: int = 1, overwrite: bool = False,
