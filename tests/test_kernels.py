@@ -9,6 +9,7 @@ import torch
 
 from model_zoo.decoder import unpermute_rotary
 from runner.kernels import reference as ref
+from runner.kernels.linear import Linear
 from runner.parallel.comm import SingleComm
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 
@@ -129,6 +130,26 @@ def test_parallel_layers_single_rank():
     torch.testing.assert_close(RowParallelLinear(w, b, comm)(x), x @ w.T + b)
     emb = torch.randn(10, 5)
     assert torch.equal(ParallelEmbedding(emb, 5, comm)(torch.tensor([3, 1])), emb[[3, 1]])
+
+
+@pytest.mark.parametrize("shape", [(1, 37, 11), (3, 64, 300), (17, 5, 1), (2, 33, 5, 24)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_prepacked_matches_f_linear(shape, bias):
+    *lead, n_in, n_out = shape
+    w, b, x = torch.randn(n_out, n_in), torch.randn(n_out) if bias else None, torch.randn(*lead, n_in)
+    lin = Linear(w, b)
+    if torch.backends.mkldnn.is_available():
+        assert lin.packed is not None and lin.weight is None  # the fast path is really taken on CPU fp32
+    y = lin(x)
+    assert y.shape == (*lead, n_out)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert torch.equal(Linear(w, b, prepack=False)(x), torch.nn.functional.linear(x, w, b))
+
+
+def test_linear_keeps_plain_weight_for_half_precision():
+    w = torch.randn(8, 16, dtype=torch.bfloat16)
+    lin = Linear(w)
+    assert lin.packed is None and lin.weight is w
 
 
 def test_row_parallel_sums_partials_then_adds_bias_once():

@@ -36,6 +36,7 @@ class EngineOptions:
     quantized_cache: bool = False  # int8 KV cache, groups of 8, float16 scales
     cache_layout: int = 0         # 0..3, see runner.kernels.reference.cache_shape
     cache_mode: int = 0           # 0 offset, 1 paged (page size 128)
+    prepack: bool = True          # CPU float32: weights reordered once for oneDNN (runner.kernels.linear)
 
     def __post_init__(self):
         if self.cache_layout not in (0, 1, 2, 3):
@@ -68,7 +69,11 @@ def load_shard(ckpt_dir: Path, rank: int, device: torch.device, dtype: torch.dty
 
 
 class Transformer:
-    """One rank of the model. `forward` is ppl.pmx's dynamic-batching step."""
+    """One rank of the model. `forward` is ppl.pmx's dynamic-batching step.
+
+    The engine takes ownership of `weights`: tensors are popped from the dict as they are placed, so
+    fusing and prepacking never hold two copies of the whole model.
+    """
 
     def __init__(self, params: PmxParams, weights: dict, comm, options: EngineOptions = EngineOptions()):
         p, o = params, options
@@ -86,34 +91,34 @@ class Transformer:
         w = weights
         self.dtype = w["norm.weight"].dtype
         self.device = w["norm.weight"].device
-        self.embed = ParallelEmbedding(w["tok_embeddings.weight"], p.hidden_dim, comm)
+        if p.num_experts:
+            raise PmxError("mixture-of-experts models (num_experts > 0) are not supported by this engine yet")
+        self.embed = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
         self.inv_freq = ref.rope_inv_freq(p.head_dim, p.rope_theta, p.rope_scaling).to(self.device)
+
+        def dense(kind, names, bias_on):
+            """One linear layer of the concatenated weights `names` (several GEMMs when not fused)."""
+            ws = [w.pop(f"{n}.weight") for n in names]
+            bs = [w.pop(f"{n}.bias", None) for n in names]
+            return kind(torch.cat(ws) if len(ws) > 1 else ws[0],
+                        (torch.cat(bs) if len(bs) > 1 else bs[0]) if bias_on else None, comm, prepack=o.prepack)
+
         self.layers = []
         for i in range(p.num_layers):
             a, m = f"layers.{i}.attention", f"layers.{i}.feed_forward"
-            if p.num_experts:
-                raise PmxError("mixture-of-experts models (num_experts > 0) are not supported by this engine yet")
-            qkv = [w[f"{a}.{x}.weight"] for x in ("wq", "wk", "wv")]
-            qkv_b = [w.get(f"{a}.{x}.bias") for x in ("wq", "wk", "wv")]
-            gu = [w[f"{m}.w1.weight"], w[f"{m}.w3.weight"]]
-            gu_b = [w.get(f"{m}.w1.bias"), w.get(f"{m}.w3.bias")]
-            layer = dict(
-                attn_norm=w[f"layers.{i}.attention_norm.weight"], ffn_norm=w[f"layers.{i}.ffn_norm.weight"],
-                q_norm=w.get(f"{a}.q_norm.weight"), k_norm=w.get(f"{a}.k_norm.weight"),
-                wo=RowParallelLinear(w[f"{a}.wo.weight"], w.get(f"{a}.wo.bias"), comm),
-                w2=RowParallelLinear(w[f"{m}.w2.weight"], w.get(f"{m}.w2.bias"), comm),
-            )
-            if o.fused_qkv:
-                layer["qkv"] = [ColumnParallelLinear(torch.cat(qkv), torch.cat(qkv_b) if p.qkv_bias else None, comm)]
-            else:
-                layer["qkv"] = [ColumnParallelLinear(wt, bs, comm) for wt, bs in zip(qkv, qkv_b)]
-            if o.fused_ffn_glu:
-                layer["gate_up"] = [ColumnParallelLinear(torch.cat(gu), torch.cat(gu_b) if p.ffn_bias else None, comm)]
-            else:
-                layer["gate_up"] = [ColumnParallelLinear(wt, bs, comm) for wt, bs in zip(gu, gu_b)]
-            self.layers.append(layer)
-        self.norm = w["norm.weight"]
-        self.output = ColumnParallelLinear(w["output.weight"], None, comm, gather_output=True)
+            qkv, gu = [f"{a}.{x}" for x in ("wq", "wk", "wv")], [f"{m}.w1", f"{m}.w3"]
+            self.layers.append(dict(
+                attn_norm=w.pop(f"layers.{i}.attention_norm.weight"), ffn_norm=w.pop(f"layers.{i}.ffn_norm.weight"),
+                q_norm=w.pop(f"{a}.q_norm.weight", None), k_norm=w.pop(f"{a}.k_norm.weight", None),
+                qkv=[dense(ColumnParallelLinear, qkv, p.qkv_bias)] if o.fused_qkv else
+                    [dense(ColumnParallelLinear, [n], p.qkv_bias) for n in qkv],
+                gate_up=[dense(ColumnParallelLinear, gu, p.ffn_bias)] if o.fused_ffn_glu else
+                        [dense(ColumnParallelLinear, [n], p.ffn_bias) for n in gu],
+                wo=dense(RowParallelLinear, [f"{a}.wo"], p.o_bias),
+                w2=dense(RowParallelLinear, [f"{m}.w2"], p.ffn_bias),
+            ))
+        self.norm = w.pop("norm.weight")
+        self.output = ColumnParallelLinear(w.pop("output.weight"), None, comm, gather_output=True, prepack=o.prepack)
 
     # -- cache ----------------------------------------------------------------------------------
     def new_cache(self, max_tokens: int):

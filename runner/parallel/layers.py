@@ -8,26 +8,29 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from runner.kernels.linear import Linear
+
 
 class ColumnParallelLinear:
     """y_r = x W_r^T + b_r with W cut by output rows; the output stays cut unless gather_output."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], comm, gather_output: bool = False):
-        self.weight, self.bias, self.comm, self.gather_output = weight, bias, comm, gather_output
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], comm, gather_output: bool = False,
+                 prepack: bool = True):
+        self.linear, self.comm, self.gather_output = Linear(weight, bias, prepack), comm, gather_output
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.linear(x)
         return self.comm.all_gather(y, dim=-1) if self.gather_output else y
 
 
 class RowParallelLinear:
     """y = sum_r x_r W_r^T (+ b once): W cut by input columns, partial sums all-reduced."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], comm):
-        self.weight, self.bias, self.comm = weight, bias, comm
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], comm, prepack: bool = True):
+        self.linear, self.bias, self.comm = Linear(weight, None, prepack), bias, comm
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce_(F.linear(x, self.weight))
+        y = self.comm.all_reduce_(self.linear(x))
         return y if self.bias is None else y + self.bias
 
 
