@@ -1,6 +1,6 @@
 """Command line: `python -m runner <command>` / `pmx-runner <command>`.
 
-Commands: convert, split, merge (PMX layer); generate (engine). Each is a plain, typed function;
+Commands: convert, split, merge (PMX layer); generate, replay, compare (engine). Each is a plain, typed function;
 fire turns it into flags, so `--input_dir X` and `--input-dir X` both work. A :class:`PmxError`
 ends the program with its message on stderr and exit status 2, without a traceback.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import Callable
+from typing import Callable, Optional
 
 from runner.engine.demo import generate
 from runner.errors import PmxError
@@ -76,7 +76,53 @@ def make_random_model(output_dir: str, hidden_dim: int = 128, intermediate_dim: 
     print(f"wrote a random-weight Llama checkpoint to {output_dir}")
 
 
-COMMANDS: dict[str, Callable] = {"make_random_model": make_random_model, "convert": convert, "split": split, "merge": merge, "generate": generate}
+def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str = "out/replay", warmup: int = 2,
+           min_profiling_seconds: float = 1.0, device: str = "auto", dtype: Optional[str] = None,
+           cache_layout: Optional[int] = None, min_snr: float = 60.0, min_cosine: float = 0.9999) -> None:
+    """Replay a dumped step on every rank (run it under the same mpirun -np N as the dump); time it and
+    check its logits against the dump. Exit status 1 when a rank is beyond tolerance.
+
+    Args:
+        ckpt_dir: the PMX directory the dump was made with (split into N shards).
+        dump_dir: the --dump_tensor_path of the run; rank r reads dump_dir/rank_r.
+        step: the step to replay.
+        output_dir: each rank writes its logits (float32 .bin) to output_dir/rank_r.
+        warmup: untimed iterations before profiling.
+        min_profiling_seconds: profile for at least this long (at least one iteration).
+        device: auto, cpu or cuda.
+        dtype: compute dtype (default: the dumped run's).
+        cache_layout: override the cache layout (when a dump without engine.json is ambiguous).
+        min_snr: pass threshold in dB (identical logits always pass).
+        min_cosine: pass threshold for the cosine similarity.
+    """
+    from runner.engine.replay import replay as _replay
+    status = _replay(ckpt_dir, dump_dir, step, output_dir, warmup, min_profiling_seconds, device, dtype, cache_layout,
+                     min_snr, min_cosine)
+    if status:
+        sys.exit(status)
+
+
+def compare(dir_a: str, dir_b: str, metric: str = "snr", threshold: Optional[float] = None, csv: Optional[str] = None,
+            tensors: Optional[str] = None, steps: Optional[str] = None) -> None:
+    """Compare two dump trees tensor by tensor (A is the reference); exit status 1 when one fails.
+
+    Args:
+        dir_a: a dump root (with rank_r folders) or one rank's folder, e.g. a TP=1 run's dump.
+        dir_b: the same for the other run, e.g. a TP=2 run's dump, or replay's output_dir.
+        metric: snr (dB, higher is better), cosine or mse (lower is better) decides the verdict.
+        threshold: pass mark for the metric (default: snr 40, cosine 0.999, mse 1e-4).
+        csv: also write the table to this CSV file.
+        tensors: only these tensors, comma-separated (e.g. logits).
+        steps: only these steps, comma-separated.
+    """
+    from runner.engine.compare import compare as _compare
+    status = _compare(dir_a, dir_b, metric, threshold, csv, tensors, steps)
+    if status:
+        sys.exit(status)
+
+
+COMMANDS: dict[str, Callable] = {"make_random_model": make_random_model, "convert": convert, "split": split, "merge": merge, "generate": generate,
+                               "replay": replay, "compare": compare}
 
 
 def run(component, argv: list[str] | None = None) -> None:

@@ -37,6 +37,15 @@ def _steps(dump_steps) -> list[int]:
         raise PmxError(f"--dump_steps must be a comma-separated list of step numbers, got {dump_steps!r}") from None
 
 
+def run_meta(sess) -> dict:
+    """What a replay needs to run a dumped step as it ran: engine options, dtype, device, ranks."""
+    from dataclasses import asdict
+
+    from runner.pmx.store import dtype_name
+    return {"options": asdict(sess.model.options), "dtype": dtype_name(sess.model.dtype),
+            "device": sess.device.type, "world_size": sess.env.world_size}
+
+
 def generate(
     ckpt_dir: str,
     tokenizer_path: Optional[str] = None,
@@ -141,7 +150,9 @@ def generate(
     prompts = [prompts[i % len(prompts)] for i in range(n)]
 
     sess = open_session(ckpt_dir, options, device=device, dtype=dtype)
-    dumper = TensorDumper(dump_tensor_path, sess.env.rank, _steps(dump_steps)) if dump_tensor_path else None
+    dumper = None
+    if dump_tensor_path:
+        dumper = TensorDumper(dump_tensor_path, sess.env.rank, _steps(dump_steps), meta=run_meta(sess))
     gen = Generator(sess.model, max_batch=max_batch, context_chunk=context_chunk_size if context_chunking else None,
                     dumper=dumper)
     eos = set(params.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set())

@@ -7,6 +7,7 @@ the shape and dtype in its name.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Iterable, Optional
@@ -22,6 +23,7 @@ FROM_NAME = {v: k for k, v in DUMP_DTYPES.items()}
 FILE_RE = re.compile(r"step(\d+)_(.+)-([0-9_]*)-(fp32|fp16|bf16|int8|int64)\.bin")
 STEP_INPUTS = ("token_ids", "attn_mask", "seqstarts", "kvstarts", "cachestarts", "decoding_batches", "start_pos",
                "max_seqlen", "max_kvlen", "kv_cache", "kv_scale")
+META_FILE = "engine.json"
 
 
 def dump_file_name(step: int, name: str, t: torch.Tensor) -> str:
@@ -42,12 +44,20 @@ def write_tensor(directory: Path, step: int, name: str, t: torch.Tensor) -> Path
 
 
 class TensorDumper:
-    """Writes the inputs and logits of chosen steps of one generation run for one rank."""
+    """Writes the inputs and logits of chosen steps of one generation run for one rank.
 
-    def __init__(self, root: str, rank: int, steps: Optional[Iterable[int]] = None):
+    `meta` (the engine options, dtype and device of the run) goes to `rank_{r}/engine.json` beside the
+    step files, so that a replay runs the step exactly as it was run; replay also works without it.
+    """
+
+    def __init__(self, root: str, rank: int, steps: Optional[Iterable[int]] = None, meta: Optional[dict] = None):
         self.dir = Path(root) / f"rank_{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.steps = None if not steps else {int(s) for s in steps}  # None: every step
+        if meta is not None:
+            tmp = self.dir / (META_FILE + ".tmp")
+            tmp.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+            tmp.replace(self.dir / META_FILE)
 
     def wants(self, step: int) -> bool:
         return self.steps is None or step in self.steps
@@ -58,24 +68,58 @@ class TensorDumper:
                 write_tensor(self.dir, step, name, torch.as_tensor(t))
 
 
+def parse_dump_name(path: Path) -> Optional[tuple[int, str, tuple, torch.dtype]]:
+    """(step, name, shape, dtype) from a dump file's name, or None for a file that is not a step dump."""
+    m = FILE_RE.fullmatch(Path(path).name)
+    if not m:
+        return None
+    dims = m.group(3)
+    return int(m.group(1)), m.group(2), tuple(int(x) for x in dims.split("_")) if dims else (0,), FROM_NAME[m.group(4)]
+
+
+def read_dump_file(path: Path) -> torch.Tensor:
+    """The tensor of one dump file; its size must match the shape and dtype its name gives."""
+    path = Path(path)
+    parsed = parse_dump_name(path)
+    if parsed is None:
+        raise PmxError(f"{path}: not a step dump file (expected step<S>_<name>-<d0>_<d1>..-<dtype>.bin)")
+    _, _, shape, dt = parsed
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dt).element_size()
+    size = path.stat().st_size
+    if size != nbytes:
+        raise PmxError(f"{path}: holds {size} bytes, its name says {list(shape)} {DUMP_DTYPES[dt]} = {nbytes} bytes")
+    raw = torch.from_numpy(np.fromfile(path, dtype=np.uint8)) if nbytes else torch.empty(0, dtype=torch.uint8)
+    return raw.view(dt).reshape(shape)
+
+
+def dump_files(directory: Path) -> dict[tuple[int, str], Path]:
+    """{(step, name): path} of the step dump files in one rank's folder."""
+    out = {}
+    for path in sorted(Path(directory).glob("step*.bin")):
+        parsed = parse_dump_name(path)
+        if parsed is not None:
+            out[(parsed[0], parsed[1])] = path
+    return out
+
+
 def load_step(directory: str, step: int) -> dict[str, torch.Tensor]:
     """{name: tensor} of every tensor dumped for `step` in `directory` (one rank's dump folder)."""
     d = Path(directory)
     if not d.is_dir():
         raise PmxError(f"{d}: dump directory not found")
-    out = {}
-    for path in sorted(d.glob(f"step{step}_*.bin")):
-        m = FILE_RE.fullmatch(path.name)
-        if not m or int(m.group(1)) != step:
-            continue
-        name, dims, dt = m.group(2), m.group(3), FROM_NAME[m.group(4)]
-        shape = tuple(int(x) for x in dims.split("_")) if dims else (0,)
-        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dt).element_size()
-        if path.stat().st_size != nbytes:
-            raise PmxError(f"{path}: holds {path.stat().st_size} bytes, its name says {list(shape)} {m.group(4)} "
-                           f"= {nbytes} bytes")
-        raw = torch.from_numpy(np.fromfile(path, dtype=np.uint8)) if nbytes else torch.empty(0, dtype=torch.uint8)
-        out[name] = raw.view(dt).reshape(shape)
+    out = {name: read_dump_file(path) for (s, name), path in dump_files(d).items() if s == step}
     if not out:
-        raise PmxError(f"{d}: no tensors dumped for step {step}")
+        steps = sorted({s for s, _ in dump_files(d)})
+        raise PmxError(f"{d}: no tensors dumped for step {step}" + (f" (it holds steps {steps})" if steps else ""))
     return out
+
+
+def load_meta(directory: str) -> Optional[dict]:
+    """The run's engine.json written beside the step files, or None (e.g. a ppl.pmx dump)."""
+    path = Path(directory) / META_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PmxError(f"{path}: not valid JSON ({e})") from None

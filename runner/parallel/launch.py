@@ -34,6 +34,10 @@ def detect(environ=os.environ) -> LaunchEnv:
         return LaunchEnv("torchrun", int(environ["RANK"]), ws, int(environ.get("LOCAL_RANK", 0)),
                          int(environ.get("LOCAL_WORLD_SIZE", ws)))
     if under_mpi(environ):
+        if any(k.startswith("OMPI_COMM_WORLD_") for k in environ) and "MPI4PY_MPIABI" not in environ:
+            # mpi4py's PyPI wheel serves MPICH and Open MPI; it must load Open MPI's library under Open MPI's
+            # mpirun (this is read once, when mpi4py.MPI is first imported)
+            os.environ["MPI4PY_MPIABI"] = "openmpi"
         from mpi4py import MPI
         world = MPI.COMM_WORLD
         local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())

@@ -1,0 +1,136 @@
+"""Precision comparison of two dump trees (like MacaPrecision): `python -m runner compare A B`.
+
+A tree is a dump root with `rank_{r}/` folders (Demo.py --dump_tensor_path, replay's output_dir) or
+one such folder. For every (rank, step, tensor) present in both: shapes, max |diff|, cosine, SNR,
+MSE and a verdict. Float tensors pass by the chosen metric's threshold with A as the reference;
+integer tensors (token ids, starts) must be equal; a pair whose shapes or kinds differ (e.g. the KV
+cache of TP=1 against TP=2, or an int8 cache against a float one) is reported and skipped. The exit
+status is 1 when a pair fails or nothing could be compared.
+"""
+
+from __future__ import annotations
+
+import csv as csv_mod
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+from runner.engine.dump import DUMP_DTYPES, dump_files, read_dump_file
+from runner.engine.replay import Agreement
+from runner.errors import PmxError
+
+DEFAULT_THRESHOLDS = {"snr": 40.0, "cosine": 0.999, "mse": 1e-4}
+
+
+@dataclass
+class Row:
+    rank: str
+    step: int
+    name: str
+    shape_a: tuple
+    shape_b: tuple
+    agreement: Optional[Agreement]
+    verdict: str  # pass, FAIL, skip (...)
+
+
+def _rank_dirs(root: Path) -> dict[str, Path]:
+    if not root.is_dir():
+        raise PmxError(f"{root}: dump directory not found")
+    ranks = {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and p.name.startswith("rank_")}
+    return ranks or {".": root}
+
+
+def _passes(a: Agreement, metric: str, threshold: float) -> bool:
+    if metric == "snr":
+        return a.snr_db >= threshold
+    if metric == "cosine":
+        return a.cosine >= threshold
+    return a.mse <= threshold
+
+
+def compare_trees(dir_a: str, dir_b: str, metric: str = "snr", threshold: Optional[float] = None,
+                  tensors: Optional[Sequence[str]] = None, steps: Optional[Sequence[int]] = None) -> list[Row]:
+    if metric not in DEFAULT_THRESHOLDS:
+        raise PmxError(f"--metric must be one of {', '.join(DEFAULT_THRESHOLDS)}, got {metric!r}")
+    thr = DEFAULT_THRESHOLDS[metric] if threshold is None else float(threshold)
+    ra, rb = _rank_dirs(Path(dir_a)), _rank_dirs(Path(dir_b))
+    if ("." in ra) != ("." in rb):  # one rank's folder against a tree: compare it with the tree's rank_0
+        ra, rb = ({".": d.get(".", d.get("rank_0"))} for d in (ra, rb))
+        if None in (ra["."], rb["."]):
+            raise PmxError(f"{dir_a if ra['.'] is None else dir_b}: has no rank_0 to compare with a single folder")
+    rows = []
+    for rank in sorted(set(ra) & set(rb), key=lambda r: (len(r), r)):
+        fa, fb = dump_files(ra[rank]), dump_files(rb[rank])
+        for key in sorted(set(fa) & set(fb)):
+            step, name = key
+            if (tensors and name not in tensors) or (steps and step not in steps):
+                continue
+            ta, tb = read_dump_file(fa[key]), read_dump_file(fb[key])
+            rows.append(_compare_pair(rank, step, name, ta, tb, metric, thr))
+    return rows
+
+
+def _compare_pair(rank, step, name, ta, tb, metric, thr) -> Row:
+    row = Row(rank, step, name, tuple(ta.shape), tuple(tb.shape), None, "")
+    if ta.shape != tb.shape:
+        row.verdict = "skip (shapes differ)"
+        return row
+    fa, fb = ta.dtype.is_floating_point, tb.dtype.is_floating_point
+    if fa != fb or (ta.dtype == torch.int8) != (tb.dtype == torch.int8):
+        row.verdict = f"skip ({DUMP_DTYPES[ta.dtype]} vs {DUMP_DTYPES[tb.dtype]})"
+        return row
+    row.agreement = Agreement.of(tb, ta)
+    if not fa:
+        row.verdict = "pass" if torch.equal(ta, tb) else "FAIL"
+    else:
+        row.verdict = "pass" if _passes(row.agreement, metric, thr) else "FAIL"
+    return row
+
+
+def _fmt(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.4g}"
+
+
+def compare(dir_a: str, dir_b: str, metric: str = "snr", threshold: Optional[float] = None,
+            csv: Optional[str] = None, tensors: Union[str, Sequence[str], None] = None,
+            steps: Union[str, int, Sequence[int], None] = None, out=sys.stdout) -> int:
+    """Prints the comparison table (and writes it as CSV); returns the exit status."""
+    tensors = [tensors] if isinstance(tensors, str) and "," not in tensors else \
+        (tensors.split(",") if isinstance(tensors, str) else tensors)
+    if isinstance(steps, str):
+        steps = [int(s) for s in steps.split(",") if s]
+    elif isinstance(steps, int):
+        steps = [steps]
+    rows = compare_trees(dir_a, dir_b, metric, threshold, tensors, steps)
+    if not rows:
+        raise PmxError(f"{dir_a} and {dir_b} have no step tensor in common"
+                       + (f" among {list(tensors)}" if tensors else ""))
+    thr = DEFAULT_THRESHOLDS[metric] if threshold is None else threshold
+    header = ["rank", "step", "tensor", "shape", "max_abs_diff", "cosine", "snr_db", "mse", "verdict"]
+    table = []
+    for r in rows:
+        a = r.agreement
+        shape = "x".join(map(str, r.shape_a)) + ("" if r.shape_a == r.shape_b else " / " + "x".join(map(str, r.shape_b)))
+        table.append([r.rank, str(r.step), r.name, shape] +
+                     ([_fmt(a.max_abs), f"{a.cosine:.6f}", _fmt(a.snr_db), _fmt(a.mse)] if a else ["-"] * 4) + [r.verdict])
+    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
+    for t in [header] + table:
+        print("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip(), file=out)
+    failed = sum(r.verdict == "FAIL" for r in rows)
+    skipped = sum(r.verdict.startswith("skip") for r in rows)
+    print(f"{len(rows) - skipped} compared ({metric} {'<=' if metric == 'mse' else '>='} {thr}), {failed} failed, "
+          f"{skipped} skipped", file=out)
+    if csv:
+        tmp = Path(str(csv) + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv_mod.writer(f)
+            w.writerow(header)
+            w.writerows(table)
+        tmp.replace(csv)
+    if failed or skipped == len(rows):
+        return 1
+    return 0

@@ -1,0 +1,156 @@
+"""Replay one dumped step on every rank: time it and check it against the dump.
+
+`python -m runner replay --ckpt_dir D --dump_dir DUMP --step S --output_dir OUT` (and, per rank under
+mpirun, `scripts/benchmark.sh S`). Each rank loads its shard, reads `DUMP/rank_{r}/step{S}_*.bin`
+(the step's inputs as they were before the step, the KV cache contents and scales included), runs
+the engine's forward on them, writes the logits as float32 to `OUT/rank_{r}/`, then warms up and
+profiles for at least `min_profiling_seconds`. Rank 0 prints one line per rank: latency
+min / mean / max, max |diff|, cosine and SNR against the dumped logits. The exit status is 1 when a
+rank is beyond tolerance.
+
+The engine options come from the `engine.json` the dumper writes beside the steps; without it (a
+ppl.pmx dump) they are read off the tensors: an int8 cache means quantised, a 2-D cachestarts paged,
+the cache's shape gives the layout, a non-empty attn_mask the explicit-mask path. Flags override both.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from runner.engine.dump import STEP_INPUTS, load_meta, load_step, write_tensor
+from runner.engine.model import EngineOptions
+from runner.errors import PmxError
+from runner.kernels.reference import cache_shape
+from runner.pmx.params import PmxParams
+
+@dataclass(frozen=True)
+class Agreement:
+    """How close `out` is to the reference `ref` (both flattened to float64)."""
+    max_abs: float
+    cosine: float
+    snr_db: float    # 10 log10(sum ref^2 / sum (out - ref)^2); inf when identical
+    mse: float
+
+    @classmethod
+    def of(cls, out: torch.Tensor, ref: torch.Tensor) -> "Agreement":
+        a, b = out.detach().double().flatten().cpu(), ref.detach().double().flatten().cpu()
+        if a.numel() == 0:
+            return cls(0.0, 1.0, math.inf, 0.0)
+        d = a - b
+        noise, signal = float(d.pow(2).sum()), float(b.pow(2).sum())
+        na, nb = float(a.norm()), float(b.norm())
+        cos = 1.0 if na == 0 and nb == 0 else (float(a @ b) / (na * nb) if na and nb else 0.0)
+        snr = math.inf if noise == 0 else (10 * math.log10(signal / noise) if signal else -math.inf)
+        return cls(float(d.abs().max()), cos, snr, noise / a.numel())
+
+
+def infer_options(params: PmxParams, world_size: int, t: dict, meta: Optional[dict]) -> EngineOptions:
+    """The engine options a dump was made with: from its engine.json, else read off its tensors."""
+    if meta is not None:
+        known = {f.name for f in fields(EngineOptions)}
+        return EngineOptions(**{k: v for k, v in meta.get("options", {}).items() if k in known})
+    kv = t["kv_cache"]
+    explicit_mask = t["attn_mask"].numel() > 0
+    kv_heads, layers, hd = max(params.num_kv_heads // world_size, 1), params.num_layers, params.head_dim
+    # layout l keeps the token axis at position l
+    layouts = [lay for lay in range(4) if kv.dim() == 5 and
+               cache_shape(lay, layers, kv.shape[lay], kv_heads, hd) == tuple(kv.shape)]
+    if len(layouts) != 1:
+        raise PmxError(f"kv_cache of shape {list(kv.shape)} fits cache layouts {layouts or 'none'} for this model "
+                       f"({layers} layers, {kv_heads} KV heads per rank, head_dim {hd}); pass --cache_layout")
+    return EngineOptions(quantized_cache=kv.dtype == torch.int8, cache_mode=1 if t["cachestarts"].dim() == 2 else 0,
+                         cache_layout=layouts[0], auto_causal=not explicit_mask, fused_kvcache=not explicit_mask)
+
+
+def _check_against_dump(o: EngineOptions, t: dict, rank_dir: Path) -> None:
+    """The options must describe the dumped cache; say which disagrees rather than fail inside the step."""
+    if o.quantized_cache != (t["kv_cache"].dtype == torch.int8) or o.quantized_cache != ("kv_scale" in t):
+        raise PmxError(f"{rank_dir}: kv_cache is {t['kv_cache'].dtype} (kv_scale {'present' if 'kv_scale' in t else 'absent'}) "
+                       f"but quantized_cache={o.quantized_cache}")
+    if (t["cachestarts"].dim() == 2) != (o.cache_mode == 1):
+        raise PmxError(f"{rank_dir}: cachestarts has shape {list(t['cachestarts'].shape)}, which does not fit "
+                       f"cache_mode={o.cache_mode} (offset: [B], paged: [B, pages])")
+
+
+def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str, warmup: int = 2,
+           min_profiling_seconds: float = 1.0, device: str = "auto", dtype: Optional[str] = None,
+           cache_layout: Optional[int] = None, min_snr: float = 60.0, min_cosine: float = 0.9999) -> int:
+    """Replays step `step` of a dump on each rank; returns the exit status (0 ok, 1 beyond tolerance)."""
+    from runner.engine.session import open_session
+    from runner.parallel.launch import detect
+
+    if warmup < 0 or min_profiling_seconds < 0:
+        raise PmxError("--warmup and --min_profiling_seconds must be >= 0")
+    env = detect()
+    rank_dir = Path(dump_dir) / f"rank_{env.rank}"
+    if not rank_dir.is_dir():
+        raise PmxError(f"{rank_dir}: no dump for rank {env.rank} (dump with Demo.py --dump_tensor_path "
+                       f"{dump_dir} on as many ranks as replay)")
+    t = load_step(str(rank_dir), int(step))
+    missing = [n for n in STEP_INPUTS + ("logits",) if n not in t and n != "kv_scale"]
+    if missing:
+        raise PmxError(f"{rank_dir}: step {step} lacks {missing}")
+    params = PmxParams.load(Path(ckpt_dir))
+    meta = load_meta(str(rank_dir))
+    options = infer_options(params, env.world_size, t, meta)
+    if cache_layout is not None:
+        options = replace(options, cache_layout=int(cache_layout))
+    _check_against_dump(options, t, rank_dir)
+    if dtype is None:
+        dtype = meta["dtype"] if meta else ("auto" if t["kv_cache"].dtype == torch.int8 else
+                                            {torch.float32: "float32", torch.float16: "float16",
+                                             torch.bfloat16: "bfloat16"}[t["kv_cache"].dtype])
+    sess = open_session(ckpt_dir, options, device=device, dtype=dtype)
+    dev = sess.device
+    inputs = {n: t[n].to(dev) for n in STEP_INPUTS if n in t}
+    inputs.setdefault("kv_scale", None)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+    def timed() -> float:
+        sync()
+        t0 = time.perf_counter()
+        sess.model.forward(**inputs)
+        sync()
+        return time.perf_counter() - t0
+
+    logits = sess.model.forward(**inputs)  # the cache as dumped; later runs rewrite the same rows identically
+    write_tensor(_out_dir(output_dir, env.rank), int(step), "logits", logits.float())
+    warm = [timed() for _ in range(max(warmup, 1))]
+    per_iter = sum(warm) / len(warm)
+    n = torch.tensor([max(1, math.ceil(min_profiling_seconds / max(per_iter, 1e-9)))], dtype=torch.int64)
+    n = int(sess.comm.broadcast_(n.to(dev) if dev.type == "cuda" else n)[0])  # every rank runs as many steps
+    times = [timed() for _ in range(n)]
+    agree = Agreement.of(logits, t["logits"])
+    row = torch.tensor([[min(times), sum(times) / n, max(times), agree.max_abs, agree.cosine, agree.snr_db, n]],
+                       dtype=torch.float64, device=dev)
+    rows = sess.comm.all_gather(row, dim=0).cpu().tolist()
+    failed = [r for r, x in enumerate(rows) if not (x[3] == 0 or (x[5] >= min_snr and x[4] >= min_cosine))]
+    sess.log(f"replay of step {step} from {dump_dir}: {env.world_size} rank(s), {dev.type}, {dtype}, "
+             f"{options.cache_layout=}, {options.cache_mode=}, {options.quantized_cache=}".replace("options.", ""))
+    sess.log(f"{'rank':>4}  {'min(ms)':>9} {'mean(ms)':>9} {'max(ms)':>9} {'iters':>6}  {'max|diff|':>10} "
+             f"{'cosine':>9} {'SNR(dB)':>8}  verdict")
+    for r, (mn, mean, mx, diff, cos, snr, iters) in enumerate(rows):
+        verdict = "exact" if diff == 0 else ("FAIL" if r in failed else "ok")
+        sess.log(f"{r:>4}  {mn * 1e3:9.3f} {mean * 1e3:9.3f} {mx * 1e3:9.3f} {int(iters):>6}  {diff:10.3g} "
+                 f"{cos:9.6f} {snr:8.2f}  {verdict}")
+    sess.log(f"outputs: {output_dir}/rank_*/step{step}_logits-*-fp32.bin")
+    if failed:
+        sess.log(f"FAIL: rank(s) {failed} beyond tolerance (SNR >= {min_snr} dB and cosine >= {min_cosine}, "
+                 f"or identical)")
+    sess.close()
+    return 1 if failed else 0
+
+
+def _out_dir(output_dir: str, rank: int) -> Path:
+    d = Path(output_dir) / f"rank_{rank}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PmxError(f"{d}: cannot create the output directory ({e.strerror})") from None
+    return d
