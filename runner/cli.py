@@ -1,6 +1,6 @@
 """Command line: `python -m runner <command>` / `pmx-runner <command>`.
 
-Commands: convert, split, merge (PMX layer); generate, replay, compare (engine). Each is a plain, typed function;
+Commands: convert, split, merge (PMX layer); generate, replay, compare, bench (engine). Each is a plain, typed function;
 fire turns it into flags, so `--input_dir X` and `--input-dir X` both work. A :class:`PmxError`
 ends the program with its message on stderr and exit status 2, without a traceback.
 """
@@ -121,8 +121,39 @@ def compare(dir_a: str, dir_b: str, metric: str = "snr", threshold: Optional[flo
         sys.exit(status)
 
 
+def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 16 32 64 128 256",
+          input_len: int = 8, tokens_file: Optional[str] = None, gen_len: int = 256, warmup_loops: int = 1,
+          benchmark_loops: int = 1, quantized_cache: bool = False, cache_layout: int = 0, cache_mode: int = 0,
+          device: str = "auto", dtype: str = "auto", seed: int = 0, csv: Optional[str] = None,
+          progress: bool = True) -> None:
+    """Throughput per batch size (ppl.llm.serving's benchmark_llama); one CSV line per batch size:
+    batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib). Run under mpirun -np N for tensor parallelism.
+
+    Args:
+        model: a PMX directory split into N shards; with --random_weights also a bare pmx_params.json.
+        random_weights: random weights in the model's shapes (no checkpoint read; any N the shapes allow).
+        batch_sizes: batch sizes, e.g. "1 2 4" or 1,2,4.
+        input_len: prompt tokens per sequence (random ids) when no tokens_file.
+        tokens_file: prompts as token ids, one per line (e.g. tokens_input_8).
+        gen_len: tokens generated per sequence (no early stop).
+        warmup_loops: untimed generations per batch size.
+        benchmark_loops: timed generations per batch size, averaged.
+        quantized_cache: int8 KV cache.
+        cache_layout: 0..3.
+        cache_mode: 0 offset, 1 paged.
+        device: auto, cpu or cuda.
+        dtype: auto, float32, float16 or bfloat16.
+        seed: seed of the random prompts and weights.
+        csv: also write the CSV to this file.
+        progress: progress lines on stderr.
+    """
+    from runner.engine.bench import bench as _bench
+    _bench(model, random_weights, batch_sizes, input_len, tokens_file, gen_len, warmup_loops, benchmark_loops,
+           quantized_cache, cache_layout, cache_mode, device, dtype, seed, csv, progress)
+
+
 COMMANDS: dict[str, Callable] = {"make_random_model": make_random_model, "convert": convert, "split": split, "merge": merge, "generate": generate,
-                               "replay": replay, "compare": compare}
+                               "replay": replay, "compare": compare, "bench": bench}
 
 
 def run(component, argv: list[str] | None = None) -> None:

@@ -97,8 +97,9 @@ def _fmt(x: float) -> str:
 
 def compare(dir_a: str, dir_b: str, metric: str = "snr", threshold: Optional[float] = None,
             csv: Optional[str] = None, tensors: Union[str, Sequence[str], None] = None,
-            steps: Union[str, int, Sequence[int], None] = None, out=sys.stdout) -> int:
+            steps: Union[str, int, Sequence[int], None] = None, out=None) -> int:
     """Prints the comparison table (and writes it as CSV); returns the exit status."""
+    out = out or sys.stdout
     tensors = [tensors] if isinstance(tensors, str) and "," not in tensors else \
         (tensors.split(",") if isinstance(tensors, str) else tensors)
     if isinstance(steps, str):

@@ -9,6 +9,7 @@ on EOS or at max_gen_len. Rank 0 samples; the tokens are broadcast so every rank
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -87,7 +88,10 @@ class Generator:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_gen_len: int, sampling: SamplingParams = SamplingParams(),
                  eos_ids: Sequence[int] = (), stats: Optional[dict] = None) -> list[list[int]]:
-        """Generated ids (prompt excluded, EOS excluded) for each prompt."""
+        """Generated ids (prompt excluded, EOS excluded) for each prompt.
+
+        `stats`, when given, receives "steps" (engine steps run) and "step_seconds" (wall time of each).
+        """
         p = self.model.params
         if max_gen_len < 1:
             raise PmxError(f"--max_gen_len must be >= 1, got {max_gen_len}")
@@ -109,7 +113,9 @@ class Generator:
         active: list[_Seq] = []
         results: list[list[int]] = [[] for _ in prompts]
         step, eos = 0, set(eos_ids)
+        step_seconds = stats.setdefault("step_seconds", []) if stats is not None else None
         while waiting or active:
+            t_step = time.perf_counter()
             while waiting and len(active) < self.max_batch:
                 i, pr, n = waiting[0]
                 handle = alloc.take(self._rows_needed(n))
@@ -140,6 +146,8 @@ class Generator:
                     else:
                         s.generated.append(t)
                         s.tokens.append(t)
+            if step_seconds is not None:  # the broadcast token has reached the host: the step is over
+                step_seconds.append(time.perf_counter() - t_step)
             for s in list(active):
                 if s.max_len == 0 or len(s.tokens) >= s.max_len or len(s.generated) >= max_gen_len:
                     results[s.index] = s.generated

@@ -68,6 +68,22 @@ def load_shard(ckpt_dir: Path, rank: int, device: torch.device, dtype: torch.dty
     return params, weights
 
 
+def random_shard(params: PmxParams, rank: int, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
+    """Random weights in the shapes of rank `rank`'s shard (for benchmarks without a checkpoint): matrices
+    N(0, 0.02^2), norms 1, biases 0, so activations stay in range as in a trained model."""
+    g = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
+    out = {}
+    for name, full in pmx_tensors(params).items():
+        shape = shard_shape(params, name, full)
+        if "norm" in name:
+            out[name] = torch.ones(shape, dtype=dtype, device=device)
+        elif name.endswith(".bias"):
+            out[name] = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            out[name] = (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype)
+    return out
+
+
 class Transformer:
     """One rank of the model. `forward` is ppl.pmx's dynamic-batching step.
 

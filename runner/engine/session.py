@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 
-from runner.engine.model import EngineOptions, Transformer, load_shard
+from runner.engine.model import EngineOptions, Transformer, load_shard, random_shard
 from runner.errors import PmxError
 from runner.parallel.comm import DEFAULT_TIMEOUT_S, make_comm
 from runner.parallel.launch import LaunchEnv, detect, set_cpu_threads
+from runner.pmx.shard import sharded_params, unsharded_params
 from runner.pmx.store import DTYPE_NAMES
 
 
@@ -56,7 +57,11 @@ def pick_dtype(dtype: str, params_dtype: str, device: torch.device) -> torch.dty
 
 
 def open_session(ckpt_dir: str, options: EngineOptions = EngineOptions(), device: str = "auto",
-                 dtype: str = "auto", comm_backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> Session:
+                 dtype: str = "auto", comm_backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 random_weights: bool = False, seed: int = 0) -> Session:
+    """This rank's engine. `ckpt_dir` is a PMX directory split into as many shards as ranks; with
+    `random_weights` it may also be a bare pmx_params.json, cut for the ranks started, and the shard is
+    random (see :func:`runner.engine.model.random_shard`)."""
     env = detect()
     dev = pick_device(device, env)
     if dev.type == "cpu":
@@ -65,10 +70,16 @@ def open_session(ckpt_dir: str, options: EngineOptions = EngineOptions(), device
         torch.cuda.set_device(dev)
     from runner.pmx.params import PmxParams
     params = PmxParams.load(Path(ckpt_dir))
-    if params.num_shards != env.world_size:
+    if random_weights:
+        params = sharded_params(unsharded_params(params), env.world_size)
+    elif params.num_shards != env.world_size:
         raise PmxError(f"{ckpt_dir}: the model is split into {params.num_shards} shard(s) but {env.world_size} "
                        f"rank(s) were started; launch -np {params.num_shards} or split it with "
                        f"scripts/Split.py --num_shards {env.world_size}")
     comm = make_comm(env, dev, comm_backend, timeout_s)
-    _, weights = load_shard(Path(ckpt_dir), env.rank, dev, pick_dtype(dtype, params.dtype, dev))
+    torch_dtype = pick_dtype(dtype, params.dtype, dev)
+    if random_weights:
+        weights = random_shard(params, env.rank, dev, torch_dtype, seed)
+    else:
+        _, weights = load_shard(Path(ckpt_dir), env.rank, dev, torch_dtype)
     return Session(env, dev, comm, Transformer(params, weights, comm, options))

@@ -103,7 +103,9 @@ class PmxParams:
 
     @classmethod
     def load(cls, directory: Path) -> "PmxParams":
-        path = Path(directory) / PARAMS_FILE
+        """From a PMX directory, or from a params file given directly (e.g. for random-weight benchmarks)."""
+        path = Path(directory)
+        path = path if path.suffix == ".json" and not path.is_dir() else path / PARAMS_FILE
         if not path.is_file():
             raise PmxError(f"{path}: not found; a PMX directory holds {PARAMS_FILE} and model.XX.safetensors")
         try:
