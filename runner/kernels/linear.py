@@ -2,8 +2,9 @@
 
 On CPU in float32 the weight is reordered once, at load, into oneDNN's blocked layout and applied
 with oneDNN's matmul: 1.3-2x faster than `F.linear` (MKL) at the small row counts of decoding on
-this project's CPU box (see benchmarks/RESULTS.md). Elsewhere (GPU, half precision, a torch without
-oneDNN) it is plain `F.linear` on the [out, in] weight.
+this project's CPU box (see benchmarks/RESULTS.md). oneDNN costs about 20 us per call, so small
+weights (under PREPACK_MIN_NUMEL elements, where MKL is faster) stay plain. Elsewhere (GPU, half
+precision, a torch without oneDNN) it is plain `F.linear` on the [out, in] weight.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+PREPACK_MIN_NUMEL = 1 << 19  # below this, MKL's F.linear wins on the measured CPU (M = 1 and 16)
+
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.numel() >= PREPACK_MIN_NUMEL
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
