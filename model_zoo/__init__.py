@@ -9,10 +9,12 @@ from __future__ import annotations
 from model_zoo.decoder import DecoderFamily
 from model_zoo.llama import LLAMA
 from model_zoo.mistral import MISTRAL
+from model_zoo.mixtral import MIXTRAL
 from model_zoo.qwen2 import QWEN2
+from model_zoo.qwen3 import QWEN3
 from runner.errors import PmxError
 
-FAMILIES: tuple[DecoderFamily, ...] = (LLAMA, MISTRAL, QWEN2)
+FAMILIES: tuple[DecoderFamily, ...] = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3)
 
 
 def family_for(config: dict, source: str = "config.json") -> DecoderFamily:

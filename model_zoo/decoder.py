@@ -24,6 +24,7 @@ class TensorSource:
     hf_names: tuple          # candidates, the first present is used (tied embeddings have two names)
     shape: tuple             # expected HF shape
     rotary_heads: int = 0    # > 0: rows are rotate-half q/k of this many heads; un-permute to interleaved pairs
+    stacked: tuple = ()      # MoE: the HF tensors (one per expert) stacked along a new first axis
 
 
 def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -67,18 +68,50 @@ def hf_names(pmx_name: str) -> tuple:
     return (f"model.layers.{i}.{HF_SUFFIX['.'.join(rest[:-1])]}.{rest[-1]}",)
 
 
-def _rope(config: dict) -> tuple[float, Optional[dict]]:
-    """(rope_theta, rope_scaling) from either the transformers<5 or the transformers>=5 config style."""
+def _rope(config: dict, source: str = "config.json") -> tuple[float, Optional[dict]]:
+    """(rope_theta, rope_scaling) from either the transformers<5 or the transformers>=5 config style.
+
+    As transformers does, llama3 / yarn scaling without `original_max_position_embeddings` takes the
+    config's top-level one, else max_position_embeddings, so the params are complete on their own.
+    """
     rp = config.get("rope_parameters")
     if isinstance(rp, dict):
         theta = float(rp.get("rope_theta", config.get("rope_theta", 10000.0)))
-        kind = rp.get("rope_type", rp.get("type", "default"))
-        scaling = None if kind == "default" else {k: v for k, v in rp.items() if k != "rope_theta"}
-        return theta, scaling
-    scaling = config.get("rope_scaling")
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
-    return float(config.get("rope_theta", 10000.0)), scaling
+        scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+    else:
+        theta, scaling = float(config.get("rope_theta", 10000.0)), dict(config.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if float(scaling.get("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise PmxError(f"{source}: partial_rotary_factor != 1 is not supported")
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_TYPES:
+        raise PmxError(f"{source}: rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    scaling.pop("partial_rotary_factor", None)
+    if kind in ("llama3", "yarn") and not scaling.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = int(
+            config.get("original_max_position_embeddings") or config.get("max_position_embeddings", 2048))
+    return theta, scaling
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def _sliding_window(c: dict, key: Optional[str], source: str) -> Optional[int]:
+    """The window every layer uses, None for full attention; per-layer mixes are refused, not ignored."""
+    if key is None or not c.get(key) or not c.get("sliding_window"):
+        return None
+    window, layers = int(c["sliding_window"]), int(c["num_hidden_layers"])
+    kinds = set(c.get("layer_types") or [])
+    if not kinds and "max_window_layers" in c:  # Qwen: layers >= max_window_layers slide
+        first = int(c["max_window_layers"])
+        kinds = {"full_attention"} if first >= layers else {"sliding_attention"} | ({"full_attention"} if first else set())
+    if kinds == {"full_attention"}:
+        return None
+    if kinds - {"sliding_attention"}:
+        raise PmxError(f"{source}: some layers use a sliding window and others full attention "
+                       f"({sorted(kinds)}); only one kind for all layers is supported")
+    return window
 
 
 @dataclass(frozen=True)
@@ -88,6 +121,8 @@ class DecoderFamily:
     qkv_bias: Optional[bool] = None              # None: from config "attention_bias"
     o_bias: Optional[bool] = None                # None: from config "attention_bias"
     sliding_window_key: Optional[str] = None     # config key whose truthiness enables "sliding_window"
+    qk_norm: bool = False                        # per-head RMSNorm of q and k (self_attn.q_norm / k_norm)
+    moe_module: Optional[str] = None             # MoE: HF module of router `gate` and `experts.{e}.w1/w2/w3`
     ignored: tuple = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)  # known, unused HF buffers
 
     def params(self, config: dict, dtype: str, source: str = "config.json") -> PmxParams:
@@ -96,14 +131,13 @@ class DecoderFamily:
             hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
             kv_heads = int(c.get("num_key_value_heads") or heads)
             head_dim = int(c.get("head_dim") or hidden // heads)
-            theta, scaling = _rope(c)
+            theta, scaling = _rope(c, source)
             act = c.get("hidden_act", "silu")
             if act != "silu":
                 raise PmxError(f"{source}: hidden_act {act!r} is not supported (expected 'silu')")
             attn_bias = bool(c.get("attention_bias", False))
-            window = None
-            if self.sliding_window_key is not None and c.get(self.sliding_window_key) and c.get("sliding_window"):
-                window = int(c["sliding_window"])
+            window = _sliding_window(c, self.sliding_window_key, source)
+            experts = int(c.get("num_local_experts") or 0) if self.moe_module else 0
             return PmxParams(
                 model_type=self.name, architecture=c["architectures"][0],
                 hidden_dim=hidden, intermediate_dim=int(c["intermediate_size"]),
@@ -114,6 +148,8 @@ class DecoderFamily:
                 qkv_bias=attn_bias if self.qkv_bias is None else self.qkv_bias,
                 o_bias=attn_bias if self.o_bias is None else self.o_bias,
                 ffn_bias=bool(c.get("mlp_bias", False)), sliding_window=window, hidden_act=act,
+                qk_norm=self.qk_norm, num_experts=experts,
+                num_experts_per_token=int(c["num_experts_per_tok"]) if experts else 0,
                 tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
                 bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"),
                 pad_token_id=c.get("pad_token_id"), dtype=dtype,
@@ -125,7 +161,17 @@ class DecoderFamily:
         """Every PMX tensor of an unsplit model, in file order, with its HF origin and expected shape."""
         out = []
         for name, shape in pmx_tensors(p).items():
-            rotary = {"wq": p.num_heads, "wk": p.num_kv_heads}.get(name.split(".")[-2], 0) if ".attention." in name else 0
+            module = name.split(".")[-2]
+            rotary = {"wq": p.num_heads, "wk": p.num_kv_heads, "q_norm": 1, "k_norm": 1}.get(module, 0) \
+                if ".attention." in name else 0  # q/k rows (and the q/k norm weights) to interleaved pairs
+            if p.num_experts and ".feed_forward." in name:
+                i, hf = name.split(".")[1], f"model.layers.{name.split('.')[1]}.{self.moe_module}"
+                if module == "gate":
+                    out.append(TensorSource(name, (f"{hf}.gate.weight",), shape))
+                else:
+                    experts = tuple(f"{hf}.experts.{e}.{module}.weight" for e in range(p.num_experts))
+                    out.append(TensorSource(name, experts[:1], shape, stacked=experts))
+                continue
             out.append(TensorSource(name, hf_names(name), shape, rotary))
         return out
 

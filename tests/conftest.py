@@ -38,6 +38,14 @@ ARCH_CONFIGS = {
     "qwen2": ("Qwen2Config", dict(hidden_size=64, intermediate_size=88, num_attention_heads=4,
                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=120,
                                   tie_word_embeddings=True, rope_theta=1000000.0)),
+    "mistral_window": ("MistralConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                                             num_key_value_heads=4, num_hidden_layers=2, vocab_size=96, head_dim=8,
+                                             sliding_window=5)),
+    "qwen3": ("Qwen3Config", dict(hidden_size=48, intermediate_size=72, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, num_hidden_layers=2, vocab_size=90)),  # 4 x 16 != 48
+    "mixtral": ("MixtralConfig", dict(hidden_size=64, intermediate_size=42, num_attention_heads=8,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=100, num_local_experts=4,
+                                      num_experts_per_tok=2, experts_implementation="eager")),
 }
 
 
@@ -48,6 +56,9 @@ def save_hf(model, directory: Path, fmt: str = "safetensors", num_files: int = 1
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(directory)
     sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if any(".experts." in k for k in sd):  # transformers 5 fuses experts in memory; save_pretrained writes the hub layout
+        model.save_pretrained(directory)
+        return directory
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     names = list(sd)
@@ -83,6 +94,8 @@ def make_hf(tmp_path):
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight") or name.endswith(".bias"):
                     p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("norm.weight") else 0.0))
+                if name.endswith("mlp.gate.weight"):  # a decisive router: no near-ties between experts
+                    p.mul_(50)
         d = save_hf(model, tmp_path / f"{arch}-{fmt}-{num_files}-{seed}", fmt, num_files)
         return d, model
     return make

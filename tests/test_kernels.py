@@ -24,29 +24,44 @@ def test_rms_norm_matches_transformers():
     torch.testing.assert_close(y, norm(x + skip), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0},
-                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
-def test_rotary_matches_transformers(scaling):
+ROPE_CASES = [None, {"rope_type": "linear", "factor": 4.0},
+              {"rope_type": "dynamic", "factor": 3.0},
+              {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+              {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+              {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 16,
+               "beta_slow": 2, "mscale": 1.2, "mscale_all_dim": 0.8, "truncate": False}]
+
+
+@pytest.mark.parametrize("scaling", ROPE_CASES, ids=lambda c: "default" if not c else c["rope_type"])
+@pytest.mark.parametrize("max_pos", [64, 512])
+def test_rotary_matches_transformers(scaling, max_pos):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
     H, D, T = 3, 12, 9
-    cfg = LlamaConfig(hidden_size=H * D, num_attention_heads=H, head_dim=D, max_position_embeddings=512,
+    cfg = LlamaConfig(hidden_size=H * D, num_attention_heads=H, head_dim=D, max_position_embeddings=max_pos,
                       rope_scaling=dict(scaling) if scaling else None, rope_theta=500.0)
-    pos = torch.tensor([0, 1, 2, 7, 100, 101, 300, 5, 6])
+    pos = torch.tensor([0, 1, 2, 7, 100, 101, 300, 5, 6])  # beyond max_pos=64: dynamic NTK rescales the base
     q = torch.randn(1, H, T, D)  # HF rotate-half layout
     cos, sin = LlamaRotaryEmbedding(cfg)(q, pos[None])
     want, _ = apply_rotary_pos_emb(q, q, cos, sin)
-    c, s = ref.rope_cos_sin(pos, ref.rope_inv_freq(D, 500.0, scaling))
+    c, s = ref.Rotary(D, 500.0, scaling, max_pos, torch.device("cpu")).cos_sin(pos)
     x = unpermute_rotary(q[0].transpose(0, 1).reshape(T, H * D).T, H).T.reshape(T, H, D)  # to interleaved
     got = ref.apply_rotary(x, c, s)
     want_i = unpermute_rotary(want[0].transpose(0, 1).reshape(T, H * D).T, H).T.reshape(T, H, D)
     torch.testing.assert_close(got, want_i, rtol=1e-5, atol=1e-5)
 
 
+def test_dynamic_ntk_only_rescales_beyond_max_positions():
+    rot = ref.Rotary(16, 1e4, {"rope_type": "dynamic", "factor": 2.0}, 32, torch.device("cpu"))
+    short, long = torch.arange(20), torch.arange(50)
+    torch.testing.assert_close(rot.cos_sin(short)[0], ref.rope_cos_sin(short, ref.rope_inv_freq(16, 1e4))[0])
+    assert not torch.allclose(rot.cos_sin(long)[0][:20], rot.cos_sin(short)[0])
+
+
 def test_unknown_rope_scaling_is_refused():
-    with pytest.raises(NotImplementedError, match="yarn"):
-        ref.rope_inv_freq(8, 1e4, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(NotImplementedError, match="longrope"):
+        ref.rope_inv_freq(8, 1e4, {"rope_type": "longrope", "factor": 2.0})
 
 
 def test_swiglu():

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from runner.errors import PmxError
 from runner.kernels import reference as ref
+from runner.kernels.linear import Linear
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from runner.pmx.params import PmxParams, shard_file
 from runner.pmx.schema import pmx_tensors
@@ -107,10 +108,10 @@ class Transformer:
         w = weights
         self.dtype = w["norm.weight"].dtype
         self.device = w["norm.weight"].device
-        if p.num_experts:
-            raise PmxError("mixture-of-experts models (num_experts > 0) are not supported by this engine yet")
+        if p.num_experts and p.ffn_bias:
+            raise PmxError("mixture-of-experts models with MLP biases are not supported")
         self.embed = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
-        self.inv_freq = ref.rope_inv_freq(p.head_dim, p.rope_theta, p.rope_scaling).to(self.device)
+        self.rotary = ref.Rotary(p.head_dim, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
 
         def dense(kind, names, bias_on):
             """One linear layer of the concatenated weights `names` (several GEMMs when not fused)."""
@@ -119,20 +120,32 @@ class Transformer:
             return kind(torch.cat(ws) if len(ws) > 1 else ws[0],
                         (torch.cat(bs) if len(bs) > 1 else bs[0]) if bias_on else None, comm, prepack=o.prepack)
 
+        def experts(m):
+            """Each expert's gate/up (fused or not) and down projection, cut like a dense MLP; no all-reduce
+            per expert: the MoE block reduces once."""
+            w1, w3, w2 = (w.pop(f"{m}.{x}.weight") for x in ("w1", "w3", "w2"))  # [E, F/n, D], [E, D, F/n]
+            return [dict(gate_up=[Linear(torch.cat([w1[e], w3[e]]), prepack=o.prepack)] if o.fused_ffn_glu else
+                         [Linear(w1[e].contiguous(), prepack=o.prepack), Linear(w3[e].contiguous(), prepack=o.prepack)],
+                         w2=Linear(w2[e].contiguous(), prepack=o.prepack)) for e in range(p.num_experts)]
+
         self.layers = []
         for i in range(p.num_layers):
             a, m = f"layers.{i}.attention", f"layers.{i}.feed_forward"
             qkv, gu = [f"{a}.{x}" for x in ("wq", "wk", "wv")], [f"{m}.w1", f"{m}.w3"]
-            self.layers.append(dict(
+            layer = dict(
                 attn_norm=w.pop(f"layers.{i}.attention_norm.weight"), ffn_norm=w.pop(f"layers.{i}.ffn_norm.weight"),
                 q_norm=w.pop(f"{a}.q_norm.weight", None), k_norm=w.pop(f"{a}.k_norm.weight", None),
                 qkv=[dense(ColumnParallelLinear, qkv, p.qkv_bias)] if o.fused_qkv else
                     [dense(ColumnParallelLinear, [n], p.qkv_bias) for n in qkv],
-                gate_up=[dense(ColumnParallelLinear, gu, p.ffn_bias)] if o.fused_ffn_glu else
-                        [dense(ColumnParallelLinear, [n], p.ffn_bias) for n in gu],
                 wo=dense(RowParallelLinear, [f"{a}.wo"], p.o_bias),
-                w2=dense(RowParallelLinear, [f"{m}.w2"], p.ffn_bias),
-            ))
+            )
+            if p.num_experts:
+                layer.update(router=w.pop(f"{m}.gate.weight"), experts=experts(m))
+            else:
+                layer.update(gate_up=[dense(ColumnParallelLinear, gu, p.ffn_bias)] if o.fused_ffn_glu else
+                             [dense(ColumnParallelLinear, [n], p.ffn_bias) for n in gu],
+                             w2=dense(RowParallelLinear, [f"{m}.w2"], p.ffn_bias))
+            self.layers.append(layer)
         self.norm = w.pop("norm.weight")
         self.output = ColumnParallelLinear(w.pop("output.weight"), None, comm, gather_output=True, prepack=o.prepack)
 
@@ -172,7 +185,7 @@ class Transformer:
         offs = torch.arange(T, device=dev) - seqstarts[bot]
         positions = start_pos[bot] + offs
         slots = ref.token_slots(cachestarts.to(dev), positions, bot, o.cache_mode)
-        cos, sin = ref.rope_cos_sin(positions, self.inv_freq)
+        cos, sin = self.rotary.cos_sin(positions)
         if o.fused_kvcache:  # what each sequence's padded query rows may see, and where its history lies
             kv_pos = torch.arange(max_kv, device=dev)[None, :].expand(B, max_kv)
             hist_slots = ref.token_slots(cachestarts.to(dev), torch.minimum(kv_pos, (kvlens - 1)[:, None]),
@@ -194,10 +207,24 @@ class Transformer:
             attn = self._attention(i, layer, h, cos, sin, slots, plan, kv_cache, kv_scale, attn_mask, seqstarts,
                                    kvstarts, start_pos)
             h, residual = ref.skip_rms_norm(layer["wo"](attn), residual, layer["ffn_norm"], p.norm_eps)
-            x = layer["w2"](self._glu(layer, h))
+            x = self._moe(layer, h) if "experts" in layer else layer["w2"](self._glu(layer, h))
         last = seqstarts[1:] - 1
         h, _ = ref.skip_rms_norm(x[last], residual[last], self.norm, p.norm_eps)
         return self.output(h)[:, : p.vocab_size].float()
+
+    def _moe(self, layer, h):
+        """Mixtral's sparse MLP: softmax over the router logits, the top k experts per token with their
+        probabilities renormalised to sum 1, sum_k p_k * expert_k(h). Each rank holds every expert's
+        F/N slice, so the weighted partial sums are all-reduced once."""
+        probs = F.linear(h, layer["router"]).float().softmax(-1)                  # (T, E)
+        weight, chosen = probs.topk(self.params.num_experts_per_token, dim=-1)    # (T, k)
+        weight = (weight / weight.sum(-1, keepdim=True)).to(h.dtype)
+        out = torch.zeros_like(h)
+        for e in chosen.unique().tolist():
+            tok, slot = (chosen == e).nonzero(as_tuple=True)
+            expert = layer["experts"][e]
+            out.index_add_(0, tok, expert["w2"](self._glu(expert, h[tok])) * weight[tok, slot, None])
+        return self.comm.all_reduce_(out)
 
     def _glu(self, layer, h):
         if len(layer["gate_up"]) == 1:

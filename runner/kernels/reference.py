@@ -31,16 +31,33 @@ def skip_rms_norm(x: torch.Tensor, skip: Optional[torch.Tensor], weight: torch.T
 
 
 # --- rotary embedding ------------------------------------------------------------------------
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None) -> torch.Tensor:
-    """inv_freq[j] = theta^(-2j/D), j < D/2, adjusted by the HF `rope_scaling` dict.
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None, max_position_embeddings: int = 0,
+                  seq_len: int = 0) -> torch.Tensor:
+    """inv_freq[j] = theta^(-2j/D), j < D/2, adjusted by the HF `rope_scaling` dict (`rope_type`):
 
     - linear: inv_freq / factor (positions are divided by factor).
+    - dynamic (NTK): for a sequence of seq_len > max_position_embeddings (M) tokens the base becomes
+      theta * (factor * seq_len / M - (factor - 1)) ^ (D / (D - 2)); unchanged up to M.
     - llama3: wavelengths above original_max / low_freq_factor are divided by factor, those below
       original_max / high_freq_factor are kept, and the band between is interpolated smoothly.
-    (dynamic NTK and yarn depend on more than the position; see :func:`rope_cos_sin`.)
+    - yarn: dims rotating fewer than beta_slow (1) times over original_max positions are interpolated
+      (inv_freq / factor), those rotating more than beta_fast (32) times are kept, with a linear ramp
+      between (correction range floored / ceiled unless truncate is false); cos and sin are also
+      scaled by :func:`rope_attention_scale`.
     """
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    ar = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     kind = rope_type(scaling)
+    if kind == "dynamic":
+        m = max_position_embeddings
+        if not m:
+            raise ValueError("dynamic rope scaling needs max_position_embeddings")
+        seq_len = max(seq_len, m)
+        theta = theta * ((float(scaling["factor"]) * seq_len / m) - (float(scaling["factor"]) - 1)) ** (
+            head_dim / (head_dim - 2))
+        return 1.0 / (theta ** ar)
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, max_position_embeddings)
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if kind == "default":
         return inv.float()
     if kind == "linear":
@@ -53,7 +70,50 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None) -
         scaled = torch.where(wavelen > old / lo, inv / factor, inv)
         mid = (wavelen <= old / lo) & (wavelen >= old / hi)
         return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
-    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, dynamic, "
+                              f"llama3, yarn)")
+
+
+def _yarn_factor(scaling: dict, max_position_embeddings: int) -> float:
+    factor = scaling.get("factor")
+    return float(factor) if factor is not None else max_position_embeddings / float(
+        scaling["original_max_position_embeddings"])
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict, max_position_embeddings: int) -> torch.Tensor:
+    factor = _yarn_factor(scaling, max_position_embeddings)
+    old = float(scaling.get("original_max_position_embeddings") or max_position_embeddings)
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations):  # the dim that turns `rotations` times over `old` positions
+        return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def rope_attention_scale(scaling: Optional[dict], max_position_embeddings: int = 0) -> float:
+    """The factor cos and sin are multiplied by: 1, except for yarn: attention_factor, or
+    0.1 ln(factor) + 1 (with mscale / mscale_all_dim: the ratio of those two such terms)."""
+    if rope_type(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling, max_position_embeddings)
+
+    def mscale(m=1.0):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
 
 
 def rope_type(scaling: Optional[dict]) -> str:
@@ -62,10 +122,35 @@ def rope_type(scaling: Optional[dict]) -> str:
     return scaling.get("rope_type", scaling.get("type", "default"))
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
-    """cos, sin of positions[T] x inv_freq[D/2] -> two [T, D/2] float32 tensors."""
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0):
+    """cos, sin of positions[T] x inv_freq[D/2] (times `scale`) -> two [T, D/2] float32 tensors."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
-    return freqs.cos(), freqs.sin()
+    if scale == 1.0:
+        return freqs.cos(), freqs.sin()
+    return freqs.cos() * scale, freqs.sin() * scale
+
+
+class Rotary:
+    """The rotary tables of one model: cos/sin for the positions of a step.
+
+    Static kinds precompute inv_freq once. Dynamic NTK recomputes it from the step's longest sequence
+    (max position + 1), as transformers does in each forward call of a growing sequence.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: Optional[dict], max_position_embeddings: int,
+                 device: torch.device):
+        self.head_dim, self.theta, self.scaling, self.max_pos = head_dim, theta, scaling, max_position_embeddings
+        self.dynamic = rope_type(scaling) == "dynamic"
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings).to(device)
+        self.scale = rope_attention_scale(scaling, max_position_embeddings)
+
+    def cos_sin(self, positions: torch.Tensor):
+        inv = self.inv_freq
+        if self.dynamic:
+            seq_len = int(positions.max()) + 1
+            if seq_len > self.max_pos:
+                inv = rope_inv_freq(self.head_dim, self.theta, self.scaling, self.max_pos, seq_len).to(positions.device)
+        return rope_cos_sin(positions, inv, self.scale)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,16 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
     stored = lambda n: ckpt.aliases.get(n, n)  # noqa: E731 (the name a tied alias is stored under)
     sources, used = {}, set()
     for src in family.tensor_sources(params):
+        if src.stacked:  # MoE experts: one HF tensor per expert, stacked [E, out, in]
+            for n in src.stacked:
+                if n not in available:
+                    raise PmxError(f"{input_dir}: missing tensor {n!r} (needed for {src.pmx_name})")
+                if tuple(ckpt.shape(stored(n))) != tuple(src.shape[1:]):
+                    raise PmxError(f"{ckpt.locate(stored(n))}: tensor {n!r} has shape {list(ckpt.shape(stored(n)))}, "
+                                   f"expected {list(src.shape[1:])} from config.json")
+            sources[src.pmx_name] = (src, None)
+            used.update(stored(n) for n in src.stacked)
+            continue
         hf = next((n for n in src.hf_names if n in available), None)
         if hf is None:
             raise PmxError(f"{input_dir}: missing tensor {src.hf_names[0]!r} (needed for {src.pmx_name})")
@@ -89,7 +99,7 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
 
     def fetch(name: str) -> torch.Tensor:
         src, hf = sources[name]
-        t = ckpt.get(hf)
+        t = torch.stack([ckpt.get(stored(n)) for n in src.stacked]) if src.stacked else ckpt.get(hf)
         if src.rotary_heads:
             t = unpermute_rotary(t, src.rotary_heads)
         return t.to(target)
