@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +38,15 @@ class EngineOptions:
     cache_layout: int = 0         # 0..3, see runner.kernels.reference.cache_shape
     cache_mode: int = 0           # 0 offset, 1 paged (page size 128)
     prepack: bool = True          # CPU float32: weights reordered once for oneDNN (runner.kernels.linear)
+    kernels: str = "auto"         # auto (Triton on CUDA, reference elsewhere), triton, reference
 
     def __post_init__(self):
         if self.cache_layout not in (0, 1, 2, 3):
             raise PmxError(f"--cache_layout must be 0, 1, 2 or 3, got {self.cache_layout}")
         if self.cache_mode not in (0, 1):
             raise PmxError(f"--cache_mode must be 0 (offset) or 1 (paged), got {self.cache_mode}")
+        if self.kernels not in ("auto", "triton", "reference"):
+            raise PmxError(f"--kernels must be auto, triton or reference, got {self.kernels!r}")
         if not self.auto_causal and self.fused_kvcache:
             raise PmxError("--auto_causal False needs --fused_kvcache False (the explicit mask is applied by "
                            "the unfused attention)")
@@ -85,6 +88,30 @@ def random_shard(params: PmxParams, rank: int, device: torch.device, dtype: torc
     return out
 
 
+class DecodePlan(NamedTuple):
+    """A step where every sequence decodes one token: attention runs straight on the cache."""
+    cachestarts: torch.Tensor
+    kvlens: torch.Tensor
+    max_kvlen: int
+
+
+def pick_kernels(kind: str, device: torch.device):
+    """The module whose skip_rms_norm / apply_rotary / swiglu / kv_store the engine calls: Triton's fused
+    kernels on CUDA (when Triton is installed), the torch reference elsewhere or when asked for."""
+    import os
+    if kind == "reference" or (kind == "auto" and device.type != "cuda"):
+        return ref
+    try:
+        from runner.kernels import triton_ops
+    except ImportError:
+        if kind == "triton":
+            raise PmxError("--kernels triton needs the triton package (pip install triton)") from None
+        return ref
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise PmxError("--kernels triton runs on CUDA devices (or on CPU under TRITON_INTERPRET=1, slowly)")
+    return triton_ops
+
+
 class Transformer:
     """One rank of the model. `forward` is ppl.pmx's dynamic-batching step.
 
@@ -110,6 +137,7 @@ class Transformer:
         self.device = w["norm.weight"].device
         if p.num_experts and p.ffn_bias:
             raise PmxError("mixture-of-experts models with MLP biases are not supported")
+        self.ops = pick_kernels(o.kernels, self.device)
         self.embed = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
         self.rotary = ref.Rotary(p.head_dim, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
 
@@ -186,7 +214,9 @@ class Transformer:
         positions = start_pos[bot] + offs
         slots = ref.token_slots(cachestarts.to(dev), positions, bot, o.cache_mode)
         cos, sin = self.rotary.cos_sin(positions)
-        if o.fused_kvcache:  # what each sequence's padded query rows may see, and where its history lies
+        if o.fused_kvcache and max_s == 1 and self.ops is not ref:  # every sequence decodes: the fused kernel
+            plan = DecodePlan(cachestarts.to(dev), kvlens, max_kv)
+        elif o.fused_kvcache:  # what each sequence's padded query rows may see, and where its history lies
             kv_pos = torch.arange(max_kv, device=dev)[None, :].expand(B, max_kv)
             hist_slots = ref.token_slots(cachestarts.to(dev), torch.minimum(kv_pos, (kvlens - 1)[:, None]),
                                          torch.arange(B, device=dev)[:, None].expand(B, max_kv), o.cache_mode)
@@ -203,13 +233,13 @@ class Transformer:
         x = self.embed(token_ids.to(dev))
         residual = None
         for i, layer in enumerate(self.layers):
-            h, residual = ref.skip_rms_norm(x, residual, layer["attn_norm"], p.norm_eps)
+            h, residual = self.ops.skip_rms_norm(x, residual, layer["attn_norm"], p.norm_eps)
             attn = self._attention(i, layer, h, cos, sin, slots, plan, kv_cache, kv_scale, attn_mask, seqstarts,
                                    kvstarts, start_pos)
-            h, residual = ref.skip_rms_norm(layer["wo"](attn), residual, layer["ffn_norm"], p.norm_eps)
+            h, residual = self.ops.skip_rms_norm(layer["wo"](attn), residual, layer["ffn_norm"], p.norm_eps)
             x = self._moe(layer, h) if "experts" in layer else layer["w2"](self._glu(layer, h))
         last = seqstarts[1:] - 1
-        h, _ = ref.skip_rms_norm(x[last], residual[last], self.norm, p.norm_eps)
+        h, _ = self.ops.skip_rms_norm(x[last], residual[last], self.norm, p.norm_eps)
         return self.output(h)[:, : p.vocab_size].float()
 
     def _moe(self, layer, h):
@@ -231,7 +261,7 @@ class Transformer:
             gate, up = layer["gate_up"][0](h).chunk(2, dim=-1)
         else:
             gate, up = (lin(h) for lin in layer["gate_up"])
-        return ref.swiglu(gate, up)
+        return self.ops.swiglu(gate, up)
 
     def _attention(self, i, layer, h, cos, sin, slots, plan, kv_cache, kv_scale, attn_mask, seqstarts, kvstarts,
                    start_pos):
@@ -245,14 +275,18 @@ class Transformer:
         if layer["q_norm"] is not None:
             q = ref.rms_norm(q, layer["q_norm"], self.params.norm_eps)
             k = ref.rms_norm(k, layer["k_norm"], self.params.norm_eps)
-        q, k = ref.apply_rotary(q, cos, sin), ref.apply_rotary(k, cos, sin)
-        ref.kv_store(kv_cache, kv_scale, o.cache_layout, i, k, v, slots)
+        q, k = self.ops.apply_rotary(q, cos, sin), self.ops.apply_rotary(k, cos, sin)
+        self.ops.kv_store(kv_cache, kv_scale, o.cache_layout, i, k, v, slots)
         if not o.fused_kvcache:  # ppl.pmx KeyValueCache (packed history) + MultiHeadAttention
             kh, vh = ref.kv_load(kv_cache, kv_scale, o.cache_layout, i, plan, h.dtype)
             if o.friendly_gqa:
                 kh, vh = kh.repeat_interleave(H // KV, dim=1), vh.repeat_interleave(H // KV, dim=1)
             out = ref.attention_packed(q, kh, vh, seqstarts, kvstarts, start_pos, attn_mask,
                                        self.params.sliding_window)
+            return out.reshape(T, H * hd)
+        if isinstance(plan, DecodePlan):  # q (B, H, D): one token per sequence
+            out = self.ops.decode_attention(q, kv_cache, kv_scale, o.cache_layout, i, plan.cachestarts, plan.kvlens,
+                                            o.cache_mode, self.params.sliding_window, plan.max_kvlen)
             return out.reshape(T, H * hd)
         hist_slots, mask, flat_idx, rows = plan
         kh, vh = ref.kv_load(kv_cache, kv_scale, o.cache_layout, i, hist_slots, h.dtype)  # (B, KVlen, KV, D)

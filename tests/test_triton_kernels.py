@@ -1,0 +1,155 @@
+"""Triton kernels against the torch reference over odd shapes x dtypes (per-dtype tolerances).
+
+On CPU they run under the Triton interpreter (conftest sets TRITON_INTERPRET=1), with small shapes;
+on a GPU the same tests run compiled, with the larger shapes too."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+triton_ops = pytest.importorskip("runner.kernels.triton_ops", reason="triton is not installed")
+from runner.kernels import reference as ref  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def close(got, want, dtype, scale=1.0):
+    tol = TOL[dtype] * scale
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,D", [(1, 8), (5, 37), (3, 130)] + ([(64, 4096)] if CUDA else []))
+def test_skip_rms_norm(dtype, rows, D):
+    x, skip = torch.randn(rows, D, device=DEV, dtype=dtype), torch.randn(rows, D, device=DEV, dtype=dtype)
+    w = (torch.randn(D, device=DEV) * 0.5 + 1).to(dtype)
+    y, r = triton_ops.skip_rms_norm(x, skip, w, 1e-5)
+    y_ref, r_ref = ref.skip_rms_norm(x, skip, w, 1e-5)
+    if dtype == torch.bfloat16 and not CUDA:  # the interpreter truncates to bf16 where GPUs round to nearest
+        close(r, r_ref, dtype)
+    else:
+        assert torch.equal(r, r_ref)
+    close(y, y_ref, dtype, scale=4)
+    y0, r0 = triton_ops.skip_rms_norm(x, None, w, 1e-6)
+    assert r0 is x
+    close(y0, ref.rms_norm(x, w, 1e-6), dtype, scale=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,heads,D", [(1, 1, 2), (7, 3, 12), (4, 5, 64)] + ([(300, 32, 128)] if CUDA else []))
+def test_rotary_in_place_on_strided_q_and_k(dtype, T, heads, D):
+    qkv = torch.randn(T, (heads + 2) * D, device=DEV, dtype=dtype)  # q (heads) and k (2 heads) share rows
+    q, k = qkv[:, : heads * D].view(T, heads, D), qkv[:, heads * D:].view(T, 2, D)
+    want_q, want_k = (ref.apply_rotary(t.clone(), *_cos_sin(T, D)) for t in (q, k))
+    cos, sin = _cos_sin(T, D)
+    assert triton_ops.apply_rotary(q, cos, sin) is q and triton_ops.apply_rotary(k, cos, sin) is k
+    close(q, want_q, dtype)
+    close(k, want_k, dtype)
+
+
+def _cos_sin(T, D):
+    pos = torch.arange(T, device=DEV) * 7 + 3
+    return ref.rope_cos_sin(pos, ref.rope_inv_freq(D, 1e4).to(DEV))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,F", [(1, 3), (6, 50), (2, 1500)])
+def test_swiglu_on_fused_halves(dtype, rows, F):
+    gate_up = torch.randn(rows, 2 * F, device=DEV, dtype=dtype)
+    gate, up = gate_up.chunk(2, dim=-1)  # views with row stride 2F, as the fused GEMM leaves them
+    close(triton_ops.swiglu(gate, up), ref.swiglu(gate, up), dtype, scale=2)
+
+
+def _cache(layout, layers, rows, kv, D, quant, dtype):
+    shape = ref.cache_shape(layout, layers, rows, kv, D)
+    if not quant:
+        return torch.zeros(shape, device=DEV, dtype=dtype), None
+    return (torch.zeros(shape, device=DEV, dtype=torch.int8),
+            torch.zeros(ref.cache_shape(layout, layers, rows, kv, D // 8), device=DEV, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("layout,quant,dtype", [(lay, qu, dt) for lay, qu in itertools.product(range(4), (False, True))
+                                                for dt in DTYPES])
+def test_kv_store_every_layout(layout, quant, dtype):
+    T, KV, D, rows = 5, 3, 16, 40
+    k, v = torch.randn(T, KV, D, device=DEV, dtype=dtype) * 3, torch.randn(T, KV, D, device=DEV, dtype=dtype)
+    k[0, 0, :8] = 0  # an all-zero group
+    slots = torch.tensor([3, 17, 0, 39, 21], device=DEV)
+    got, got_s = _cache(layout, 2, rows, KV, D, quant, dtype)
+    want, want_s = _cache(layout, 2, rows, KV, D, quant, dtype)
+    triton_ops.kv_store(got, got_s, layout, 1, k, v, slots)
+    ref.kv_store(want, want_s, layout, 1, k, v, slots)
+    if quant:
+        assert (got.int() - want.int()).abs().max() <= 1  # a division rounding at a .5 boundary at most
+        assert (got != want).float().mean() < 0.01
+        torch.testing.assert_close(got_s, want_s, rtol=1e-3, atol=0)
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,KV,D,window", [(4, 2, 16, None), (6, 1, 24, 5), (3, 3, 8, None)])
+def test_decode_attention_matches_packed_reference(mode, quant, dtype, H, KV, D, window):
+    if quant and D % 8:
+        pytest.skip("int8 cache needs head_dim % 8 == 0")
+    torch.manual_seed(0)
+    kvlens = [9, 1, 140, 33]  # one sequence spans two pages
+    B, layout = len(kvlens), 2
+    if mode == 0:
+        starts = torch.tensor([0, 9, 10, 150], device=DEV)
+        rows = 183
+    else:
+        starts = torch.tensor([[512, 0], [128, 0], [256, 0], [384, 0]], device=DEV)
+        starts[2, 1] = 640
+        rows = 768
+    cache, scale = _cache(layout, 1, rows, KV, D, quant, dtype)
+    kv_all = []
+    for b, n in enumerate(kvlens):  # fill each sequence's history through the reference store
+        pos = torch.arange(n, device=DEV)
+        slots = ref.token_slots(starts, pos, torch.full_like(pos, b), mode)
+        k, v = torch.randn(n, KV, D, device=DEV, dtype=dtype), torch.randn(n, KV, D, device=DEV, dtype=dtype)
+        ref.kv_store(cache, scale, layout, 0, k, v, slots)
+        kv_all.append(ref.kv_load(cache, scale, layout, 0, slots, dtype))
+    q = torch.randn(B, H, D, device=DEV, dtype=dtype)
+    got = triton_ops.decode_attention(q, cache, scale, layout, 0, starts, torch.tensor(kvlens, device=DEV), mode,
+                                      window, split_len=64, block_n=16)
+    kh, vh = torch.cat([k for k, _ in kv_all]), torch.cat([v for _, v in kv_all])
+    seqstarts = torch.arange(B + 1, device=DEV)
+    kvstarts = torch.tensor([0] + kvlens, device=DEV).cumsum(0)
+    want = ref.attention_packed(q, kh, vh, seqstarts, kvstarts, torch.tensor(kvlens, device=DEV) - 1,
+                                sliding_window=window)
+    close(got, want, dtype, scale=2)
+
+
+def test_engine_with_triton_kernels_matches_transformers(make_hf, tmp_path):
+    """The whole engine on the Triton kernels (decode steps through the flash-decoding kernel)."""
+    from runner.pmx.convert import convert
+    from test_engine import engine, hf_logits, prompts_and_conts, rel_err
+    from tp_worker import teacher_forced_logits
+    src, model = make_hf("llama_gqa_odd")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    ref_logits = hf_logits(model, prompts, conts)
+    for options in (dict(cache_layout=3, cache_mode=1),):
+        eng = engine(tmp_path / "pmx", kernels="triton", **options)
+        assert eng.ops is triton_ops
+        got = torch.stack(teacher_forced_logits(eng, prompts, conts))
+        assert rel_err(got, ref_logits) < 1e-4, (options, rel_err(got, ref_logits))
+
+
+def test_kernels_option():
+    from runner.engine.model import EngineOptions, pick_kernels
+    from runner.errors import PmxError
+    assert pick_kernels("auto", torch.device("cpu")) is ref
+    assert pick_kernels("reference", DEV) is ref
+    with pytest.raises(PmxError, match="--kernels must be auto, triton or reference"):
+        EngineOptions(kernels="cuda")
