@@ -138,6 +138,7 @@ class Transformer:
         if p.num_experts and p.ffn_bias:
             raise PmxError("mixture-of-experts models with MLP biases are not supported")
         self.ops = pick_kernels(o.kernels, self.device)
+        self._scratch = None  # reused K/V gather buffer (see _load_history)
         self.embed = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
         self.rotary = ref.Rotary(p.head_dim, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
 
@@ -242,6 +243,30 @@ class Transformer:
         h, _ = self.ops.skip_rms_norm(x[last], residual[last], self.norm, p.norm_eps)
         return self.output(h)[:, : p.vocab_size].float()
 
+    def _load_history(self, kv_cache, kv_scale, i, slots, dtype):
+        """k, v (B, S, KV, D) at cache rows `slots` (B, S) of layer i: `reference.kv_load`, except that a float
+        cache in layouts 0-2 is gathered whole rows at a time into a buffer kept across steps and layers
+        (a fresh multi-MB tensor per layer costs more in page faults than the copy itself)."""
+        layout = self.options.cache_layout
+        if kv_scale is not None or layout == 3 or kv_cache.dtype != dtype:
+            return ref.kv_load(kv_cache, kv_scale, layout, i, slots, dtype)
+        view = ref.cache_view(kv_cache, layout)[i]                              # (2, MaxT, KV, D)
+        B, S = slots.shape
+        n, row = B * S, view.shape[2] * view.shape[3]
+        if self._scratch is None or self._scratch.numel() < 2 * n * row or self._scratch.dtype != dtype:
+            self._scratch = torch.empty(2 * n * row, dtype=dtype, device=kv_cache.device)
+        flat = slots.reshape(-1)
+        if layout == 2:  # k rows and v rows each contiguous
+            out = self._scratch[: 2 * n * row].view(2, n, row)
+            for w in (0, 1):
+                torch.index_select(view[w].flatten(1), 0, flat, out=out[w])
+            k, v = out.view(2, B, S, *view.shape[2:]).unbind(0)
+        else:  # layouts 0, 1: one token's k and v together form one contiguous row
+            out = self._scratch[: 2 * n * row].view(n, 2 * row)
+            torch.index_select(view.transpose(0, 1).flatten(1), 0, flat, out=out)
+            k, v = out.view(B, S, 2, *view.shape[2:]).unbind(2)
+        return k, v
+
     def _moe(self, layer, h):
         """Mixtral's sparse MLP: softmax over the router logits, the top k experts per token with their
         probabilities renormalised to sum 1, sum_k p_k * expert_k(h). Each rank holds every expert's
@@ -289,7 +314,7 @@ class Transformer:
                                             o.cache_mode, self.params.sliding_window, plan.max_kvlen)
             return out.reshape(T, H * hd)
         hist_slots, mask, flat_idx, rows = plan
-        kh, vh = ref.kv_load(kv_cache, kv_scale, o.cache_layout, i, hist_slots, h.dtype)  # (B, KVlen, KV, D)
+        kh, vh = self._load_history(kv_cache, kv_scale, i, hist_slots, h.dtype)             # (B, KVlen, KV, D)
         B = hist_slots.shape[0]
         qp = q.new_zeros(rows, H, hd)
         qp[flat_idx] = q
