@@ -17,8 +17,10 @@ from tqdm import tqdm
 from model_zoo import family_for
 from model_zoo.decoder import unpermute_rotary
 from runner.errors import PmxError
-from runner.pmx.hf import HFCheckpoint
+from runner.pmx.hf import HFCheckpoint, BinFile
+from runner.pmx.opmx import check_tensors, find_ppl_params, ppl_params
 from runner.pmx.params import PmxParams, shard_file
+from runner.pmx.schema import pmx_tensors
 from runner.pmx.shard import full_shape, merge_tensor, shard_shape, sharded_params, split_tensor, unsharded_params
 from runner.pmx.store import (DTYPE_NAMES, _numel, SafetensorsReader, SafetensorsWriter, atomic_output_dir,
                               copy_tokenizer_files, dtype_name)
@@ -61,7 +63,10 @@ def write_pmx(out_dir: Path, params: PmxParams, plan: Plan, fetch: Callable[[str
 
 def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: int = 1, overwrite: bool = False,
             progress: bool = True) -> PmxParams:
-    """Converts a HuggingFace checkpoint directory into a PMX directory (optionally split)."""
+    """Converts a HuggingFace checkpoint directory (or a ppl.pmx export) into a PMX directory (optionally split)."""
+    ppl = find_ppl_params(Path(input_dir))
+    if ppl is not None:
+        return _convert_ppl(Path(input_dir), ppl, output_dir, dtype, num_shards, overwrite, progress)
     ckpt = HFCheckpoint(Path(input_dir))
     cfg_path = str(Path(input_dir) / "config.json")
     family = family_for(ckpt.config, source=cfg_path)
@@ -108,6 +113,27 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
     with atomic_output_dir(Path(output_dir), overwrite) as tmp:
         written = write_pmx(tmp, params, plan, fetch, num_shards, desc="converting", progress=progress)
         copy_tokenizer_files(Path(input_dir), tmp)
+    return written
+
+
+def _convert_ppl(input_dir: Path, params_file: Path, output_dir: str, dtype: str, num_shards: int, overwrite: bool,
+                 progress: bool) -> PmxParams:
+    """ppl.pmx's opmx_params.json + model.pth -> PMX (same tensor names and q/k layout)."""
+    pth = input_dir / "model.pth"
+    if not pth.is_file():
+        split = sorted(p.name for p in input_dir.glob("model.*.pth"))
+        raise PmxError(f"{pth}: not found" + (f"; {input_dir} holds split ppl.pmx shards {split[:3]}: merge them with "
+                                              f"ppl.pmx's Merge.py first" if split else ""))
+    tensors = BinFile(pth)
+    params = ppl_params(params_file, tensors, dtype)
+    check_tensors(params, tensors)
+    sharded_params(params, num_shards)
+    target = DTYPE_NAMES[params.dtype]
+    plan = [(n, target, shape) for n, shape in pmx_tensors(params).items()]
+    with atomic_output_dir(Path(output_dir), overwrite) as tmp:
+        written = write_pmx(tmp, params, plan, lambda n: tensors.get(n).to(target), num_shards, desc="converting",
+                            progress=progress)
+        copy_tokenizer_files(input_dir, tmp)
     return written
 
 

@@ -23,7 +23,7 @@ LAYOUTS = (  # (index file, single file)
 )
 
 
-class _BinFile:
+class BinFile:
     """A pytorch `.bin` state dict, memory-mapped (zip format) and loaded without pickle code execution."""
 
     def __init__(self, path: Path):
@@ -99,7 +99,7 @@ class HFCheckpoint:
     def _file(self, fname: str):
         if fname not in self._files:
             path = self.dir / fname
-            self._files[fname] = SafetensorsReader(path) if fname.endswith(".safetensors") else _BinFile(path)
+            self._files[fname] = SafetensorsReader(path) if fname.endswith(".safetensors") else BinFile(path)
         return self._files[fname]
 
     def _aliases(self) -> dict:
