@@ -7,8 +7,9 @@ replicated KV head), intermediate F/N, vocabulary V/N, embedding columns D/N.
 
 from __future__ import annotations
 
-import math
+import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -98,7 +99,6 @@ class DecodePlan(NamedTuple):
 def pick_kernels(kind: str, device: torch.device):
     """The module whose skip_rms_norm / apply_rotary / swiglu / kv_store the engine calls: Triton's fused
     kernels on CUDA (when Triton is installed), the torch reference elsewhere or when asked for."""
-    import os
     if kind == "reference" or (kind == "auto" and device.type != "cuda"):
         return ref
     try:
@@ -142,38 +142,35 @@ class Transformer:
         self.embed = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
         self.rotary = ref.Rotary(p.head_dim, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
 
-        def dense(kind, names, bias_on):
-            """One linear layer of the concatenated weights `names` (several GEMMs when not fused)."""
-            ws = [w.pop(f"{n}.weight") for n in names]
-            bs = [w.pop(f"{n}.bias", None) for n in names]
-            return kind(torch.cat(ws) if len(ws) > 1 else ws[0],
-                        (torch.cat(bs) if len(bs) > 1 else bs[0]) if bias_on else None, comm, prepack=o.prepack)
+        column, row = partial(ColumnParallelLinear, comm=comm), partial(RowParallelLinear, comm=comm)
 
-        def experts(m):
-            """Each expert's gate/up (fused or not) and down projection, cut like a dense MLP; no all-reduce
-            per expert: the MoE block reduces once."""
-            w1, w3, w2 = (w.pop(f"{m}.{x}.weight") for x in ("w1", "w3", "w2"))  # [E, F/n, D], [E, D, F/n]
-            return [dict(gate_up=[Linear(torch.cat([w1[e], w3[e]]), prepack=o.prepack)] if o.fused_ffn_glu else
-                         [Linear(w1[e].contiguous(), prepack=o.prepack), Linear(w3[e].contiguous(), prepack=o.prepack)],
-                         w2=Linear(w2[e].contiguous(), prepack=o.prepack)) for e in range(p.num_experts)]
+        def take(names, bias_on):
+            """Pops the weights (and biases, when the model has them) of `names`."""
+            return [w.pop(f"{n}.weight") for n in names], [w.pop(f"{n}.bias") for n in names] if bias_on else None
+
+        def linears(kind, ws, bs, fuse=True):
+            """One GEMM over the concatenated weights `ws` when `fuse`, else one GEMM each."""
+            parts = [(torch.cat(ws), torch.cat(bs) if bs else None)] if fuse and len(ws) > 1 else \
+                list(zip(ws, bs or [None] * len(ws)))
+            return [kind(wt, bt, prepack=o.prepack) for wt, bt in parts]
 
         self.layers = []
         for i in range(p.num_layers):
             a, m = f"layers.{i}.attention", f"layers.{i}.feed_forward"
-            qkv, gu = [f"{a}.{x}" for x in ("wq", "wk", "wv")], [f"{m}.w1", f"{m}.w3"]
             layer = dict(
                 attn_norm=w.pop(f"layers.{i}.attention_norm.weight"), ffn_norm=w.pop(f"layers.{i}.ffn_norm.weight"),
                 q_norm=w.pop(f"{a}.q_norm.weight", None), k_norm=w.pop(f"{a}.k_norm.weight", None),
-                qkv=[dense(ColumnParallelLinear, qkv, p.qkv_bias)] if o.fused_qkv else
-                    [dense(ColumnParallelLinear, [n], p.qkv_bias) for n in qkv],
-                wo=dense(RowParallelLinear, [f"{a}.wo"], p.o_bias),
+                qkv=linears(column, *take([f"{a}.wq", f"{a}.wk", f"{a}.wv"], p.qkv_bias), o.fused_qkv),
+                wo=linears(row, *take([f"{a}.wo"], p.o_bias))[0],
             )
-            if p.num_experts:
-                layer.update(router=w.pop(f"{m}.gate.weight"), experts=experts(m))
+            if p.num_experts:  # each expert cut like a dense MLP; the MoE block all-reduces once, not per expert
+                w1, w3, w2 = (w.pop(f"{m}.{x}.weight") for x in ("w1", "w3", "w2"))  # [E, F/n, D], [E, D, F/n]
+                layer.update(router=w.pop(f"{m}.gate.weight"), experts=[
+                    dict(gate_up=linears(Linear, [w1[e], w3[e]], None, o.fused_ffn_glu),
+                         w2=linears(Linear, [w2[e]], None)[0]) for e in range(p.num_experts)])
             else:
-                layer.update(gate_up=[dense(ColumnParallelLinear, gu, p.ffn_bias)] if o.fused_ffn_glu else
-                             [dense(ColumnParallelLinear, [n], p.ffn_bias) for n in gu],
-                             w2=dense(RowParallelLinear, [f"{m}.w2"], p.ffn_bias))
+                layer.update(gate_up=linears(column, *take([f"{m}.w1", f"{m}.w3"], p.ffn_bias), o.fused_ffn_glu),
+                             w2=linears(row, *take([f"{m}.w2"], p.ffn_bias))[0])
             self.layers.append(layer)
         self.norm = w.pop("norm.weight")
         self.output = ColumnParallelLinear(w.pop("output.weight"), None, comm, gather_output=True, prepack=o.prepack)
@@ -205,7 +202,8 @@ class Transformer:
         if self.options.quantized_cache != (kv_scale is not None):
             raise PmxError("kv_scale must be given exactly when the cache is quantised")
         dev = self.device
-        seqstarts, kvstarts, start_pos = seqstarts.to(dev), kvstarts.to(dev), start_pos.to(dev)
+        seqstarts, kvstarts, start_pos, cachestarts = (t.to(dev) for t in
+                                                       (seqstarts, kvstarts, start_pos, cachestarts))
         B, T = start_pos.shape[0], token_ids.shape[0]
         seqlens = seqstarts[1:] - seqstarts[:-1]
         kvlens = kvstarts[1:] - kvstarts[:-1]
@@ -213,13 +211,13 @@ class Transformer:
         bot = torch.repeat_interleave(torch.arange(B, device=dev), seqlens, output_size=T)  # batch of token
         offs = torch.arange(T, device=dev) - seqstarts[bot]
         positions = start_pos[bot] + offs
-        slots = ref.token_slots(cachestarts.to(dev), positions, bot, o.cache_mode)
+        slots = ref.token_slots(cachestarts, positions, bot, o.cache_mode)
         cos, sin = self.rotary.cos_sin(positions)
         if o.fused_kvcache and max_s == 1 and self.ops is not ref:  # every sequence decodes: the fused kernel
-            plan = DecodePlan(cachestarts.to(dev), kvlens, max_kv)
+            plan = DecodePlan(cachestarts, kvlens, max_kv)
         elif o.fused_kvcache:  # what each sequence's padded query rows may see, and where its history lies
             kv_pos = torch.arange(max_kv, device=dev)[None, :].expand(B, max_kv)
-            hist_slots = ref.token_slots(cachestarts.to(dev), torch.minimum(kv_pos, (kvlens - 1)[:, None]),
+            hist_slots = ref.token_slots(cachestarts, torch.minimum(kv_pos, (kvlens - 1)[:, None]),
                                          torch.arange(B, device=dev)[:, None].expand(B, max_kv), o.cache_mode)
             q_pos = start_pos[:, None] + torch.arange(max_s, device=dev)[None, :]             # (B, S)
             allowed = (kv_pos[:, None, :] <= q_pos[:, :, None]) & (kv_pos < kvlens[:, None])[:, None, :]
@@ -230,7 +228,7 @@ class Transformer:
         else:
             kv_bot = torch.repeat_interleave(torch.arange(B, device=dev), kvlens, output_size=int(kvstarts[-1]))
             kv_positions = torch.arange(int(kvstarts[-1]), device=dev) - kvstarts[kv_bot]
-            plan = ref.token_slots(cachestarts.to(dev), kv_positions, kv_bot, o.cache_mode)
+            plan = ref.token_slots(cachestarts, kv_positions, kv_bot, o.cache_mode)
         x = self.embed(token_ids.to(dev))
         residual = None
         for i, layer in enumerate(self.layers):
