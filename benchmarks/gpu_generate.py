@@ -59,13 +59,13 @@ def _hf_decode_tps(layers: int, batch: int, gen_len: int) -> float:
 
 def main(layers: int = 32, batches: str = "1 8 32 128 256", gen_len: int = 128, work: str = "/tmp/pmx-gpu-bench",
          kernels: str = "auto") -> None:
-    from runner.engine.bench import bench, parse_ints
+    from runner.engine.bench import bench
     if not torch.cuda.is_available():
         raise SystemExit("gpu_generate.py needs a CUDA GPU")
     name = torch.cuda.get_device_name()
     driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                             capture_output=True, text=True).stdout.strip()
-    rows = bench(str(_params(layers, Path(work))), random_weights=True, batch_sizes=parse_ints(batches, "batches"),
+    rows = bench(str(_params(layers, Path(work))), random_weights=True, batch_sizes=batches,
                  gen_len=gen_len, device="cuda", dtype="float16", kernels=kernels)
     weight_bytes = 2 * (layers * (4 * 4096 * 4096 + 3 * 4096 * 11008) + 32000 * 4096)  # read once per decode step
     peak = next((v for k, v in PEAK_TBS.items() if k in name), None)

@@ -21,27 +21,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from runner.args import int_list
 from runner.errors import PmxError
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CSV_HEADER = "batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib)"
-
-
-def parse_ints(value, what: str) -> list[int]:
-    """1,2,4 / "1 2 4" / (1, 2, 4) / 8 -> [1, 2, 4]; every item a positive integer."""
-    if isinstance(value, int):
-        items = [value]
-    elif isinstance(value, str):
-        items = value.replace(",", " ").split()
-    else:
-        items = list(value)
-    try:
-        out = [int(x) for x in items]
-    except (TypeError, ValueError):
-        raise PmxError(f"--{what} must be positive integers separated by commas or spaces, got {value!r}") from None
-    if not out or min(out) < 1:
-        raise PmxError(f"--{what} must be positive integers, got {value!r}")
-    return out
 
 
 def read_tokens_file(path: str, vocab_size: int) -> list[list[int]]:
@@ -87,7 +71,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: Union[str, int,
     from runner.engine.model import EngineOptions
     from runner.engine.session import open_session
 
-    batches = parse_ints(batch_sizes, "batch_sizes")
+    batches = int_list(batch_sizes, "batch_sizes", minimum=1, allow_empty=False)
     if input_len < 1 or gen_len < 1 or warmup_loops < 0 or benchmark_loops < 1:
         raise PmxError("--input_len, --gen_len and --benchmark_loops must be >= 1, --warmup_loops >= 0")
     options = EngineOptions(quantized_cache=quantized_cache, cache_layout=cache_layout, cache_mode=cache_mode,

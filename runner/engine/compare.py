@@ -21,6 +21,7 @@ import torch
 
 from runner.engine.dump import DUMP_DTYPES, dump_files, read_dump_file
 from runner.engine.replay import Agreement
+from runner.args import int_list, items
 from runner.errors import PmxError
 
 DEFAULT_THRESHOLDS = {"snr": 40.0, "cosine": 0.999, "mse": 1e-4}
@@ -100,12 +101,7 @@ def compare(dir_a: str, dir_b: str, metric: str = "snr", threshold: Optional[flo
             steps: Union[str, int, Sequence[int], None] = None, out=None) -> int:
     """Prints the comparison table (and writes it as CSV); returns the exit status."""
     out = out or sys.stdout
-    tensors = [tensors] if isinstance(tensors, str) and "," not in tensors else \
-        (tensors.split(",") if isinstance(tensors, str) else tensors)
-    if isinstance(steps, str):
-        steps = [int(s) for s in steps.split(",") if s]
-    elif isinstance(steps, int):
-        steps = [steps]
+    tensors, steps = [str(t) for t in items(tensors)], int_list(steps, "steps")
     rows = compare_trees(dir_a, dir_b, metric, threshold, tensors, steps)
     if not rows:
         raise PmxError(f"{dir_a} and {dir_b} have no step tensor in common"

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from runner.args import int_list
 from runner.errors import PmxError
 
 DEFAULT_PROMPT = "I believe the meaning of life is"
@@ -22,19 +23,6 @@ UNALIGNED_PROMPTS = (  # ppl.pmx's unaligned batch: prompts of different lengths
     "Translate English to French:\n\nsea otter => loutre de mer\npeppermint => menthe poivrée\n"
     "plush girafe => girafe peluche\ncheese =>",
 )
-
-
-def _steps(dump_steps) -> list[int]:
-    if dump_steps is None or dump_steps == "" or dump_steps == []:
-        return []
-    if isinstance(dump_steps, int):
-        return [dump_steps]
-    if isinstance(dump_steps, str):
-        dump_steps = [s for s in dump_steps.replace(" ", "").split(",") if s]
-    try:
-        return [int(s) for s in dump_steps]
-    except (TypeError, ValueError):
-        raise PmxError(f"--dump_steps must be a comma-separated list of step numbers, got {dump_steps!r}") from None
 
 
 def run_meta(sess) -> dict:
@@ -128,6 +116,7 @@ def generate(
         raise PmxError("give one of --prompt, --prompts_file, --unaligned_batch")
     if seqlen_scale_up < 1 or (batch is not None and batch < 1) or max_batch < 1 or context_chunk_size < 1:
         raise PmxError("--seqlen_scale_up, --batch, --max_batch and --context_chunk_size must be >= 1")
+    steps = int_list(dump_steps, "dump_steps")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     options = EngineOptions(fused_qkv=fused_qkv, fused_ffn_glu=fused_ffn_glu, fused_kvcache=fused_kvcache,
                             friendly_gqa=friendly_gqa, auto_causal=auto_causal, quantized_cache=quantized_cache,
@@ -154,7 +143,7 @@ def generate(
     sess = open_session(ckpt_dir, options, device=device, dtype=dtype)
     dumper = None
     if dump_tensor_path:
-        dumper = TensorDumper(dump_tensor_path, sess.env.rank, _steps(dump_steps), meta=run_meta(sess))
+        dumper = TensorDumper(dump_tensor_path, sess.env.rank, steps, meta=run_meta(sess))
     gen = Generator(sess.model, max_batch=max_batch, context_chunk=context_chunk_size if context_chunking else None,
                     dumper=dumper)
     eos = set(params.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
