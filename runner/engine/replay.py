@@ -28,6 +28,7 @@ from runner.engine.model import EngineOptions
 from runner.errors import PmxError
 from runner.kernels.reference import cache_shape
 from runner.pmx.params import PmxParams
+from runner.pmx.store import dtype_name
 
 @dataclass(frozen=True)
 class Agreement:
@@ -104,8 +105,7 @@ def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str, warmup: int
     _check_against_dump(options, t, rank_dir)
     if dtype is None:
         dtype = meta["dtype"] if meta else ("auto" if t["kv_cache"].dtype == torch.int8 else
-                                            {torch.float32: "float32", torch.float16: "float16",
-                                             torch.bfloat16: "bfloat16"}[t["kv_cache"].dtype])
+                                            dtype_name(t["kv_cache"].dtype))
     sess = open_session(ckpt_dir, options, device=device, dtype=dtype)
     dev = sess.device
     inputs = {n: t[n].to(dev) for n in STEP_INPUTS if n in t}

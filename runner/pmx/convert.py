@@ -61,6 +61,15 @@ def write_pmx(out_dir: Path, params: PmxParams, plan: Plan, fetch: Callable[[str
     return sp
 
 
+def _write_dir(input_dir: Path, output_dir: str, overwrite: bool, params: PmxParams, plan: Plan,
+               fetch: Callable[[str], torch.Tensor], num_shards: int, desc: str, progress: bool) -> PmxParams:
+    """write_pmx into a temporary directory beside output_dir, with input_dir's tokenizer files, then rename."""
+    with atomic_output_dir(Path(output_dir), overwrite) as tmp:
+        written = write_pmx(tmp, params, plan, fetch, num_shards, desc=desc, progress=progress)
+        copy_tokenizer_files(input_dir, tmp)
+    return written
+
+
 def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: int = 1, overwrite: bool = False,
             progress: bool = True) -> PmxParams:
     """Converts a HuggingFace checkpoint directory (or a ppl.pmx export) into a PMX directory (optionally split)."""
@@ -110,10 +119,7 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
         return t.to(target)
 
     plan = [(s.pmx_name, target, s.shape) for s, _ in sources.values()]
-    with atomic_output_dir(Path(output_dir), overwrite) as tmp:
-        written = write_pmx(tmp, params, plan, fetch, num_shards, desc="converting", progress=progress)
-        copy_tokenizer_files(Path(input_dir), tmp)
-    return written
+    return _write_dir(Path(input_dir), output_dir, overwrite, params, plan, fetch, num_shards, "converting", progress)
 
 
 def _convert_ppl(input_dir: Path, params_file: Path, output_dir: str, dtype: str, num_shards: int, overwrite: bool,
@@ -130,11 +136,8 @@ def _convert_ppl(input_dir: Path, params_file: Path, output_dir: str, dtype: str
     sharded_params(params, num_shards)
     target = DTYPE_NAMES[params.dtype]
     plan = [(n, target, shape) for n, shape in pmx_tensors(params).items()]
-    with atomic_output_dir(Path(output_dir), overwrite) as tmp:
-        written = write_pmx(tmp, params, plan, lambda n: tensors.get(n).to(target), num_shards, desc="converting",
-                            progress=progress)
-        copy_tokenizer_files(input_dir, tmp)
-    return written
+    return _write_dir(input_dir, output_dir, overwrite, params, plan, lambda n: tensors.get(n).to(target), num_shards,
+                      "converting", progress)
 
 
 def _resolve_dtype(dtype: str, ckpt: HFCheckpoint) -> str:
@@ -197,8 +200,5 @@ def reshard(input_dir: str, output_dir: str, num_shards: int, overwrite: bool = 
         if got != dt:
             raise PmxError(f"{model.readers[0].path}: tensor {name!r} is {got}, expected {dt} (pmx_params dtype)")
         plan.append((name, dt, model.full_shape(name)))
-    with atomic_output_dir(Path(output_dir), overwrite) as tmp:
-        desc = "merging" if num_shards == 1 else "splitting"
-        written = write_pmx(tmp, p, plan, model.get_merged, num_shards, desc=desc, progress=progress)
-        copy_tokenizer_files(Path(input_dir), tmp)
-    return written
+    return _write_dir(Path(input_dir), output_dir, overwrite, p, plan, model.get_merged, num_shards,
+                      "merging" if num_shards == 1 else "splitting", progress)
