@@ -149,7 +149,9 @@ def test_engine_with_triton_kernels_matches_transformers(make_hf, tmp_path):
 def test_kernels_option():
     from runner.engine.model import EngineOptions, pick_kernels
     from runner.errors import PmxError
-    assert pick_kernels("auto", torch.device("cpu")) is ref
+    from runner.kernels import torch_ops
+    assert pick_kernels("auto", torch.device("cpu")) is torch_ops
+    assert pick_kernels("torch", DEV) is torch_ops
     assert pick_kernels("reference", DEV) is ref
-    with pytest.raises(PmxError, match="--kernels must be auto, triton or reference"):
+    with pytest.raises(PmxError, match="--kernels must be auto, triton, torch or reference"):
         EngineOptions(kernels="cuda")

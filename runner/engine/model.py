@@ -3,21 +3,31 @@
 Built from `pmx_params.json` alone (no family names): biases, GQA, q/k norms, rope settings and the
 sliding window come from the params. Each rank holds its shard: heads H/N (KV heads KV/N, or one
 replicated KV head), intermediate F/N, vocabulary V/N, embedding columns D/N.
+
+A step is a plan made on the host (`runner.engine.plan`) and the device step `Transformer.step`,
+which reads only the plan, the weights and the cache. The step where every sequence decodes one
+token has static structure (shapes vary, control flow does not) and runs under
+`torch.compile(fullgraph=True)` on CPU; every other step runs eagerly through the same modules.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from runner.engine.cache import KVCache, new_cache
+from runner.engine.plan import StepPlan, make_plan, plan_from_inputs
 from runner.errors import PmxError
 from runner.kernels import reference as ref
+from runner.kernels import torch_ops
 from runner.kernels.linear import Linear
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from runner.pmx.params import PmxParams, shard_file
@@ -39,15 +49,19 @@ class EngineOptions:
     cache_layout: int = 0         # 0..3, see runner.kernels.reference.cache_shape
     cache_mode: int = 0           # 0 offset, 1 paged (page size 128)
     prepack: bool = True          # CPU float32: weights reordered once for oneDNN (runner.kernels.linear)
-    kernels: str = "auto"         # auto (Triton on CUDA, reference elsewhere), triton, reference
+    kernels: str = "auto"         # auto (Triton on CUDA, fast torch elsewhere), triton, torch, reference (the spec)
+    compile: str = "auto"         # torch.compile the decode step: on, off, auto (on CPU for models of at least
+                                  # COMPILE_MIN_PARAMS parameters per rank, where it pays for its compile time)
 
     def __post_init__(self):
         if self.cache_layout not in (0, 1, 2, 3):
             raise PmxError(f"--cache_layout must be 0, 1, 2 or 3, got {self.cache_layout}")
         if self.cache_mode not in (0, 1):
             raise PmxError(f"--cache_mode must be 0 (offset) or 1 (paged), got {self.cache_mode}")
-        if self.kernels not in ("auto", "triton", "reference"):
-            raise PmxError(f"--kernels must be auto, triton or reference, got {self.kernels!r}")
+        if self.kernels not in ("auto", "triton", "torch", "reference"):
+            raise PmxError(f"--kernels must be auto, triton, torch or reference, got {self.kernels!r}")
+        if self.compile not in ("auto", "on", "off"):
+            raise PmxError(f"--compile must be auto, on or off, got {self.compile!r}")
         if not self.auto_causal and self.fused_kvcache:
             raise PmxError("--auto_causal False needs --fused_kvcache False (the explicit mask is applied by "
                            "the unfused attention)")
@@ -89,37 +103,175 @@ def random_shard(params: PmxParams, rank: int, device: torch.device, dtype: torc
     return out
 
 
-class DecodePlan(NamedTuple):
-    """A step where every sequence decodes one token: attention runs straight on the cache."""
-    cachestarts: torch.Tensor
-    kvlens: torch.Tensor
-    max_kvlen: int
+COMPILE_MIN_PARAMS = 32_000_000  # below this a step is so short that compiling (~1 min here) never pays back
 
 
 def pick_kernels(kind: str, device: torch.device):
-    """The module whose skip_rms_norm / apply_rotary / swiglu / kv_store the engine calls: Triton's fused
-    kernels on CUDA (when Triton is installed), the torch reference elsewhere or when asked for."""
-    if kind == "reference" or (kind == "auto" and device.type != "cuda"):
+    """The kernel module the engine calls (skip_rms_norm, apply_rotary, swiglu, kv_store, kv_load, attend and,
+    for Triton, decode_attention): Triton's on CUDA, fast torch elsewhere, the reference when asked for."""
+    if kind == "reference":
         return ref
+    if kind == "torch" or (kind == "auto" and device.type != "cuda"):
+        return torch_ops
     try:
         from runner.kernels import triton_ops
-    except ImportError:
-        if kind == "triton":
-            raise PmxError("--kernels triton needs the triton package (pip install triton)") from None
-        return ref
+    except ImportError as e:
+        raise PmxError(f"--kernels {kind} on {device.type} needs Triton ({e}); install it (pip install triton) or "
+                       f"run with --kernels torch / reference") from None
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise PmxError("--kernels triton runs on CUDA devices (or on CPU under TRITON_INTERPRET=1, slowly)")
     return triton_ops
 
 
-class Transformer:
-    """One rank of the model. `forward` is ppl.pmx's dynamic-batching step.
+class SkipRMSNorm(nn.Module):
+    """(norm(x + residual), x + residual): the residual add fused with RMSNorm."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, ops):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.eps, self.ops = eps, ops
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        return self.ops.skip_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer over the step's packed tokens, reading and writing the KV cache."""
+
+    def __init__(self, layer: int, qkv: list, wo, q_norm, k_norm, heads: int, kv_heads: int, head_dim: int,
+                 eps: float, sliding_window: Optional[int], options: EngineOptions, ops):
+        super().__init__()
+        self.layer, self.heads, self.kv_heads, self.head_dim = layer, heads, kv_heads, head_dim
+        self.qkv, self.wo = nn.ModuleList(qkv), wo
+        self.register_buffer("q_norm", q_norm, persistent=False)
+        self.register_buffer("k_norm", k_norm, persistent=False)
+        self.eps, self.window, self.options, self.ops = eps, sliding_window, options, ops
+
+    def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache) -> torch.Tensor:
+        q, k, v = self._qkv_rotated(x, plan)                                      # (T, H|KV|KV, D)
+        cache.store(self.layer, k, v, plan.slots)
+        if plan.packed is not None:
+            out = self._packed(q, plan, cache)
+        else:
+            parts = []
+            if plan.decode is not None:
+                parts.append(self._decode(q[: plan.decode.kv_slots.shape[0]], plan.decode, cache))
+            for g in plan.prefill:
+                rows = slice(g.row0, g.row0 + g.n * g.seqlen)
+                parts.append(self._prefill(q[rows], k[rows], v[rows], g, cache))
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.wo(out)                                                       # (T, hidden)
+
+    def _qkv_rotated(self, x, plan):
+        T, H, KV, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        if len(self.qkv) == 1:
+            qkv = self.qkv[0](x)                                                  # (T, (H + 2 KV) D)
+            if self.q_norm is None:  # q and k side by side: rotate both in one pass, where the GEMM left them
+                qk = self.ops.apply_rotary(qkv[:, : (H + KV) * D].view(T, H + KV, D), plan.cos, plan.sin)
+                return qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
+            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+        else:
+            q, k, v = (lin(x) for lin in self.qkv)
+        q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
+        if self.q_norm is not None:
+            q, k = ref.rms_norm(q, self.q_norm, self.eps), ref.rms_norm(k, self.k_norm, self.eps)
+        return self.ops.apply_rotary(q, plan.cos, plan.sin), self.ops.apply_rotary(k, plan.cos, plan.sin), v
+
+    def _repeat_kv(self, k, v, dim):
+        if not self.options.friendly_gqa or self.heads == self.kv_heads:
+            return k, v
+        g = self.heads // self.kv_heads
+        return k.repeat_interleave(g, dim=dim), v.repeat_interleave(g, dim=dim)
+
+    def _decode(self, q, d, cache):
+        """q (Bd, H, D): one token per sequence against its whole history in the cache."""
+        Bd = q.shape[0]
+        if hasattr(self.ops, "decode_attention"):  # a kernel that walks the cache itself
+            out = self.ops.decode_attention(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
+                                            d.kvlens, self.options.cache_mode, self.window, d.kv_slots.shape[1])
+        else:
+            k, v = cache.gather(self.layer, d.kv_slots, q.dtype)                  # (Bd, N, KV, D)
+            k, v = self._repeat_kv(k.transpose(1, 2), v.transpose(1, 2), 1)       # (Bd, KV, N, D)
+            out = self.ops.attend(q[:, :, None], k, v, d.mask, causal=False)      # (Bd, H, 1, D)
+        return out.reshape(Bd, self.heads * self.head_dim)
+
+    def _prefill(self, q, k, v, g, cache):
+        """g.n sequences of g.seqlen new tokens: q, k, v (n S, heads, D)."""
+        n, S, D = g.n, g.seqlen, self.head_dim
+        if g.kv_slots is None:                                                    # a fresh prompt's own keys
+            k, v = k.reshape(n, S, self.kv_heads, D), v.reshape(n, S, self.kv_heads, D)
+        else:
+            k, v = cache.gather(self.layer, g.kv_slots, q.dtype)                  # (n, N, KV, D)
+        k, v = self._repeat_kv(k.transpose(1, 2), v.transpose(1, 2), 1)
+        out = self.ops.attend(q.reshape(n, S, self.heads, D).transpose(1, 2), k, v, g.mask, causal=True)
+        return out.transpose(1, 2).reshape(n * S, self.heads * D)                 # (n S, H D)
+
+    def _packed(self, q, plan, cache):
+        """ppl.pmx's unfused path: each sequence against its packed history (reference attention)."""
+        p = plan.packed
+        kh, vh = cache.gather(self.layer, p.kv_slots, q.dtype)                   # (Tkv, KV, D)
+        kh, vh = self._repeat_kv(kh, vh, 1)
+        out = ref.attention_packed(q, kh, vh, p.seqstarts, p.kvstarts, p.start_pos, p.attn_mask, self.window)
+        return out.reshape(q.shape[0], self.heads * self.head_dim)
+
+
+class FeedForward(nn.Module):
+    """w2(silu(w1 x) * w3 x): gate and up in one GEMM when fused."""
+
+    def __init__(self, gate_up: list, w2, ops):
+        super().__init__()
+        self.gate_up, self.w2, self.ops = nn.ModuleList(gate_up), w2, ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.gate_up) == 1:
+            gate, up = self.gate_up[0](x).chunk(2, dim=-1)
+        else:
+            gate, up = (lin(x) for lin in self.gate_up)
+        return self.w2(self.ops.swiglu(gate, up))
+
+
+class MoE(nn.Module):
+    """Mixtral's sparse MLP: softmax over the router logits, the top k experts per token with their
+    probabilities renormalised to sum 1, sum_k p_k * expert_k(h). Each rank holds every expert's F/N
+    slice, so the weighted partial sums are all-reduced once."""
+
+    def __init__(self, router: torch.Tensor, experts: list, top_k: int, comm):
+        super().__init__()
+        self.register_buffer("router", router, persistent=False)
+        self.experts, self.top_k, self.comm = nn.ModuleList(experts), top_k, comm
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        probs = F.linear(h, self.router).float().softmax(-1)                     # (T, E)
+        weight, chosen = probs.topk(self.top_k, dim=-1)                           # (T, k)
+        weight = (weight / weight.sum(-1, keepdim=True)).to(h.dtype)
+        out = torch.zeros_like(h)
+        for e in chosen.unique().tolist():
+            tok, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, tok, self.experts[e](h[tok]) * weight[tok, slot, None])
+        return self.comm.all_reduce_(out)
+
+
+class Block(nn.Module):
+    def __init__(self, attention_norm, attention, ffn_norm, feed_forward):
+        super().__init__()
+        self.attention_norm, self.attention = attention_norm, attention
+        self.ffn_norm, self.feed_forward = ffn_norm, feed_forward
+
+    def forward(self, x, residual, plan: StepPlan, cache: KVCache):
+        h, residual = self.attention_norm(x, residual)
+        h, residual = self.ffn_norm(self.attention(h, plan, cache), residual)
+        return self.feed_forward(h), residual
+
+
+class Transformer(nn.Module):
+    """One rank of the model. `forward` is ppl.pmx's dynamic-batching step; `plan` + `step` its two halves.
 
     The engine takes ownership of `weights`: tensors are popped from the dict as they are placed, so
     fusing and prepacking never hold two copies of the whole model.
     """
 
     def __init__(self, params: PmxParams, weights: dict, comm, options: EngineOptions = EngineOptions()):
+        super().__init__()
         p, o = params, options
         self.params, self.comm, self.options = p, comm, o
         n = p.num_shards
@@ -137,11 +289,10 @@ class Transformer:
         self.device = w["norm.weight"].device
         if p.num_experts and p.ffn_bias:
             raise PmxError("mixture-of-experts models with MLP biases are not supported")
-        self.ops = pick_kernels(o.kernels, self.device)
-        self._scratch = None  # reused K/V gather buffer (see _load_history)
-        self.embed = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
+        num_params = sum(t.numel() for t in w.values())
+        self.ops = ops = pick_kernels(o.kernels, self.device)
         self.rotary = ref.Rotary(p.head_dim, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
-
+        self.tok_embeddings = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
         column, row = partial(ColumnParallelLinear, comm=comm), partial(RowParallelLinear, comm=comm)
 
         def take(names, bias_on):
@@ -154,40 +305,45 @@ class Transformer:
                 list(zip(ws, bs or [None] * len(ws)))
             return [kind(wt, bt, prepack=o.prepack) for wt, bt in parts]
 
-        self.layers = []
+        layers = []
         for i in range(p.num_layers):
             a, m = f"layers.{i}.attention", f"layers.{i}.feed_forward"
-            layer = dict(
-                attn_norm=w.pop(f"layers.{i}.attention_norm.weight"), ffn_norm=w.pop(f"layers.{i}.ffn_norm.weight"),
-                q_norm=w.pop(f"{a}.q_norm.weight", None), k_norm=w.pop(f"{a}.k_norm.weight", None),
-                qkv=linears(column, *take([f"{a}.wq", f"{a}.wk", f"{a}.wv"], p.qkv_bias), o.fused_qkv),
-                wo=linears(row, *take([f"{a}.wo"], p.o_bias))[0],
-            )
+            attention = Attention(
+                i, linears(column, *take([f"{a}.wq", f"{a}.wk", f"{a}.wv"], p.qkv_bias), o.fused_qkv),
+                linears(row, *take([f"{a}.wo"], p.o_bias))[0], w.pop(f"{a}.q_norm.weight", None),
+                w.pop(f"{a}.k_norm.weight", None), self.heads, self.kv_heads, self.head_dim, p.norm_eps,
+                p.sliding_window, o, ops)
             if p.num_experts:  # each expert cut like a dense MLP; the MoE block all-reduces once, not per expert
                 w1, w3, w2 = (w.pop(f"{m}.{x}.weight") for x in ("w1", "w3", "w2"))  # [E, F/n, D], [E, D, F/n]
-                layer.update(router=w.pop(f"{m}.gate.weight"), experts=[
-                    dict(gate_up=linears(Linear, [w1[e], w3[e]], None, o.fused_ffn_glu),
-                         w2=linears(Linear, [w2[e]], None)[0]) for e in range(p.num_experts)])
+                ffn = MoE(w.pop(f"{m}.gate.weight"), [
+                    FeedForward(linears(Linear, [w1[e], w3[e]], None, o.fused_ffn_glu),
+                                linears(Linear, [w2[e]], None)[0], ops) for e in range(p.num_experts)],
+                          p.num_experts_per_token, comm)
             else:
-                layer.update(gate_up=linears(column, *take([f"{m}.w1", f"{m}.w3"], p.ffn_bias), o.fused_ffn_glu),
-                             w2=linears(row, *take([f"{m}.w2"], p.ffn_bias))[0])
-            self.layers.append(layer)
-        self.norm = w.pop("norm.weight")
+                ffn = FeedForward(linears(column, *take([f"{m}.w1", f"{m}.w3"], p.ffn_bias), o.fused_ffn_glu),
+                                  linears(row, *take([f"{m}.w2"], p.ffn_bias))[0], ops)
+            layers.append(Block(SkipRMSNorm(w.pop(f"layers.{i}.attention_norm.weight"), p.norm_eps, ops), attention,
+                                SkipRMSNorm(w.pop(f"layers.{i}.ffn_norm.weight"), p.norm_eps, ops), ffn))
+        self.layers = nn.ModuleList(layers)
+        self.norm = SkipRMSNorm(w.pop("norm.weight"), p.norm_eps, ops)
         self.output = ColumnParallelLinear(w.pop("output.weight"), None, comm, gather_output=True, prepack=o.prepack)
+        self._compiled = self._compile_decode(num_params)
 
     # -- cache ----------------------------------------------------------------------------------
     def new_cache(self, max_tokens: int):
         """Zeroed (kv_cache, kv_scale) for `max_tokens` rows in this engine's layout (scale None unless int8)."""
-        p, o = self.params, self.options
-        shape = ref.cache_shape(o.cache_layout, p.num_layers, max_tokens, self.kv_heads, self.head_dim)
-        if not o.quantized_cache:
-            return torch.zeros(shape, dtype=self.dtype, device=self.device), None
-        sshape = ref.cache_shape(o.cache_layout, p.num_layers, max_tokens, self.kv_heads,
-                                 self.head_dim // ref.QUANT_GROUP)
-        return (torch.zeros(shape, dtype=torch.int8, device=self.device),
-                torch.zeros(sshape, dtype=torch.float16, device=self.device))
+        return new_cache(self.options.cache_layout, self.params.num_layers, max_tokens, self.kv_heads, self.head_dim,
+                         self.dtype, self.device, self.options.quantized_cache)
 
     # -- the step -------------------------------------------------------------------------------
+    def plan(self, seqlens, start_pos, caches, num_decoding: int, attn_mask: Optional[torch.Tensor] = None
+             ) -> StepPlan:
+        """The host half of a step, from Python ints: see :func:`runner.engine.plan.make_plan`."""
+        o = self.options
+        return make_plan(seqlens, start_pos, caches, num_decoding, paged=o.cache_mode == 1, rotary=self.rotary,
+                         device=self.device, sliding_window=self.params.sliding_window,
+                         fused_kvcache=o.fused_kvcache, read_cache_in_prefill=o.quantized_cache, attn_mask=attn_mask)
+
     @torch.inference_mode()
     def forward(self, token_ids, attn_mask, seqstarts, kvstarts, cachestarts, decoding_batches, start_pos,
                 max_seqlen, max_kvlen, kv_cache, kv_scale=None) -> torch.Tensor:
@@ -198,127 +354,65 @@ class Transformer:
         new token, decoding_batches: how many leading sequences decode one token, max_seqlen /
         max_kvlen: maxima of the lengths, kv_cache / kv_scale: the cache, updated in place.
         """
-        p, o = self.params, self.options
+        o = self.options
+        try:
+            plan = plan_from_inputs(seqstarts, kvstarts, cachestarts, decoding_batches, start_pos,
+                                    paged=o.cache_mode == 1, rotary=self.rotary, device=self.device,
+                                    sliding_window=self.params.sliding_window, fused_kvcache=o.fused_kvcache,
+                                    read_cache_in_prefill=o.quantized_cache,
+                                    attn_mask=None if attn_mask is None else attn_mask.to(self.device))
+        except ValueError as e:
+            raise PmxError(f"bad step inputs: {e}") from None
+        return self.step(token_ids, plan, kv_cache, kv_scale)
+
+    @torch.inference_mode()
+    def step(self, token_ids: torch.Tensor, plan: StepPlan, kv_cache: torch.Tensor,
+             kv_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The device half: logits [B, vocab] float32 of each sequence's last token; the cache updated in place."""
         if self.options.quantized_cache != (kv_scale is not None):
             raise PmxError("kv_scale must be given exactly when the cache is quantised")
-        dev = self.device
-        seqstarts, kvstarts, start_pos, cachestarts = (t.to(dev) for t in
-                                                       (seqstarts, kvstarts, start_pos, cachestarts))
-        B, T = start_pos.shape[0], token_ids.shape[0]
-        seqlens = seqstarts[1:] - seqstarts[:-1]
-        kvlens = kvstarts[1:] - kvstarts[:-1]
-        max_s, max_kv = int(max_seqlen), int(max_kvlen)
-        bot = torch.repeat_interleave(torch.arange(B, device=dev), seqlens, output_size=T)  # batch of token
-        offs = torch.arange(T, device=dev) - seqstarts[bot]
-        positions = start_pos[bot] + offs
-        slots = ref.token_slots(cachestarts, positions, bot, o.cache_mode)
-        cos, sin = self.rotary.cos_sin(positions)
-        if o.fused_kvcache and max_s == 1 and self.ops is not ref:  # every sequence decodes: the fused kernel
-            plan = DecodePlan(cachestarts, kvlens, max_kv)
-        elif o.fused_kvcache:  # what each sequence's padded query rows may see, and where its history lies
-            kv_pos = torch.arange(max_kv, device=dev)[None, :].expand(B, max_kv)
-            hist_slots = ref.token_slots(cachestarts, torch.minimum(kv_pos, (kvlens - 1)[:, None]),
-                                         torch.arange(B, device=dev)[:, None].expand(B, max_kv), o.cache_mode)
-            q_pos = start_pos[:, None] + torch.arange(max_s, device=dev)[None, :]             # (B, S)
-            allowed = (kv_pos[:, None, :] <= q_pos[:, :, None]) & (kv_pos < kvlens[:, None])[:, None, :]
-            if p.sliding_window:
-                allowed &= kv_pos[:, None, :] > q_pos[:, :, None] - p.sliding_window
-            allowed |= (torch.arange(max_s, device=dev)[None, :] >= seqlens[:, None])[:, :, None] & (kv_pos == 0)[:, None, :]
-            plan = (hist_slots, allowed[:, None], bot * max_s + offs, B * max_s)               # mask (B,1,S,KV)
-        else:
-            kv_bot = torch.repeat_interleave(torch.arange(B, device=dev), kvlens, output_size=int(kvstarts[-1]))
-            kv_positions = torch.arange(int(kvstarts[-1]), device=dev) - kvstarts[kv_bot]
-            plan = ref.token_slots(cachestarts, kv_positions, kv_bot, o.cache_mode)
-        x = self.embed(token_ids.to(dev))
-        residual = None
-        for i, layer in enumerate(self.layers):
-            h, residual = self.ops.skip_rms_norm(x, residual, layer["attn_norm"], p.norm_eps)
-            attn = self._attention(i, layer, h, cos, sin, slots, plan, kv_cache, kv_scale, attn_mask, seqstarts,
-                                   kvstarts, start_pos)
-            h, residual = self.ops.skip_rms_norm(layer["wo"](attn), residual, layer["ffn_norm"], p.norm_eps)
-            x = self._moe(layer, h) if "experts" in layer else layer["w2"](self._glu(layer, h))
-        last = seqstarts[1:] - 1
-        h, _ = self.ops.skip_rms_norm(x[last], residual[last], self.norm, p.norm_eps)
-        return self.output(h)[:, : p.vocab_size].float()
+        tokens, cache = token_ids.to(self.device), KVCache(kv_cache, kv_scale, self.options.cache_layout, self.ops)
+        if self._compiled is not None and plan.decode_only:
+            with self.comm.guard("decode step"):
+                return self._compiled(tokens, plan, cache)
+        return self._run(tokens, plan, cache)
 
-    def _load_history(self, kv_cache, kv_scale, i, slots, dtype):
-        """k, v (B, S, KV, D) at cache rows `slots` (B, S) of layer i: `reference.kv_load`, except that a float
-        cache in layouts 0-2 is gathered whole rows at a time into a buffer kept across steps and layers
-        (a fresh multi-MB tensor per layer costs more in page faults than the copy itself)."""
-        layout = self.options.cache_layout
-        if kv_scale is not None or layout == 3 or kv_cache.dtype != dtype:
-            return ref.kv_load(kv_cache, kv_scale, layout, i, slots, dtype)
-        view = ref.cache_view(kv_cache, layout)[i]                              # (2, MaxT, KV, D)
-        B, S = slots.shape
-        n, row = B * S, view.shape[2] * view.shape[3]
-        if self._scratch is None or self._scratch.numel() < 2 * n * row or self._scratch.dtype != dtype:
-            self._scratch = torch.empty(2 * n * row, dtype=dtype, device=kv_cache.device)
-        flat = slots.reshape(-1)
-        if layout == 2:  # k rows and v rows each contiguous
-            out = self._scratch[: 2 * n * row].view(2, n, row)
-            for w in (0, 1):
-                torch.index_select(view[w].flatten(1), 0, flat, out=out[w])
-            k, v = out.view(2, B, S, *view.shape[2:]).unbind(0)
-        else:  # layouts 0, 1: one token's k and v together form one contiguous row
-            out = self._scratch[: 2 * n * row].view(n, 2 * row)
-            torch.index_select(view.transpose(0, 1).flatten(1), 0, flat, out=out)
-            k, v = out.view(B, S, 2, *view.shape[2:]).unbind(2)
-        return k, v
+    def _run(self, tokens: torch.Tensor, plan: StepPlan, cache: KVCache) -> torch.Tensor:
+        x, residual = self.tok_embeddings(tokens), None                            # (T, hidden)
+        for layer in self.layers:
+            x, residual = layer(x, residual, plan, cache)
+        if plan.last is not None:
+            x, residual = x[plan.last], residual[plan.last]                         # (B, hidden)
+        h, _ = self.norm(x, residual)
+        return self.output(h)[:, : self.params.vocab_size].float()
 
-    def _moe(self, layer, h):
-        """Mixtral's sparse MLP: softmax over the router logits, the top k experts per token with their
-        probabilities renormalised to sum 1, sum_k p_k * expert_k(h). Each rank holds every expert's
-        F/N slice, so the weighted partial sums are all-reduced once."""
-        probs = F.linear(h, layer["router"]).float().softmax(-1)                  # (T, E)
-        weight, chosen = probs.topk(self.params.num_experts_per_token, dim=-1)    # (T, k)
-        weight = (weight / weight.sum(-1, keepdim=True)).to(h.dtype)
-        out = torch.zeros_like(h)
-        for e in chosen.unique().tolist():
-            tok, slot = (chosen == e).nonzero(as_tuple=True)
-            expert = layer["experts"][e]
-            out.index_add_(0, tok, expert["w2"](self._glu(expert, h[tok])) * weight[tok, slot, None])
-        return self.comm.all_reduce_(out)
+    def _compile_decode(self, num_params: int):
+        """torch.compile of the decode step, or None (see EngineOptions.compile)."""
+        o = self.options
+        if o.compile == "off" or (o.compile == "auto" and (self.device.type != "cpu" or self.params.num_experts
+                                                           or num_params < COMPILE_MIN_PARAMS)):
+            return None
+        if self.params.num_experts:
+            raise PmxError("--compile on: mixture-of-experts steps route tokens by value and do not compile; "
+                           "use --compile off")
+        compiled = torch.compile(self._run, fullgraph=True, dynamic=True)
+        if o.compile == "on":
+            return compiled
 
-    def _glu(self, layer, h):
-        if len(layer["gate_up"]) == 1:
-            gate, up = layer["gate_up"][0](h).chunk(2, dim=-1)
-        else:
-            gate, up = (lin(h) for lin in layer["gate_up"])
-        return self.ops.swiglu(gate, up)
+        def guarded(*args):  # auto: a machine that cannot compile (no C++ compiler, ...) runs eagerly
+            try:
+                return compiled(*args)
+            except Exception as e:  # noqa: BLE001 - any compile failure falls back to the eager step
+                if not _is_compile_error(e):
+                    raise
+                print(f"rank {self.comm.rank}: warning: torch.compile of the decode step failed, running it "
+                      f"eagerly ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+                      file=sys.stderr, flush=True)
+                self._compiled = None
+                return self._run(*args)
+        return guarded
 
-    def _attention(self, i, layer, h, cos, sin, slots, plan, kv_cache, kv_scale, attn_mask, seqstarts, kvstarts,
-                   start_pos):
-        o, T, hd = self.options, h.shape[0], self.head_dim
-        H, KV = self.heads, self.kv_heads
-        if len(layer["qkv"]) == 1:
-            q, k, v = layer["qkv"][0](h).split([H * hd, KV * hd, KV * hd], dim=-1)
-        else:
-            q, k, v = (lin(h) for lin in layer["qkv"])
-        q, k, v = q.view(T, H, hd), k.view(T, KV, hd), v.view(T, KV, hd)
-        if layer["q_norm"] is not None:
-            q = ref.rms_norm(q, layer["q_norm"], self.params.norm_eps)
-            k = ref.rms_norm(k, layer["k_norm"], self.params.norm_eps)
-        q, k = self.ops.apply_rotary(q, cos, sin), self.ops.apply_rotary(k, cos, sin)
-        self.ops.kv_store(kv_cache, kv_scale, o.cache_layout, i, k, v, slots)
-        if not o.fused_kvcache:  # ppl.pmx KeyValueCache (packed history) + MultiHeadAttention
-            kh, vh = ref.kv_load(kv_cache, kv_scale, o.cache_layout, i, plan, h.dtype)
-            if o.friendly_gqa:
-                kh, vh = kh.repeat_interleave(H // KV, dim=1), vh.repeat_interleave(H // KV, dim=1)
-            out = ref.attention_packed(q, kh, vh, seqstarts, kvstarts, start_pos, attn_mask,
-                                       self.params.sliding_window)
-            return out.reshape(T, H * hd)
-        if isinstance(plan, DecodePlan):  # q (B, H, D): one token per sequence
-            out = self.ops.decode_attention(q, kv_cache, kv_scale, o.cache_layout, i, plan.cachestarts, plan.kvlens,
-                                            o.cache_mode, self.params.sliding_window, plan.max_kvlen)
-            return out.reshape(T, H * hd)
-        hist_slots, mask, flat_idx, rows = plan
-        kh, vh = self._load_history(kv_cache, kv_scale, i, hist_slots, h.dtype)             # (B, KVlen, KV, D)
-        B = hist_slots.shape[0]
-        qp = q.new_zeros(rows, H, hd)
-        qp[flat_idx] = q
-        qp = qp.view(B, rows // B, H, hd).transpose(1, 2)                                 # (B, H, S, D)
-        kh, vh = kh.transpose(1, 2), vh.transpose(1, 2)                                   # (B, KV, KVlen, D)
-        if o.friendly_gqa:
-            kh, vh = kh.repeat_interleave(H // KV, dim=1), vh.repeat_interleave(H // KV, dim=1)
-        out = F.scaled_dot_product_attention(qp, kh, vh, attn_mask=mask, enable_gqa=not o.friendly_gqa and H != KV)
-        return out.transpose(1, 2).reshape(rows, H * hd)[flat_idx]                        # (T, H*D)
+
+def _is_compile_error(e: Exception) -> bool:
+    mod = type(e).__module__ or ""
+    return mod.startswith("torch._dynamo") or mod.startswith("torch._inductor") or "CppCompileError" in type(e).__name__

@@ -267,3 +267,18 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqstart
             scores = scores.masked_fill(~allowed, float("-inf"))
         out[s0:s1] = (scores.softmax(-1) @ vb).transpose(0, 1).to(q.dtype)
     return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+           causal: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) + mask) v in float32, for q [B, H, S, D] and k, v [B, KV, N, D]: each group of
+    H / KV query heads shares one KV head. mask [B, 1, S, N] bool (True: the key is seen); without a
+    mask, `causal` lets query i see keys j <= i (S == N), else every key is seen. Returns [B, H, S, D]."""
+    H, KV, S, N = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    kf, vf = k.float().repeat_interleave(H // KV, dim=1), v.float().repeat_interleave(H // KV, dim=1)
+    scores = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])              # (B, H, S, N)
+    if mask is None and causal:
+        mask = torch.ones(S, N, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ vf).to(q.dtype)

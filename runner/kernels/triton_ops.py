@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP, cache_view
+from runner.kernels.torch_ops import attend, kv_load  # noqa: F401  (prefill attention: torch SDPA)
 
 
 def _pow2(n: int) -> int:

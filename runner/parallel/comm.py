@@ -17,7 +17,7 @@ import socket
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
 import torch
@@ -25,6 +25,33 @@ import torch
 from runner.parallel.launch import LaunchEnv
 
 DEFAULT_TIMEOUT_S = 30.0
+
+
+# mpi4py's collectives as torch ops, so a compiled step calls them in place of a graph break. They act on
+# MPI's COMM_WORLD, the one group an mpirun launch has.
+@torch.library.custom_op("pmx::mpi_all_reduce_", mutates_args=("t",))
+def mpi_all_reduce_(t: torch.Tensor) -> None:
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM)
+
+
+@mpi_all_reduce_.register_fake
+def _(t):
+    return None
+
+
+@torch.library.custom_op("pmx::mpi_all_gather", mutates_args=())
+def mpi_all_gather(t: torch.Tensor, world_size: int) -> torch.Tensor:
+    """[numel] of each rank -> [world_size * numel], rank-major."""
+    from mpi4py import MPI
+    out = t.new_empty(world_size * t.numel())
+    MPI.COMM_WORLD.Allgather(t.numpy(), out.numpy())
+    return out
+
+
+@mpi_all_gather.register_fake
+def _(t, world_size):
+    return t.new_empty(world_size * t.numel())
 
 
 class Watchdog:
@@ -61,6 +88,9 @@ class Watchdog:
 
 class SingleComm:
     rank, world_size = 0, 1
+
+    def guard(self, what: str):
+        return nullcontext()
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -107,6 +137,9 @@ class MpiComm:
         if t.dtype in (torch.bfloat16, torch.float16):  # MPI has no half types; reduce in fp32
             t.copy_(self.all_reduce_(t.float()))
             return t
+        if torch.compiler.is_compiling():  # the compiled step runs under one guard (see `guard`)
+            mpi_all_reduce_(t)
+            return t
         assert t.is_contiguous()
         with self._dog.guard("all_reduce"):
             self._comm.Allreduce(self._MPI.IN_PLACE, self._np(t), op=self._MPI.SUM)
@@ -116,10 +149,16 @@ class MpiComm:
         src = t.contiguous()
         if src.dtype in (torch.bfloat16, torch.float16):
             return self.all_gather(src.float(), dim).to(t.dtype)
+        if torch.compiler.is_compiling():
+            return _cat_gathered(mpi_all_gather(src.view(-1), self.world_size), self.world_size, src, dim)
         out = torch.empty(self.world_size * src.numel(), dtype=src.dtype)
         with self._dog.guard("all_gather"):
             self._comm.Allgather(self._np(src), self._np(out))
         return _cat_gathered(out, self.world_size, src, dim)
+
+    def guard(self, what: str):
+        """Watches a whole step (a compiled one runs its collectives without their own guards)."""
+        return self._dog.guard(what)
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         with self._dog.guard("broadcast"):
@@ -154,12 +193,19 @@ class TorchComm:
         self._dog = Watchdog(env.rank, timeout_s + 5)
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            import torch.distributed._functional_collectives as funcol
+            return t.copy_(funcol.all_reduce(t, "sum", self.dist.group.WORLD))
         with self._dog.guard("all_reduce"):
             self.dist.all_reduce(t)
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         src = t.contiguous()
+        if torch.compiler.is_compiling():
+            import torch.distributed._functional_collectives as funcol
+            out = funcol.all_gather_tensor(src.view(-1), 0, self.dist.group.WORLD)
+            return _cat_gathered(out, self.world_size, src, dim)
         out = torch.empty(self.world_size * src.numel(), dtype=src.dtype, device=src.device)
         with self._dog.guard("all_gather"):
             self.dist.all_gather_into_tensor(out, src.view(-1))
@@ -169,6 +215,9 @@ class TorchComm:
         with self._dog.guard("broadcast"):
             self.dist.broadcast(t, src=src)
         return t
+
+    def guard(self, what: str):
+        return self._dog.guard(what)
 
     def barrier(self) -> None:
         with self._dog.guard("barrier"):

@@ -7,39 +7,45 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from runner.kernels.linear import Linear
 
 
-class ColumnParallelLinear:
+class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T + b_r with W cut by output rows; the output stays cut unless gather_output."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], comm, gather_output: bool = False,
                  prepack: bool = True):
+        super().__init__()
         self.linear, self.comm, self.gather_output = Linear(weight, bias, prepack), comm, gather_output
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
         return self.comm.all_gather(y, dim=-1) if self.gather_output else y
 
 
-class RowParallelLinear:
+class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T (+ b once): W cut by input columns, partial sums all-reduced."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], comm, prepack: bool = True):
-        self.linear, self.bias, self.comm = Linear(weight, None, prepack), bias, comm
+        super().__init__()
+        self.linear, self.comm = Linear(weight, None, prepack), comm
+        self.register_buffer("bias", bias, persistent=False)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.comm.all_reduce_(self.linear(x))
         return y if self.bias is None else y + self.bias
 
 
-class ParallelEmbedding:
+class ParallelEmbedding(nn.Module):
     """Embedding cut by hidden columns (as ppl.pmx): look up the local columns, all-gather, drop padding."""
 
     def __init__(self, weight: torch.Tensor, hidden_dim: int, comm):
-        self.weight, self.hidden_dim, self.comm = weight, hidden_dim, comm
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.hidden_dim, self.comm = hidden_dim, comm
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.comm.all_gather(F.embedding(ids, self.weight), dim=-1)
         return x[..., : self.hidden_dim] if x.shape[-1] != self.hidden_dim else x

@@ -1,0 +1,58 @@
+"""The engine's ops in fast torch: few dispatches in eager mode, and plain enough for torch.compile's
+inductor to fuse them into a handful of C++ kernels per layer (the CPU path).
+
+Same signatures and meaning as `runner.kernels.reference` (the specification), against which the
+tests check them:
+
+- apply_rotary: in place on q and k where the fused qkv GEMM left them (float32: one complex multiply
+  per call); under torch.compile the reference's real arithmetic, which inductor fuses.
+- kv_store / kv_load: one index_copy_ / index_select over a strided view of the cache, any layout
+  (an int8 cache goes through the reference quantiser).
+- attend: torch's scaled_dot_product_attention (flash attention on CPU), GQA without repeating K/V.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from runner.kernels import reference as ref
+from runner.kernels.reference import cache_view, rms_norm, skip_rms_norm, swiglu  # noqa: F401  (same as the spec)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates interleaved pairs of x [T, heads, D] (see reference.apply_rotary); in place where it can."""
+    T, nh, D = x.shape
+    if (torch.compiler.is_compiling() or x.dtype != torch.float32 or x.stride(-1) != 1
+            or x.stride(0) % 2 or x.stride(1) % 2):
+        return ref.apply_rotary(x, cos, sin)
+    xc = torch.view_as_complex(x.view(T, nh, D // 2, 2))        # (T, nh, D/2) complex views of the pairs
+    xc.mul_(torch.complex(cos, sin)[:, None, :])
+    return x
+
+
+def kv_store(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
+             k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    if scale is not None:
+        return ref.kv_store(cache, scale, layout, layer, k, v, slots)
+    cache_view(cache, layout)[layer].index_copy_(1, slots, torch.stack((k, v)).to(cache.dtype))  # (2, MaxT, KV, D)
+
+
+def kv_load(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
+            slots: torch.Tensor, dtype: torch.dtype):
+    if scale is not None:
+        return ref.kv_load(cache, scale, layout, layer, slots, dtype)
+    view = cache_view(cache, layout)[layer]                                       # (2, MaxT, KV, D)
+    kv = view.index_select(1, slots.reshape(-1)).view(2, *slots.shape, *view.shape[2:])
+    kv = kv.to(dtype)
+    return kv[0], kv[1]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+           causal: bool) -> torch.Tensor:
+    """q [B, H, S, D] against k, v [B, KV, N, D] (H a multiple of KV); mask [B, 1, S, N] bool (True: seen),
+    else causal (query i sees keys j <= i) or everything. Returns [B, H, S, D]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                          enable_gqa=q.shape[1] != k.shape[1])
