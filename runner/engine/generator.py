@@ -3,14 +3,17 @@
 Each step packs the active sequences, decoding ones first (one token each), then those still in
 prefill (their prompt, or its next chunk when context chunking limits a step's prefill tokens).
 Sequences join while there is room in the batch and the cache, and leave (freeing their cache)
-on EOS or at max_gen_len. Rank 0 samples; the tokens are broadcast so every rank feeds the same.
+on EOS or at max_gen_len. Each step is planned from the Python ints kept here (`Transformer.plan`)
+and run by the device step; a dumped step goes through ppl.pmx's step inputs instead
+(`Transformer.forward`), which make the same plan. Every rank samples from the same all-gathered
+logits with the same seeded generator, so the ranks agree on each token without a broadcast.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
@@ -108,7 +111,7 @@ class Generator:
         rows = self.cache_rows or sum(self._rows_needed(n) for n in lens)
         kv_cache, kv_scale = self.model.new_cache(rows)
         alloc = _CacheRows(rows, self.paged)
-        sampler = Sampler(sampling)
+        sampler = Sampler(self._shared_seed(sampling))
         waiting = [(i, list(pr), n) for i, (pr, n) in enumerate(zip(prompts, lens))]
         active: list[_Seq] = []
         results: list[list[int]] = [[] for _ in prompts]
@@ -126,19 +129,22 @@ class Generator:
                 waiting.pop(0)
                 active.append(_Seq(i, pr, len(pr), n, handle))
             batch = self._plan(active)
-            inputs = self._inputs(batch, kv_cache, kv_scale)
+            lens = self._lengths(batch)
             if self.dumper is not None and self.dumper.wants(step):
+                inputs = self._inputs(lens, kv_cache, kv_scale)
                 self.dumper.dump(step, inputs)
-            logits = self.model.forward(**inputs)
-            if self.dumper is not None and self.dumper.wants(step):
+                logits = self.model.forward(**inputs)
                 self.dumper.dump(step, {"logits": logits})
+            else:
+                plan = self.model.plan(lens.seqlens, lens.start, lens.caches, lens.num_decoding,
+                                       self._causal_mask(lens))
+                logits = self.model.step(torch.tensor(lens.tokens, dtype=torch.int64), plan, kv_cache, kv_scale)
             step += 1
             ready = [k for k, (s, n) in enumerate(batch) if s.done_prefill + n >= s.prompt_len]
             for s, n in batch:
                 s.done_prefill = min(s.done_prefill + n, s.prompt_len) if not s.decoding else s.done_prefill
-            if ready:
-                nxt = sampler(logits[ready]) if self.comm.rank == 0 else torch.empty(len(ready), dtype=torch.int64)
-                nxt = self.comm.broadcast_(nxt.to(torch.int64).contiguous().cpu()).tolist()
+            if ready:  # every rank samples the same tokens from the same logits and generator state
+                nxt = sampler(logits[ready] if len(ready) < len(batch) else logits).tolist()
                 for k, t in zip(ready, nxt):
                     s = batch[k][0]
                     if t in eos:
@@ -146,7 +152,7 @@ class Generator:
                     else:
                         s.generated.append(t)
                         s.tokens.append(t)
-            if step_seconds is not None:  # the broadcast token has reached the host: the step is over
+            if step_seconds is not None:  # the sampled token has reached the host: the step is over
                 step_seconds.append(time.perf_counter() - t_step)
             for s in list(active):
                 if s.max_len == 0 or len(s.tokens) >= s.max_len or len(s.generated) >= max_gen_len:
@@ -174,36 +180,68 @@ class Generator:
             batch.append((s, n))
         return batch
 
-    def _inputs(self, batch, kv_cache, kv_scale) -> dict:
-        o = self.model.options
-        tokens, seqlens, start, kvlens = [], [], [], []
+    def _shared_seed(self, sampling: SamplingParams) -> SamplingParams:
+        """Sampling with a seed every rank shares: the given one, or one rank 0 draws (one broadcast)."""
+        if sampling.seed is not None or sampling.temperature == 0 or self.comm.world_size == 1:
+            return sampling
+        seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64)
+        dev = self.model.device
+        seed = int(self.comm.broadcast_(seed.to(dev) if dev.type == "cuda" else seed)[0])
+        return replace(sampling, seed=seed)
+
+    @staticmethod
+    def _lengths(batch) -> "_StepLengths":
+        tokens, seqlens, start, caches = [], [], [], []
         for s, n in batch:
             pos = s.done_prefill if not s.decoding else len(s.tokens) - 1
             tokens.extend(s.tokens[pos:pos + n])
             seqlens.append(n)
             start.append(pos)
-            kvlens.append(pos + n)
-        seqstarts = torch.tensor([0] + seqlens, dtype=torch.int64).cumsum(0)
+            caches.append(s.cache if isinstance(s.cache, list) else s.cache[0])
+        return _StepLengths(tokens, seqlens, start, caches, sum(1 for s, _ in batch if s.decoding))
+
+    def _causal_mask(self, lens: "_StepLengths") -> Optional[torch.Tensor]:
+        """--auto_causal False: the explicit additive causal (and sliding-window) mask [T, sum kvlens] of a step
+        with sequences in prefill; None otherwise."""
+        if self.model.options.auto_causal or lens.num_decoding == len(lens.seqlens):
+            return None
+        window, dtype = self.model.params.sliding_window, self.model.dtype
+        kvlens = [p + n for p, n in zip(lens.start, lens.seqlens)]
+        mask = torch.zeros(sum(lens.seqlens), sum(kvlens), dtype=dtype)
+        s0 = k0 = 0
+        for n, kv, p0 in zip(lens.seqlens, kvlens, lens.start):
+            qpos = p0 + torch.arange(n)[:, None]
+            kpos = torch.arange(kv)[None, :]
+            bad = (kpos > qpos) | ((kpos <= qpos - window) if window else torch.zeros_like(kpos, dtype=torch.bool))
+            mask[s0:s0 + n, k0:k0 + kv] = torch.zeros(bad.shape, dtype=dtype).masked_fill(bad, float("-inf"))
+            s0, k0 = s0 + n, k0 + kv
+        return mask
+
+    def _inputs(self, lens: "_StepLengths", kv_cache, kv_scale) -> dict:
+        """The step as ppl.pmx's dynamic-batching inputs (what a dump holds)."""
+        kvlens = [p + n for p, n in zip(lens.start, lens.seqlens)]
+        seqstarts = torch.tensor([0] + lens.seqlens, dtype=torch.int64).cumsum(0)
         kvstarts = torch.tensor([0] + kvlens, dtype=torch.int64).cumsum(0)
         if self.paged:
-            maxp = max(len(s.cache) for s, _ in batch)
-            cachestarts = torch.tensor([s.cache + [0] * (maxp - len(s.cache)) for s, _ in batch], dtype=torch.int64)
+            maxp = max(len(c) for c in lens.caches)
+            cachestarts = torch.tensor([c + [0] * (maxp - len(c)) for c in lens.caches], dtype=torch.int64)
         else:
-            cachestarts = torch.tensor([s.cache[0] for s, _ in batch], dtype=torch.int64)
-        attn_mask = torch.empty(0, dtype=self.model.dtype)
-        n_decoding = sum(1 for s, _ in batch if s.decoding)
-        if not o.auto_causal and n_decoding < len(batch):  # explicit additive causal mask for prefill sequences
-            attn_mask = torch.zeros(int(seqstarts[-1]), int(kvstarts[-1]), dtype=self.model.dtype)
-            for b in range(len(batch)):
-                s0, s1, k0, k1 = int(seqstarts[b]), int(seqstarts[b + 1]), int(kvstarts[b]), int(kvstarts[b + 1])
-                qpos = start[b] + torch.arange(s1 - s0)[:, None]
-                kpos = torch.arange(k1 - k0)[None, :]
-                window = self.model.params.sliding_window
-                bad = (kpos > qpos) | ((kpos <= qpos - window) if window else torch.zeros_like(kpos, dtype=torch.bool))
-                attn_mask[s0:s1, k0:k1] = torch.zeros(bad.shape, dtype=self.model.dtype).masked_fill(bad, float("-inf"))
-        return dict(token_ids=torch.tensor(tokens, dtype=torch.int64), attn_mask=attn_mask, seqstarts=seqstarts,
-                    kvstarts=kvstarts, cachestarts=cachestarts,
-                    decoding_batches=torch.tensor([n_decoding], dtype=torch.int64),
-                    start_pos=torch.tensor(start, dtype=torch.int64),
-                    max_seqlen=torch.tensor([max(seqlens)], dtype=torch.int64),
+            cachestarts = torch.tensor(lens.caches, dtype=torch.int64)
+        mask = self._causal_mask(lens)
+        return dict(token_ids=torch.tensor(lens.tokens, dtype=torch.int64),
+                    attn_mask=torch.empty(0, dtype=self.model.dtype) if mask is None else mask,
+                    seqstarts=seqstarts, kvstarts=kvstarts, cachestarts=cachestarts,
+                    decoding_batches=torch.tensor([lens.num_decoding], dtype=torch.int64),
+                    start_pos=torch.tensor(lens.start, dtype=torch.int64),
+                    max_seqlen=torch.tensor([max(lens.seqlens)], dtype=torch.int64),
                     max_kvlen=torch.tensor([max(kvlens)], dtype=torch.int64), kv_cache=kv_cache, kv_scale=kv_scale)
+
+
+@dataclass
+class _StepLengths:
+    """One step's batch as Python ints: new tokens, new lengths, start positions, caches (offset or pages)."""
+    tokens: list
+    seqlens: list
+    start: list
+    caches: list
+    num_decoding: int

@@ -373,6 +373,7 @@ class Transformer(nn.Module):
             raise PmxError("kv_scale must be given exactly when the cache is quantised")
         tokens, cache = token_ids.to(self.device), KVCache(kv_cache, kv_scale, self.options.cache_layout, self.ops)
         if self._compiled is not None and plan.decode_only:
+            _mark_dynamic(tokens, plan, cache)
             with self.comm.guard("decode step"):
                 return self._compiled(tokens, plan, cache)
         return self._run(tokens, plan, cache)
@@ -395,7 +396,7 @@ class Transformer(nn.Module):
         if self.params.num_experts:
             raise PmxError("--compile on: mixture-of-experts steps route tokens by value and do not compile; "
                            "use --compile off")
-        compiled = torch.compile(self._run, fullgraph=True, dynamic=True)
+        compiled = torch.compile(self._run, fullgraph=True)  # the dims that vary are marked in `step`
         if o.compile == "on":
             return compiled
 
@@ -411,6 +412,23 @@ class Transformer(nn.Module):
                 self._compiled = None
                 return self._run(*args)
         return guarded
+
+
+def _mark_dynamic(tokens: torch.Tensor, plan: StepPlan, cache: KVCache) -> None:
+    """The dims of a decode step that vary from step to step (batch, history length, cache rows): one graph
+    serves them all. The rest (heads, head_dim, layers) stay static, so the kernels are specialised to them."""
+    mark, d = torch._dynamo.maybe_mark_dynamic, plan.decode
+    for t in (tokens, plan.slots, plan.cos, plan.sin, d.kv_slots, d.cachestarts, d.kvlens):
+        mark(t, 0)
+    mark(d.kv_slots, 1)
+    if d.cachestarts.dim() == 2:
+        mark(d.cachestarts, 1)
+    if d.mask is not None:
+        mark(d.mask, 0)
+        mark(d.mask, 3)
+    for t in (cache.data, cache.scale):
+        if t is not None:
+            mark(t, cache.layout)  # layout k keeps its MaxT rows in dim k (reference.cache_shape)
 
 
 def _is_compile_error(e: Exception) -> bool:

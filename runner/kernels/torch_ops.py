@@ -6,8 +6,8 @@ tests check them:
 
 - apply_rotary: in place on q and k where the fused qkv GEMM left them (float32: one complex multiply
   per call); under torch.compile the reference's real arithmetic, which inductor fuses.
-- kv_store / kv_load: one index_copy_ / index_select over a strided view of the cache, any layout
-  (an int8 cache goes through the reference quantiser).
+- kv_store / kv_load: one index_put_ on the cache / one index_select over a strided view of it, any
+  layout (an int8 cache: quantised with the reference quantiser, dequantised by the reference).
 - attend: torch's scaled_dot_product_attention (flash attention on CPU), GQA without repeating K/V.
 """
 
@@ -35,9 +35,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def kv_store(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
              k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    kv = torch.stack((k, v))                                                      # (2, T, KV, D)
     if scale is not None:
-        return ref.kv_store(cache, scale, layout, layer, k, v, slots)
-    cache_view(cache, layout)[layer].index_copy_(1, slots, torch.stack((k, v)).to(cache.dtype))  # (2, MaxT, KV, D)
+        kv, s = ref.quantize_int8(kv)
+        _put(scale, layout, layer, slots, s.to(scale.dtype))
+    _put(cache, layout, layer, slots, kv.to(cache.dtype))
+
+
+def _put(base: torch.Tensor, layout: int, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """base[layer, k|v, rows `slots`] = kv (2, T, KV, X), one index_put_ on the cache tensor itself (not on a
+    view of it: that way torch.compile writes the rows in place instead of copying the layer)."""
+    at = torch.full((), layer, dtype=torch.int64, device=slots.device)
+    if layout in (0, 1):                                     # (MaxT, L, 2, KV, X) / (L, MaxT, 2, KV, X)
+        base.index_put_((slots, at) if layout == 0 else (at, slots), kv.transpose(0, 1))
+    else:                                                    # (L, 2, MaxT, KV, X) / (L, 2, KV, MaxT, X)
+        which = torch.arange(2, device=slots.device)[:, None]
+        if layout == 2:
+            base.index_put_((at, which, slots[None, :]), kv)
+        else:
+            heads = torch.arange(kv.shape[2], device=slots.device)[:, None]
+            base.index_put_((at, which[:, :, None], heads, slots), kv.permute(0, 2, 1, 3))     # (2, KV, T, X)
 
 
 def kv_load(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,

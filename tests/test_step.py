@@ -1,0 +1,105 @@
+"""The step: host plan + device step; the compiled decode step; varlen prefill in mixed steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.engine.model import EngineOptions, Transformer, load_shard
+from runner.errors import PmxError
+from runner.parallel.comm import SingleComm
+from runner.pmx.convert import convert
+from test_engine import hf_logits, prompts_and_conts, rel_err
+from tp_worker import teacher_forced_logits
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def engine(pmx_dir, **options) -> Transformer:
+    params, w = load_shard(pmx_dir, 0, torch.device("cpu"), torch.float32)
+    return Transformer(params, w, SingleComm(), EngineOptions(**options))
+
+
+@pytest.mark.parametrize("arch,options", [
+    ("llama_gqa_odd", dict(cache_layout=0)),
+    ("qwen3", dict(cache_layout=3, cache_mode=1, quantized_cache=True)),
+])
+def test_compiled_decode_step_matches_eager_and_transformers(make_hf, tmp_path, arch, options):
+    """Decode steps run under torch.compile(fullgraph=True) (a graph break would raise), with masked histories of
+    different lengths (3 prompts) and the single-sequence graph; logits as eager's and transformers'."""
+    src, model = make_hf(arch)
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    eager = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", compile="off", **options), prompts, conts))
+    compiled_engine = engine(tmp_path / "pmx", compile="on", **options)
+    assert compiled_engine._compiled is not None
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    got = torch.stack(teacher_forced_logits(compiled_engine, prompts, conts))
+    single = torch.stack(teacher_forced_logits(compiled_engine, prompts[:1], conts[:1]))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before >= 2  # B > 1 with a mask, and B = 1
+    assert rel_err(got, eager) < 1e-5 and rel_err(single, eager[:, :1]) < 1e-5
+    if not options.get("quantized_cache"):
+        assert rel_err(got, hf_logits(model, prompts, conts)) < 1e-4
+
+
+def test_compile_auto_is_off_for_small_models(make_hf, tmp_path):
+    src, _ = make_hf("llama_mha")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    assert engine(tmp_path / "pmx")._compiled is None
+    with pytest.raises(PmxError, match="--compile must be auto, on or off"):
+        EngineOptions(compile="yes")
+
+
+def run_steps(model, steps, rows=256):
+    """steps: [(seqlens, start_pos, caches, num_decoding, tokens)] through the ppl.pmx forward."""
+    kv_cache, kv_scale = model.new_cache(rows)
+    out = []
+    for seqlens, start, caches, n_dec, tokens in steps:
+        kvlens = [s + n for s, n in zip(start, seqlens)]
+        out.append(model.forward(torch.tensor(tokens), torch.empty(0), torch.tensor([0] + seqlens).cumsum(0),
+                                 torch.tensor([0] + kvlens).cumsum(0), torch.tensor(caches), torch.tensor([n_dec]),
+                                 torch.tensor(start), torch.tensor([max(seqlens)]), torch.tensor([max(kvlens)]),
+                                 kv_cache, kv_scale))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa_odd", "mistral_window"])
+def test_mixed_steps_match_the_reference(make_hf, tmp_path, arch):
+    """Decoding sequences, fresh prompts of equal and unequal lengths and a continued chunk in one step, against
+    the reference kernels on ppl.pmx's unfused path (each sequence alone), and against the same sequences run
+    in steps of their own."""
+    src, model = make_hf(arch)
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    g = torch.Generator().manual_seed(3)
+    tok = lambda n: torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    A, B, C, D, E = tok(6), tok(3), tok(11), tok(6), tok(6)
+    caches = [0, 40, 80, 120, 160]
+    steps = [  # step 0: A, B and C's first chunk; step 1: A, B decode, C's second chunk, D and E fresh (equal)
+        ([6, 3, 4], [0, 0, 0], caches[:3], 0, A + B + C[:4]),
+        ([1, 1, 7, 6, 6], [6, 3, 4, 0, 0], caches, 2, tok(2) + C[4:] + D + E),
+        ([1] * 5, [7, 4, 11, 6, 6], caches, 5, tok(5)),
+    ]
+    fast = run_steps(engine(tmp_path / "pmx"), steps)
+    spec = run_steps(engine(tmp_path / "pmx", kernels="reference", fused_kvcache=False), steps)
+    for a, b in zip(fast, spec):
+        assert rel_err(a, b) < 1e-5
+    alone = run_steps(engine(tmp_path / "pmx"), [([6], [0], [0], 0, A), ([1], [6], [0], 1, steps[1][4][:1])])
+    assert rel_err(fast[1][0], alone[1][0]) < 1e-5
+
+
+def test_bad_step_inputs_are_refused(make_hf, tmp_path):
+    src, _ = make_hf("llama_mha")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    m = engine(tmp_path / "pmx")
+    kv, _ = m.new_cache(32)
+    with pytest.raises(PmxError, match="kvstarts must equal start_pos"):
+        m.forward(torch.tensor([5, 6]), torch.empty(0), torch.tensor([0, 2]), torch.tensor([0, 5]), torch.tensor([0]),
+                  torch.tensor([0]), torch.tensor([0]), torch.tensor([2]), torch.tensor([5]), kv)
+    with pytest.raises(PmxError, match="decode one token"):
+        m.forward(torch.tensor([5, 6]), torch.empty(0), torch.tensor([0, 2]), torch.tensor([0, 2]), torch.tensor([0]),
+                  torch.tensor([1]), torch.tensor([0]), torch.tensor([2]), torch.tensor([2]), kv)
