@@ -125,7 +125,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
           input_len: int = 8, tokens_file: Optional[str] = None, gen_len: int = 256, warmup_loops: int = 1,
           benchmark_loops: int = 1, quantized_cache: bool = False, cache_layout: int = 0, cache_mode: int = 0,
           device: str = "auto", dtype: str = "auto", seed: int = 0, csv: Optional[str] = None,
-          progress: bool = True, kernels: str = "auto") -> None:
+          progress: bool = True, kernels: str = "auto", compile: str = "auto") -> None:
     """Throughput per batch size (ppl.llm.serving's benchmark_llama); one CSV line per batch size:
     batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib). Run under mpirun -np N for tensor parallelism.
 
@@ -146,11 +146,12 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
         seed: seed of the random prompts and weights.
         csv: also write the CSV to this file.
         progress: progress lines on stderr.
-        kernels: auto (Triton on CUDA), triton or reference.
+        kernels: auto (Triton on CUDA, fast torch elsewhere), triton, torch or reference.
+        compile: torch.compile the decode step: auto, on or off (see generate).
     """
     from runner.engine.bench import bench as _bench
     _bench(model, random_weights, batch_sizes, input_len, tokens_file, gen_len, warmup_loops, benchmark_loops,
-           quantized_cache, cache_layout, cache_mode, device, dtype, seed, csv, progress, kernels)
+           quantized_cache, cache_layout, cache_mode, device, dtype, seed, csv, progress, kernels, compile)
 
 
 COMMANDS: dict[str, Callable] = {"make_random_model": make_random_model, "convert": convert, "split": split, "merge": merge, "generate": generate,

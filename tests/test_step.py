@@ -9,7 +9,8 @@ from runner.engine.model import EngineOptions, Transformer, load_shard
 from runner.errors import PmxError
 from runner.parallel.comm import SingleComm
 from runner.pmx.convert import convert
-from test_engine import hf_logits, prompts_and_conts, rel_err
+from runner.pmx.convert import reshard
+from test_engine import hf_logits, prompts_and_conts, rel_err, run_tp
 from tp_worker import teacher_forced_logits
 
 
@@ -45,6 +46,17 @@ def test_compiled_decode_step_matches_eager_and_transformers(make_hf, tmp_path, 
     assert rel_err(got, eager) < 1e-5 and rel_err(single, eager[:, :1]) < 1e-5
     if not options.get("quantized_cache"):
         assert rel_err(got, hf_logits(model, prompts, conts)) < 1e-4
+
+
+def test_compiled_decode_step_tensor_parallel(make_hf, tmp_path):
+    """TP=2 under mpirun: the MPI all-reduce / all-gather ops inside the compiled graph; logits as TP=1's."""
+    src, model = make_hf("llama_gqa_odd")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    reshard(str(tmp_path / "pmx"), str(tmp_path / "pmx2"), 2, progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    tp1 = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", compile="off"), prompts, conts))
+    got = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"compile": "on", "cache_layout": 1}], prompts, conts)[0]
+    assert rel_err(got, tp1) < 1e-5
 
 
 def test_compile_auto_is_off_for_small_models(make_hf, tmp_path):

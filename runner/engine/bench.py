@@ -66,7 +66,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: Union[str, int,
           input_len: int = 8, tokens_file: Optional[str] = None, gen_len: int = 256, warmup_loops: int = 1,
           benchmark_loops: int = 1, quantized_cache: bool = False, cache_layout: int = 0, cache_mode: int = 0,
           device: str = "auto", dtype: str = "auto", seed: int = 0, csv: Optional[str] = None,
-          progress: bool = True, kernels: str = "auto") -> list[dict]:
+          progress: bool = True, kernels: str = "auto", compile: str = "auto") -> list[dict]:
     from runner.engine.generator import Generator
     from runner.engine.model import EngineOptions
     from runner.engine.session import open_session
@@ -75,7 +75,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: Union[str, int,
     if input_len < 1 or gen_len < 1 or warmup_loops < 0 or benchmark_loops < 1:
         raise PmxError("--input_len, --gen_len and --benchmark_loops must be >= 1, --warmup_loops >= 0")
     options = EngineOptions(quantized_cache=quantized_cache, cache_layout=cache_layout, cache_mode=cache_mode,
-                            kernels=kernels)
+                            kernels=kernels, compile=compile)
     sess = open_session(model, options, device=device, dtype=dtype, random_weights=random_weights, seed=seed)
     p = sess.model.params
     if tokens_file:

@@ -64,6 +64,7 @@ def generate(
     device: str = "auto",
     dtype: str = "auto",
     kernels: str = "auto",
+    compile: str = "auto",
     show_ids: bool = False,
 ) -> None:
     """Generate text with a PMX model on 1 or N ranks (mpirun / torchrun).
@@ -98,7 +99,8 @@ def generate(
         dump_steps: steps to dump, e.g. 0,1,39 (default: every step when dump_tensor_path is set).
         device: auto, cpu or cuda (rank r uses cuda:local_rank).
         dtype: compute dtype: auto (float32 on CPU, the checkpoint's on GPU), float32, float16, bfloat16.
-        kernels: auto (fused Triton kernels on CUDA, the torch reference ops elsewhere), triton or reference.
+        kernels: auto (fused Triton kernels on CUDA, fast torch ops elsewhere), triton, torch or reference (the spec).
+        compile: torch.compile the decode step: auto (on CPU, for models of 32M+ parameters per rank), on, off.
         show_ids: also print the generated token ids.
     """
     from runner.engine.dump import TensorDumper
@@ -120,7 +122,8 @@ def generate(
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     options = EngineOptions(fused_qkv=fused_qkv, fused_ffn_glu=fused_ffn_glu, fused_kvcache=fused_kvcache,
                             friendly_gqa=friendly_gqa, auto_causal=auto_causal, quantized_cache=quantized_cache,
-                            cache_layout=cache_layout, cache_mode=cache_mode, kernels=kernels)
+                            cache_layout=cache_layout, cache_mode=cache_mode, kernels=kernels,
+                            compile=compile)
     params = PmxParams.load(Path(ckpt_dir))
     tok = Tokenizer(tokenizer_path or ckpt_dir, params.bos_token_id, params.eos_ids[0] if params.eos_ids else None)
     if prompts_file:
