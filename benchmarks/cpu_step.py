@@ -50,14 +50,15 @@ def _time(model, inputs, cache, reps, warmup=3) -> float:
 def main(ckpt: str, options: str = "{}", profile: bool = False, json_out: str = "", reps: int = 10) -> None:
     from runner.engine.model import EngineOptions
     from runner.engine.session import open_session
-    sess = open_session(ckpt, EngineOptions(**json.loads(options)))
+    options = json.loads(options) if isinstance(options, str) else dict(options)  # fire may parse the JSON itself
+    sess = open_session(ckpt, EngineOptions(**options))
     model, g = sess.model, torch.Generator().manual_seed(0)
     hist, chunk, rows = 64, 512, 1024
     cache = model.new_cache(65 * rows)
     dec = lambda b: _inputs(model, [1] * b, [hist] * b, [i * rows for i in range(b)], b, g)  # noqa: E731
     prefill = _inputs(model, [chunk], [0], [64 * rows], 0, g)
     mixed = _inputs(model, [1] * 64 + [chunk], [hist] * 64 + [0], [i * rows for i in range(65)], 64, g)
-    res = {"threads": torch.get_num_threads(), "options": json.loads(options)}
+    res = {"threads": torch.get_num_threads(), "options": options}
     for b in (1, 16, 64):
         res[f"decode_b{b}_ms"] = _time(model, dec(b), cache, reps) * 1e3
     res["prefill_512_ms"] = _time(model, prefill, cache, max(3, reps // 3)) * 1e3
