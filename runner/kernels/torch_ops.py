@@ -59,11 +59,19 @@ def _put(base: torch.Tensor, layout: int, layer: int, slots: torch.Tensor, kv: t
 
 def kv_load(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
             slots: torch.Tensor, dtype: torch.dtype):
+    """Gathers whole rows along the cache's own row dim (an index_select along a dim of a permuted view
+    would first copy the whole layer)."""
     if scale is not None:
         return ref.kv_load(cache, scale, layout, layer, slots, dtype)
-    view = cache_view(cache, layout)[layer]                                       # (2, MaxT, KV, D)
-    kv = view.index_select(1, slots.reshape(-1)).view(2, *slots.shape, *view.shape[2:])
-    kv = kv.to(dtype)
+    flat = slots.reshape(-1)
+    if layout in (0, 1):                                     # a token's k and v: one row of 2 KV D
+        rows = cache[:, layer] if layout == 0 else cache[layer]                    # (MaxT, 2, KV, D)
+        kv = rows.flatten(1).index_select(0, flat).view(-1, *rows.shape[1:]).transpose(0, 1)  # (2, n, KV, D)
+    elif layout == 2:                                        # (2, MaxT, KV, D), contiguous
+        kv = cache[layer].index_select(1, flat)
+    else:                                                    # (2, KV, MaxT, D), contiguous
+        kv = cache[layer].index_select(2, flat).transpose(1, 2)
+    kv = kv.reshape(2, *slots.shape, *kv.shape[2:]).to(dtype)                   # (2, *slots, KV, D)
     return kv[0], kv[1]
 
 
