@@ -1,0 +1,398 @@
+#!/usr/bin/env python3
+"""CPU generation speed of pmx-runner beside its peers: the same random-weight HF Llama, the same threads.
+
+Systems (`--systems`, comma-separated; default all):
+  pmx1          pmx-runner TP=1: one process, THREADS threads (open_session + Generator.generate)
+  pmx2          pmx-runner TP=2: scripts/mpirun.sh -np 2, THREADS/2 threads per rank
+  transformers  AutoModelForCausalLM, fp32, torch.set_num_threads(THREADS), greedy generate
+  ct2           CTranslate2 float32, Generator(intra_threads=THREADS, inter_threads=1)
+  llama.cpp     F32 GGUF: llama-bench (batch 1, prefill) and llama-batched-bench (batch 16), -t THREADS
+Metrics: decode tokens/s at batch 1 and 16 after an 8-token prompt (prefill time excluded) and prefill
+tokens/s of one 512-token prompt. Every round runs each system once, in its own subprocess, in a
+rotated order; the table gives medians over the rounds and the JSON every raw number (and the best
+round, the least disturbed on a shared box), the versions, thread counts, model shape and the 1-minute
+load average at start and end. About 2 minutes a round for base on 2 cores, plus one-off conversions.
+
+    python benchmarks/cpu_peers.py [--shape base|gqa] [--rounds 5] [--threads 2] [--decode_tokens 32]
+        [--systems pmx1,pmx2,transformers,ct2,llama.cpp] [--engine_options '{"prepack": false}']
+        [--json_path out/cpu_peers_SHAPE.json] [--workdir ~/.cache/pmx-runner/peers] [--llama_cpp DIR] [--install True]
+
+One shape per invocation (base: dim 768, 12 layers, 12 heads MHA, intermediate 2048, vocab 32000;
+gqa: dim 1024, 10 layers, 16 heads / 4 KV heads, intermediate 2816, vocab 32000); run it twice for
+both. `--engine_options` is a JSON object of runner.engine.model.EngineOptions fields, passed to
+open_session(options=...) of both pmx runs. Checkpoints and conversions are cached under --workdir.
+
+A missing peer is skipped with a one-line reason. With `--install True` (the default) a missing
+ctranslate2 is installed into this venv (`python -m pip install ctranslate2`). llama.cpp comes from
+the llama-cpp-python sdist (pinned below) and is built once into ~/.cache/pmx-runner/llama.cpp
+(about 15 minutes on 2 cores); `--llama_cpp DIR` or PMX_LLAMA_CPP=DIR points at an existing build
+(a directory holding llama-bench and llama-batched-bench, or its bin/). The build, by hand:
+
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d SDIST && tar xzf SDIST/*.tar.gz
+    cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+    cmake --build build --target llama-bench llama-batched-bench -j2
+
+The GGUF is made by the sdist's convert_hf_to_gguf.py --outtype f32 (its gguf-py on PYTHONPATH) from a
+copy of the checkpoint (weights linked) that holds a small sentencepiece tokenizer.model: the converter
+refuses the random model's byte-level BPE tokenizer.json ("BPE pre-tokenizer was not recognized"); it
+pads the vocabulary to the model's 32000 rows. llama.cpp keeps its default f16 KV cache (llama-bench
+takes no f32 cache type); the others cache in fp32. ct2-transformers-converter writes null bos/eos tokens
+for this tokenizer, which ctranslate2 cannot load, so <s>, </s>, <unk> are set in its config.json.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fire
+
+SELF = Path(__file__).resolve()
+REPO = SELF.parent.parent
+CACHE = Path.home() / ".cache" / "pmx-runner"
+LLAMA_CPP_PYTHON = "0.3.36"  # the sdist that ships llama.cpp's source
+SHAPES = {"base": dict(hidden_dim=768, intermediate_dim=2048, num_layers=12, num_heads=12, num_kv_heads=12,
+                       vocab_size=32000),
+          "gqa": dict(hidden_dim=1024, intermediate_dim=2816, num_layers=10, num_heads=16, num_kv_heads=4,
+                      vocab_size=32000)}
+LABELS = {"pmx1": "pmx-runner TP=1", "pmx2": "pmx-runner TP=2", "transformers": "transformers",
+          "ct2": "CTranslate2", "llama.cpp": "llama.cpp"}
+METRICS = ("decode_b1", "decode_b16", "prefill_512")
+PROMPT, LONG_PROMPT = 8, 512
+
+
+class Skip(Exception):
+    """A peer that cannot be measured here; the message says why."""
+
+
+def _run(cmd, what: str, **kw) -> subprocess.CompletedProcess:
+    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+    if res.returncode != 0:
+        last = (res.stderr.strip() or res.stdout.strip() or "no output").splitlines()[-1]
+        raise Skip(f"{what} failed (exit {res.returncode}): {last}")
+    return res
+
+
+# ---- in-process measurement, shared by the python systems (each runs in its own worker process) ----
+
+def _prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    import torch
+    g = torch.Generator().manual_seed(seed + batch * 1000 + length)
+    return [torch.randint(3, 32000, (length,), generator=g).tolist() for _ in range(batch)]
+
+
+def _measure(generate, decode_tokens: int) -> dict:
+    """`generate(prompts, n)` makes n new tokens per prompt. Decode = (time for n+1 - time for 1) / n."""
+    def timed(prompts, n):
+        t0 = time.perf_counter()
+        generate(prompts, n)
+        return time.perf_counter() - t0
+    res = {}
+    for b in (1, 16):
+        prompts = _prompts(b, PROMPT)
+        generate(prompts, 4)  # warm-up
+        t_prefill = timed(prompts, 1)
+        res[f"decode_b{b}"] = b * decode_tokens / (timed(prompts, decode_tokens + 1) - t_prefill)
+    long = _prompts(1, LONG_PROMPT)
+    generate(long, 1)
+    res["prefill_512"] = LONG_PROMPT / timed(long, 1)
+    return res
+
+
+def _engine_options(opts) -> dict:
+    """A JSON string, or the dict fire made of it (where JSON's true/false/null arrive as strings)."""
+    if isinstance(opts, str):
+        return json.loads(opts)
+    return {k: {"true": True, "false": False, "null": None}.get(v, v) if isinstance(v, str) else v
+            for k, v in dict(opts).items()}
+
+
+def _pmx_numbers(model: str, decode_tokens: int, engine_options: str) -> dict:
+    import torch
+    from runner.engine.generator import Generator
+    from runner.engine.model import EngineOptions
+    from runner.engine.session import open_session
+    sess = open_session(model, options=EngineOptions(**_engine_options(engine_options)))
+    res = _measure(lambda p, n: Generator(sess.model).generate(p, n), decode_tokens)
+    res["threads"] = torch.get_num_threads()
+    sess.close()
+    return res if sess.is_main else {}
+
+
+def _transformers_numbers(model: str, decode_tokens: int, threads: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(threads)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        res = _measure(lambda p, n: hf.generate(torch.tensor(p), max_new_tokens=n, min_new_tokens=n, **kw),
+                       decode_tokens)
+    return {**res, "threads": torch.get_num_threads()}
+
+
+def _ct2_numbers(model: str, decode_tokens: int, threads: int) -> dict:
+    import ctranslate2
+    gen = ctranslate2.Generator(model, device="cpu", intra_threads=threads, inter_threads=1)
+    vocab = json.loads((Path(model) / "vocabulary.json").read_text())
+    res = _measure(lambda p, n: gen.generate_batch([[vocab[i] for i in x] for x in p], max_length=n, min_length=n,
+                                                   include_prompt_in_result=False), decode_tokens)
+    return {**res, "threads": threads}
+
+
+def worker(system: str, model: str, out: str, decode_tokens: int = 32, threads: int = 2,
+           engine_options: str = "{}") -> None:
+    """One measurement of one system (run by main in a subprocess; pmx under mpirun on every rank)."""
+    if system == "pmx":
+        res = _pmx_numbers(model, decode_tokens, engine_options)
+    else:
+        res = {"transformers": _transformers_numbers, "ct2": _ct2_numbers}[system](model, decode_tokens, threads)
+    if res:
+        Path(out).write_text(json.dumps(res))
+
+
+# ---- preparation: checkpoints, conversions, peers; each returns a function measuring one round ----
+
+def _worker_round(cmd_head: list, system: str, model: Path, a: dict, env_threads: int):
+    def run() -> dict:
+        out = a["work"] / f"{system}.result.json"
+        out.unlink(missing_ok=True)
+        cmd = cmd_head + [sys.executable, SELF, "worker", system, "--model", model, "--out", out,
+                          "--decode_tokens", a["decode_tokens"], "--threads", a["threads"],
+                          "--engine_options", json.dumps(a["engine_options"])]
+        _run(cmd, f"{system} worker", env={**os.environ, "OMP_NUM_THREADS": str(env_threads)}, cwd=REPO)
+        res = json.loads(out.read_text())
+        out.unlink()
+        return res
+    return run
+
+
+def _prepare_pmx(n: int, a: dict):
+    from runner.pmx.convert import convert
+    pmx = a["work"] / f"pmx{n}"
+    if not (pmx / "pmx_params.json").exists():
+        convert(str(a["hf"]), str(pmx), num_shards=n, overwrite=True, progress=False)
+    head = [REPO / "scripts" / "mpirun.sh", "-np", n] if n > 1 else []
+    return _worker_round(head, "pmx", pmx, a, max(1, a["threads"] // n))
+
+
+def _pip_install(package: str, module: str, a: dict) -> None:
+    try:
+        __import__(module)
+        return
+    except ImportError:
+        pass
+    cmd = f"{sys.executable} -m pip install {package}"
+    if not a["install"]:
+        raise Skip(f"{package} is not installed; run: {cmd}")
+    print(f"installing: {cmd}", file=sys.stderr)
+    _run(cmd.split(), f"pip install {package}")
+
+
+def _prepare_ct2(a: dict):
+    _pip_install("ctranslate2", "ctranslate2", a)
+    out = a["work"] / "ct2-f32"
+    if not (out / "model.bin").exists():
+        tmp = a["work"] / "ct2-f32.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        _run([Path(sys.executable).parent / "ct2-transformers-converter", "--model", a["hf"], "--output_dir", tmp,
+              "--quantization", "float32"], "ct2-transformers-converter")
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg.update(bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tmp.rename(out)
+    return _worker_round([], "ct2", out, a, a["threads"])
+
+
+def _llama_cpp_source() -> Path:
+    root = CACHE / "llama.cpp"
+    src = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
+    if not (src / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").exists():
+        print(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON} sdist into {root}", file=sys.stderr)
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", root / "sdist"], "pip download llama-cpp-python")
+        _run(["tar", "xzf", root / "sdist" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz", "-C", root], "tar")
+    return src
+
+
+def _llama_cpp_bin(src: Path, given: str | None) -> Path:
+    tools = ("llama-bench", "llama-batched-bench")
+    if given:
+        for d in (Path(given), Path(given) / "bin"):
+            if all((d / t).is_file() for t in tools):
+                return d
+        raise Skip(f"{given} holds no {' and '.join(tools)}")
+    build = CACHE / "llama.cpp" / "build"
+    if not all((build / "bin" / t).is_file() for t in tools):
+        if not shutil.which("cmake"):
+            raise Skip("no llama.cpp build: cmake is not installed (apt-get install cmake g++) and no --llama_cpp DIR")
+        log = CACHE / "llama.cpp" / "build.log"
+        print(f"building llama.cpp once into {build} (about 15 min on 2 cores; log {log})", file=sys.stderr)
+        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                 "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
+                 "-DLLAMA_USE_PREBUILT_UI=OFF"]
+        with open(log, "w") as f:
+            for cmd in (["cmake", "-S", src / "vendor" / "llama.cpp", "-B", build, *flags],
+                        ["cmake", "--build", build, "--target", *tools, "-j", str(os.cpu_count() or 2)]):
+                if subprocess.run([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT).returncode:
+                    raise Skip(f"llama.cpp build failed, see {log}")
+    return build / "bin"
+
+
+def _sentencepiece_model(path: Path) -> None:
+    """A small sentencepiece BPE tokenizer.model (byte fallback), which convert_hf_to_gguf.py accepts."""
+    import io
+    import sentencepiece as spm
+    from runner.pmx.random_model import CORPUS
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS.split(". ") * 4), model_writer=buf,
+                                   vocab_size=400, model_type="bpe", byte_fallback=True, hard_vocab_limit=False,
+                                   minloglevel=2)
+    path.write_bytes(buf.getvalue())
+
+
+def _prepare_llama_cpp(a: dict):
+    src = _llama_cpp_source()
+    bindir = _llama_cpp_bin(src, a["llama_cpp"])
+    gguf = a["work"] / "model-f32.gguf"
+    if not gguf.exists():
+        copy = a["work"] / "gguf-src"
+        shutil.rmtree(copy, ignore_errors=True)
+        copy.mkdir()
+        for f in ("config.json", "model.safetensors"):
+            (copy / f).symlink_to(a["hf"] / f)
+        _sentencepiece_model(copy / "tokenizer.model")
+        lcpp = src / "vendor" / "llama.cpp"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(lcpp / "gguf-py"),
+                                                                         os.environ.get("PYTHONPATH")]))}
+        _run([sys.executable, lcpp / "convert_hf_to_gguf.py", copy, "--outtype", "f32", "--outfile",
+              gguf.with_suffix(".tmp")], "convert_hf_to_gguf.py", env=env)
+        gguf.with_suffix(".tmp").rename(gguf)
+    t, n = str(a["threads"]), str(a["decode_tokens"])
+
+    def bench(*args) -> dict:
+        return json.loads(_run([bindir / "llama-bench", "-m", gguf, "-t", t, "-r", "1", "-o", "json", *args],
+                               "llama-bench").stdout)[0]
+
+    def run() -> dict:
+        tg = bench("-p", "0", "-n", n, "-d", str(PROMPT))
+        pp = bench("-p", str(LONG_PROMPT), "-n", "0")
+        out = _run([bindir / "llama-batched-bench", "-m", gguf, "-c", "4096", "-npp", str(PROMPT), "-ntg", n,
+                    "-npl", "16", "-t", t, "--output-format", "jsonl"], "llama-batched-bench")
+        bb = [json.loads(line) for line in (out.stdout + out.stderr).splitlines() if '"speed_tg"' in line][0]
+        a["llama_cpp_run"] = {k: tg.get(k) for k in ("build_commit", "build_number", "model_type", "model_n_params",
+                                                     "type_k", "type_v", "flash_attn", "n_batch", "n_ubatch")}
+        return {"decode_b1": tg["avg_ts"], "decode_b16": bb["speed_tg"], "prefill_512": pp["avg_ts"],
+                "threads": tg["n_threads"]}
+    return run
+
+
+def _versions(a: dict) -> dict:
+    def v(pkg):
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    git = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    changelog = CACHE / "llama.cpp" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "CHANGELOG.md"
+    commit = None
+    if changelog.exists():  # "## [0.3.36]\n\n- feat: update llama.cpp to ggml-org/llama.cpp@0c1e57098"
+        section = changelog.read_text().split(f"## [{LLAMA_CPP_PYTHON}]", 1)[-1]
+        commit = next((w.split("@")[1] for w in section.split() if "llama.cpp@" in w), None)
+    return {"python": platform.python_version(), "pmx-runner": git.stdout.strip(), "torch": v("torch"),
+            "transformers": v("transformers"), "ctranslate2": v("ctranslate2"), "mpi4py": v("mpi4py"),
+            "llama.cpp": {"llama-cpp-python sdist": LLAMA_CPP_PYTHON, "commit (sdist changelog)": commit,
+                          **a.get("llama_cpp_run", {})}}
+
+
+def main(shape: str = "base", rounds: int = 5, threads: int = 2, decode_tokens: int = 32,
+         systems: str = "pmx1,pmx2,transformers,ct2,llama.cpp", engine_options="{}", json_path: str | None = None,
+         workdir: str = str(CACHE / "peers"), llama_cpp: str | None = None, install: bool = True) -> None:
+    from runner.pmx.random_model import make_random_model
+    if shape not in SHAPES:
+        raise SystemExit(f"--shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    chosen = systems.split(",") if isinstance(systems, str) else list(systems)
+    if set(chosen) - set(LABELS):
+        raise SystemExit(f"--systems: unknown {sorted(set(chosen) - set(LABELS))}; known: {', '.join(LABELS)}")
+    work = Path(workdir).expanduser() / shape
+    hf = work / "hf"
+    if not (hf / "config.json").exists():
+        make_random_model(str(hf), **SHAPES[shape], overwrite=True)
+    a = dict(work=work, hf=hf, threads=threads, decode_tokens=decode_tokens, install=install,
+             engine_options=_engine_options(engine_options), llama_cpp=llama_cpp or os.environ.get("PMX_LLAMA_CPP"))
+    prepare = {"pmx1": lambda: _prepare_pmx(1, a), "pmx2": lambda: _prepare_pmx(2, a),
+               "transformers": lambda: _worker_round([], "transformers", hf, a, threads),
+               "ct2": lambda: _prepare_ct2(a), "llama.cpp": lambda: _prepare_llama_cpp(a)}
+    ready, skipped = {}, {}
+    for s in chosen:
+        try:
+            ready[s] = prepare[s]()
+        except Exception as e:  # noqa: BLE001 - a peer that cannot be set up is skipped, the rest still run
+            skipped[s] = str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {e}"
+    load_start = os.getloadavg()[0]
+    raw = {s: [] for s in ready}
+    t_start = time.time()
+    for r in range(rounds):
+        order = list(ready)[r % max(len(ready), 1):] + list(ready)[:r % max(len(ready), 1)]
+        for s in order:
+            if s in skipped:
+                continue
+            try:
+                res = ready[s]()
+            except Exception as e:  # noqa: BLE001
+                skipped[s] = f"round {r + 1}: {e if isinstance(e, Skip) else f'{type(e).__name__}: {e}'}"
+                continue
+            raw[s].append({**res, "round": r + 1, "loadavg_1m": os.getloadavg()[0]})
+            print(f"round {r + 1}/{rounds} {LABELS[s]}: " + ", ".join(f"{m} {res[m]:.1f}" for m in METRICS),
+                  file=sys.stderr, flush=True)
+    load_end = os.getloadavg()[0]
+    med = {s: {m: statistics.median(x[m] for x in raw[s]) for m in METRICS} for s in ready if s not in skipped}
+    th = {s: (raw[s][0].get("threads", threads) if s != "pmx2" else f"2x{raw[s][0].get('threads')}")
+          for s in med}
+
+    p = SHAPES[shape]
+    print(f"\nshape {shape}: dim {p['hidden_dim']}, {p['num_layers']} layers, {p['num_heads']} heads / "
+          f"{p['num_kv_heads']} KV, intermediate {p['intermediate_dim']}, vocab {p['vocab_size']}, fp32; "
+          f"{rounds} rounds, medians; load avg {load_start:.2f} -> {load_end:.2f}; "
+          f"{(time.time() - t_start) / 60:.1f} min\n")
+    print("| system | threads | decode b=1 tok/s | decode b=16 tok/s | prefill 512 tok/s |")
+    print("|---|---|---|---|---|")
+    for s, m in med.items():
+        print(f"| {LABELS[s]} | {th[s]} | " + " | ".join(f"{m[k]:.1f}" for k in METRICS) + " |")
+    for s, why in skipped.items():
+        print(f"SKIPPED {LABELS[s]}: {why}")
+    report = {"shape": {"name": shape, **p}, "dtype": "float32", "threads": threads,
+              "threads_per_system": {LABELS[s]: t for s, t in th.items()},
+              "decode_tokens": decode_tokens, "prompt_tokens": PROMPT, "prefill_tokens": LONG_PROMPT,
+              "rounds": rounds, "engine_options": a["engine_options"],
+              "loadavg_1m": {"start": load_start, "end": load_end}, "versions": _versions(a),
+              "cpu": {"cores": os.cpu_count(), "machine": platform.machine(), "processor": _cpu_name()},
+              "median": {LABELS[s]: m for s, m in med.items()},
+              "best": {LABELS[s]: {m: max(x[m] for x in raw[s]) for m in METRICS} for s in med},
+              "raw": {LABELS[s]: raw[s] for s in raw},
+              "skipped": {LABELS[s]: why for s, why in skipped.items()}}
+    path = Path(json_path or REPO / "out" / f"cpu_peers_{shape}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"\nraw numbers: {path}")
+
+
+def _cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+if __name__ == "__main__":
+    fire.Fire({"main": main, "worker": worker} if len(sys.argv) > 1 and sys.argv[1] == "worker" else main)
