@@ -328,6 +328,7 @@ class Transformer(nn.Module):
         self.norm = SkipRMSNorm(w.pop("norm.weight"), p.norm_eps, ops)
         self.output = ColumnParallelLinear(w.pop("output.weight"), None, comm, gather_output=True, prepack=o.prepack)
         self._compiled = self._compile_decode(num_params)
+        self._compiled_variants = set()  # (B == 1, no mask, one page): the graphs compiled so far (size 1 specialises)
 
     # -- cache ----------------------------------------------------------------------------------
     def new_cache(self, max_tokens: int):
@@ -374,6 +375,12 @@ class Transformer(nn.Module):
         tokens, cache = token_ids.to(self.device), KVCache(kv_cache, kv_scale, self.options.cache_layout, self.ops)
         if self._compiled is not None and plan.decode_only:
             _mark_dynamic(tokens, plan, cache)
+            d = plan.decode
+            variant = (d.kv_slots.shape[0] == 1, d.mask is None, d.cachestarts.dim() == 2 and d.cachestarts.shape[1] == 1)
+            if variant not in self._compiled_variants:  # this call compiles a graph: no collective timeout on it
+                logits = self._compiled(tokens, plan, cache)
+                self._compiled_variants.add(variant)
+                return logits
             with self.comm.guard("decode step"):
                 return self._compiled(tokens, plan, cache)
         return self._run(tokens, plan, cache)
