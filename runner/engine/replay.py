@@ -112,12 +112,12 @@ def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str, warmup: int
 
     check_apart(Path(output_dir), {"--dump_dir": Path(dump_dir), "--ckpt_dir": Path(ckpt_dir)})
     env = detect()
-    params = PmxParams.load(Path(ckpt_dir))
-    check_world_size(ckpt_dir, params.num_shards, env)
     rank_dir = Path(dump_dir) / f"rank_{env.rank}"
     if not rank_dir.is_dir():
         raise PmxError(f"{dump_dir}: has no rank_{env.rank} (dump with Demo.py --dump_tensor_path {dump_dir} on as "
                        f"many ranks as replay)")
+    params = PmxParams.load(Path(ckpt_dir))
+    check_world_size(ckpt_dir, params.num_shards, env)
     meta = load_meta(str(rank_dir))
     if meta and meta.get("world_size", env.world_size) != env.world_size:
         raise PmxError(f"{rank_dir / META_FILE}: the dump was made on {meta['world_size']} rank(s), but "
