@@ -110,8 +110,9 @@ class Job:
     def report(self, message: str, details: Optional[str] = None) -> None:
         """One write of `details` (e.g. a traceback) and then `rank R: error: message` on a line of its own."""
         text = "".join(f"{self.prefix()}{ln}\n" for ln in (details or "").splitlines())
-        text += f"\n{self.prefix()}error: {message}\n" if self.multi_rank and self.rank else \
-            f"{self.prefix()}error: {message}\n"
+        text += f"{self.prefix()}error: {message}\n"
+        if self.rank or _progress_bar_open():  # rank 0's progress bar may hold the current line: start a new one
+            text = "\n" + text
         try:
             sys.stderr.flush()
             os.write(2, text.encode(errors="replace"))
@@ -127,6 +128,11 @@ class Job:
         if self.multi_rank or from_thread:
             end_job(code)
         sys.exit(code)
+
+
+def _progress_bar_open() -> bool:
+    tqdm = sys.modules.get("tqdm")
+    return bool(tqdm and len(getattr(tqdm.tqdm, "_instances", ())))
 
 
 def describe(exc: BaseException) -> tuple[str, int, Optional[str]]:
