@@ -129,12 +129,14 @@ class Flag:
     def type_text(self) -> str:
         if isinstance(self.check, OneOf):
             return "{" + ",".join(str(v) for v in self.check.values) + "}"
+        if isinstance(self.check, Range):
+            return f"{TYPE_NAMES[self.kind]} {self.check.describe()}"
         return TYPE_NAMES[self.kind]
 
     def default_text(self) -> str:
         if self.required:
             return "required"
-        return f"default {self.default}" if self.default not in (None, "") else "default: none"
+        return f"default {'none' if self.default in (None, '') else self.default}"
 
 
 def _kind(annotation) -> tuple[type, Any]:
@@ -250,10 +252,10 @@ def help_text(fn: Callable, prog: str) -> str:
     """`prog --help`: the summary, then each flag with its type, default and one line of help."""
     summary, _ = doc_lines(fn)
     flags = flags_of(fn)
-    required = " ".join(f"--{f.name} {f.type_text().upper()}" for f in flags if f.required)
+    required = " ".join(f"--{f.name} {TYPE_NAMES[f.kind].upper()}" for f in flags if f.required)
     lines = [f"usage: {prog} {required} [--flag value ...]".replace("  ", " "), "", summary, "", "flags:"]
     rows = [(f"--{f.name} {f.type_text()}", f.default_text(), f.help) for f in flags]
-    w1, w2 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    w1, w2 = min(max(len(r[0]) for r in rows), 34), max(len(r[1]) for r in rows)
     lines += [f"  {a:<{w1}}  {b:<{w2}}  {c}".rstrip() for a, b, c in rows]
     lines += ["", "Required flags may also be given in order without their names. bool flags take true/false, "
               "yes/no or 1/0 (a bare --flag is true); --name and --name-with-dashes are the same flag."]

@@ -223,6 +223,7 @@ def run(component, argv: Optional[list[str]] = None, prog: Optional[str] = None)
     bad input (1 for an unexpected exception, with its traceback; 130 / 143 for SIGINT / SIGTERM); under
     MPI the whole job is aborted and under torchrun the elastic agent stops the others.
     """
+    import contextlib
     import os
 
     import fire
@@ -237,7 +238,8 @@ def run(component, argv: Optional[list[str]] = None, prog: Optional[str] = None)
         try:
             fn, args, name = _resolve(component, argv, prog)
             if fn is None or any(a in HELP_FLAGS for a in args):
-                print(_commands_help(component, prog) if fn is None else help_text(fn, name))
+                with contextlib.suppress(BrokenPipeError):  # e.g. `--help | head`
+                    print(_commands_help(component, prog) if fn is None else help_text(fn, name), flush=True)
                 return
             check_argv(fn, args, name)
             fire.Fire(typed(fn), command=args, name=name)
