@@ -32,14 +32,14 @@ def dump_file_name(step: int, name: str, t: torch.Tensor) -> str:
     return f"step{step}_{name}-{dims}-{DUMP_DTYPES[t.dtype]}.bin"
 
 
-def write_tensor(directory: Path, step: int, name: str, t: torch.Tensor) -> Path:
+def write_tensor(directory: Path, step: int, name: str, t: torch.Tensor, what: str = "the step dump") -> Path:
     """Writes one step tensor (atomically; `directory` is created if needed) and returns its path."""
     if t.dtype not in DUMP_DTYPES:
         t = t.to(torch.int64 if not t.dtype.is_floating_point else torch.float32)
     t = t.reshape(1) if t.dim() == 0 else t
     path = Path(directory) / dump_file_name(step, name, t)
     data = t.detach().contiguous().cpu()
-    with atomic_file(path, "the step dump") as tmp:
+    with atomic_file(path, what) as tmp:
         data.view(torch.uint8).numpy().tofile(tmp) if data.numel() else tmp.write_bytes(b"")
     return path
 

@@ -153,7 +153,7 @@ def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str, warmup: int
     n = torch.tensor([max(1, math.ceil(min_profiling_seconds / max(per_iter, 1e-9)))], dtype=torch.int64)
     n = int(sess.comm.broadcast_(n.to(dev) if dev.type == "cuda" else n)[0])  # every rank runs as many steps
     times = [timed() for _ in range(n)]
-    write_tensor(Path(output_dir) / f"rank_{env.rank}", int(step), "logits", logits.float())
+    write_tensor(Path(output_dir) / f"rank_{env.rank}", int(step), "logits", logits.float(), "the replayed logits")
     agree = Agreement.of(logits, t["logits"])
     row = torch.tensor([[min(times), sum(times) / n, max(times), agree.max_abs, agree.cosine, agree.snr_db, n]],
                        dtype=torch.float64, device=dev)
