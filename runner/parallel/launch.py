@@ -16,6 +16,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from runner.errors import PmxError
+
 MPI_MARKERS = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                "PMIX_RANK", "HYDRA_CONTROL_FD")
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
@@ -115,13 +117,22 @@ def set_cpu_threads(env: LaunchEnv, environ=os.environ) -> int:
     bind each rank to one core).
     """
     import torch
-    if environ.get("PMX_NUM_THREADS"):
-        n = int(environ["PMX_NUM_THREADS"])
-    elif environ.get("OMP_NUM_THREADS") and not torchrun_default_threads(environ):
-        n = int(environ["OMP_NUM_THREADS"])
-    else:
+    n = _threads(environ, "PMX_NUM_THREADS")
+    if n is None and not torchrun_default_threads(environ):
+        n = _threads(environ, "OMP_NUM_THREADS")
+    if n is None:
         total = os.cpu_count() or 1
         allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
         n = max(1, min(allowed, total // max(env.local_world_size, 1)))
     torch.set_num_threads(n)
     return n
+
+
+def _threads(environ, name: str) -> int | None:
+    """A thread count from the environment (OpenMP's "4,2" nesting: its first level), None when unset."""
+    value = environ.get(name, "").split(",")[0].strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise PmxError(f"{name} must be a positive integer, got {environ[name]!r}")
+    return int(value)
