@@ -110,6 +110,14 @@ class Job:
             self.cleanup()
             raise AssertionError(f"the job did not end within {timeout}s:\n{self.stderr[-2000:]}") from None
 
+    def lingering(self, timeout: float = 3.0) -> list[int]:
+        """The pids of this job still alive `timeout` seconds after its launcher ended (a launcher may return
+        while its processes are still being killed)."""
+        deadline = time.monotonic() + timeout
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return list(self.pids())
+
     def cleanup(self) -> list[int]:
         """Kills every process still carrying this job's marker; returns their pids (empty when none)."""
         left = list(self.pids())
@@ -129,7 +137,6 @@ def run_job(cmd, out_dir: Path, env: dict | None = None, timeout: float = 120) -
     with Job(cmd, out_dir, env) as job:
         rc = job.wait(timeout)
         elapsed = time.monotonic() - job.t0
-        time.sleep(0.2)
-        left = job.cleanup()
+        left = job.lingering()
         assert not left, f"processes {left} outlived the job"
         return rc, job.stdout, job.stderr, elapsed

@@ -30,8 +30,7 @@ def ended_within(job: Job, seconds: float, since: float) -> int:
     rc = job.wait(60)
     took = time.monotonic() - since
     assert took < seconds, f"the job took {took:.1f}s to end after the fault:\n{job.stderr[-2000:]}"
-    time.sleep(0.2)
-    assert not job.cleanup(), "processes outlived the job"
+    assert not job.lingering(), "processes outlived the job"
     return rc
 
 

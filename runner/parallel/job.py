@@ -9,7 +9,7 @@ A :class:`Job` is made first thing by the command line (:func:`runner.cli.run`):
 - it turns SIGINT and SIGTERM into the error path: the main thread gets an :class:`Interrupted`
   exception (so temporary outputs are removed as the stack unwinds), and a watcher thread, woken by
   the signal even while the main thread is blocked inside a collective, ends the job itself if the
-  main thread has not done so within `grace_s`;
+  main thread has not done so within `grace_s` (1 s when several ranks run, 3 s for one process);
 - :meth:`Job.fail` prints the rank's own message once, as one line `rank R: error: ...` (just
   `error: ...` for a single process), then ends the process and, under MPI, the whole job
   (:func:`runner.parallel.launch.end_job`). It runs no collective: the rank comes from the
@@ -45,9 +45,11 @@ def exit_code(signum: int) -> int:
 
 
 class Job:
-    def __init__(self, grace_s: float = 2.0):
+    def __init__(self, grace_s: Optional[float] = None):
         self.rank, self.world_size = rank_from_environment()
-        self.grace_s = grace_s
+        # how long the main thread has to unwind (and clean up) after a signal before the watcher ends the job:
+        # short when peers are waiting, longer for one process, whose temporary outputs it removes on the way
+        self.grace_s = grace_s if grace_s is not None else (1.0 if self.world_size > 1 else 3.0)
         self._failing = threading.Lock()
         self._interrupted = False
         self._done = threading.Event()
