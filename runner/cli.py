@@ -221,7 +221,7 @@ def run(component, argv: Optional[list[str]] = None, prog: Optional[str] = None)
     flags refused with the closest name, values parsed as typed), and fire calls the command. Any failure
     becomes `rank r: error: ...` (just `error: ...` for one process), printed once, with exit status 2 for
     bad input (1 for an unexpected exception, with its traceback; 130 / 143 for SIGINT / SIGTERM); under
-    MPI the whole job is aborted and under torchrun the elastic agent stops the others.
+    mpirun the launcher then ends the whole job and under torchrun the elastic agent stops the others.
     """
     import contextlib
     import os

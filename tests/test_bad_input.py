@@ -189,8 +189,11 @@ def tmpfs(tmp_path):
         mounted.append(point)
         return point
     yield mount
-    for point in mounted:
-        subprocess.run(["umount", str(point)], capture_output=True)
+    for point in mounted:  # a file left open on it would keep it busy: that is a failure too
+        res = subprocess.run(["umount", str(point)], capture_output=True)
+        if res.returncode:
+            subprocess.run(["umount", "-l", str(point)], capture_output=True)
+            pytest.fail(f"{point} could not be unmounted: {res.stderr.decode().strip()}")
 
 
 @pytest.mark.parametrize("case,cause", [("read_only", "Read-only file system"), ("full", "No space left on device")])

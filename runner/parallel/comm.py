@@ -7,7 +7,7 @@
   broadcast with mpi4py) or gloo on CPU under torchrun.
 
 Every collective runs under a watchdog: if it does not finish within the collective timeout (a peer
-hangs), this rank prints which collective timed out and ends the job (MPI_Abort under mpirun). The
+hangs), this rank prints which collective timed out and ends the job (runner.parallel.job). The
 timeout is `--collective_timeout`, else `$PMX_COLLECTIVE_TIMEOUT`, else 30 s. Loading is not counted
 against it: :meth:`sync` (after each rank has loaded its shard) waits without a deadline, since ranks
 load at different speeds; a rank that dies meanwhile ends the job through its launcher.

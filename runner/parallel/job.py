@@ -4,8 +4,8 @@ real message.
 A :class:`Job` is made first thing by the command line (:func:`runner.cli.run`):
 
 - under mpirun it initialises MPI at once on every rank, before flags are read or files opened, so a
-  rank that fails early can still abort the whole job (MPICH's start-up waits for every rank: a rank
-  that left before initialising MPI would leave the others spinning there);
+  rank that fails early still ends the whole job (MPICH's start-up waits for every rank: a rank that
+  left before initialising MPI would leave the others spinning there);
 - it turns SIGINT and SIGTERM into the error path: the main thread gets an :class:`Interrupted`
   exception (so temporary outputs are removed as the stack unwinds), and a watcher thread, woken by
   the signal even while the main thread is blocked inside a collective, ends the job itself if the

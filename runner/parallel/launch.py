@@ -86,20 +86,17 @@ def detect(environ=os.environ) -> LaunchEnv:
 
 
 def end_job(code: int) -> None:
-    """Ends this process at once and, under an MPI launch with MPI initialised, the whole job (MPI_Abort;
-    MPICH's and Open MPI's launchers then kill every rank). Under torchrun the elastic agent sees the
-    exit and stops the other workers. Never runs a collective and never returns."""
+    """Ends this process at once with `code` (non-zero), which ends the whole job: under mpirun, a rank that
+    exits after MPI_Init without MPI_Finalize makes MPICH's and Open MPI's launchers kill every rank; under
+    torchrun the elastic agent stops the other workers. Never runs a collective and never returns.
+
+    Not MPI_Abort: under MPICH it tears the job's output forwarding down at once, and the rank's own
+    message, already written, was lost in 4 runs of 16 here; after a plain exit the launcher reads the
+    rank's output to its end first (16 of 16)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
-            pass
-    mod = sys.modules.get("mpi4py.MPI")
-    if mod is not None and rank_from_environment()[1] > 1 and under_mpi():
-        try:
-            if mod.Is_initialized() and not mod.Is_finalized():
-                mod.COMM_WORLD.Abort(code)
-        except Exception:  # noqa: BLE001 (whatever happens, this process ends below)
             pass
     os._exit(code)
 

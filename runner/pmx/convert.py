@@ -35,15 +35,16 @@ def write_pmx(out_dir: Path, params: PmxParams, plan: Plan, fetch: Callable[[str
               num_shards: int, desc: str = "writing", progress: bool = True) -> PmxParams:
     """Writes `num_shards` shard files + pmx_params.json into `out_dir`; returns the written params."""
     sp = sharded_params(unsharded_params(params), num_shards)
-    writers = [SafetensorsWriter(Path(out_dir) / shard_file(r),
-                                 [(n, dt, shard_shape(sp, n, shape)) for n, dt, shape in plan],
-                                 {**ST_METADATA, **shard_metadata(r, num_shards)})
-               for r in range(num_shards)]
     fingerprint = Fingerprint(params)
     total = sum(torch.empty((), dtype=dt).element_size() * _numel(shape) for _, dt, shape in plan)
     show = progress and (sys.stderr.isatty() or total > PROGRESS_MIN_BYTES)
     bar = progress_bar(total, desc, show=show)
+    writers: list[SafetensorsWriter] = []
     try:
+        for r in range(num_shards):
+            writers.append(SafetensorsWriter(Path(out_dir) / shard_file(r),
+                                             [(n, dt, shard_shape(sp, n, shape)) for n, dt, shape in plan],
+                                             {**ST_METADATA, **shard_metadata(r, num_shards)}))
         for name, dt, shape in plan:
             t = fetch(name)
             if t.dtype != dt or tuple(t.shape) != tuple(shape):

@@ -58,8 +58,12 @@ class SafetensorsWriter:
         blob += b" " * (-len(blob) % 8)
         self._header = blob
         self._f = open(self.path, "wb")
-        self._f.write(struct.pack("<Q", len(blob)))
-        self._f.write(blob)
+        try:
+            self._f.write(struct.pack("<Q", len(blob)))
+            self._f.write(blob)
+        except BaseException:
+            self._f.close()
+            raise
         self._next = 0
 
     def patch_metadata(self, key: str, value: str) -> None:
