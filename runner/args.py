@@ -21,7 +21,7 @@ import math
 import re
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Annotated, Any, Callable, Optional, Sequence
 
 from runner.errors import PmxError
 
@@ -140,16 +140,27 @@ class Flag:
 
 
 def _kind(annotation) -> tuple[type, Any]:
-    """(bool | int | float | str, Range / OneOf / None) of an annotation."""
-    check = None
-    if typing.get_origin(annotation) is typing.Annotated:
-        annotation, *extras = typing.get_args(annotation)
-        check = next((e for e in extras if isinstance(e, (Range, OneOf))), None)
-    args = [a for a in typing.get_args(annotation) if a is not type(None)] \
-        if typing.get_origin(annotation) is typing.Union else [annotation]
-    if len(args) == 1 and args[0] in PARSERS:
-        return args[0], check
-    return str, check
+    """(bool | int | float | str, Range / OneOf / None) of an annotation; Optional[...] and unions of several
+    types (list flags) are read as their one type, or as str."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        inner, *extras = typing.get_args(annotation)
+        return _kind(inner)[0], next((e for e in extras if isinstance(e, (Range, OneOf))), None)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _kind(args[0]) if len(args) == 1 else (str, None)
+    return (annotation if annotation in PARSERS else str), None
+
+
+# the flag types the commands share
+Count = Annotated[int, Range(0)]
+PositiveInt = Annotated[int, Range(1)]
+Seconds = Annotated[float, Range(0, lo_open=True)]
+Device = Annotated[str, OneOf("auto", "cpu", "cuda")]
+Dtype = Annotated[str, OneOf("auto", "float32", "float16", "bfloat16")]
+Kernels = Annotated[str, OneOf("auto", "triton", "reference")]
+CacheLayout = Annotated[int, OneOf(0, 1, 2, 3)]
+CacheMode = Annotated[int, OneOf(0, 1)]
 
 
 def doc_lines(fn: Callable) -> tuple[str, dict[str, str]]:

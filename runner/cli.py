@@ -11,18 +11,13 @@ from __future__ import annotations
 import sys
 from typing import Annotated, Callable, Optional
 
-from runner.args import OneOf, Range, check_argv, doc_lines, help_text, typed
+from runner.args import (CacheLayout, CacheMode, Count, Device, Dtype, Kernels, OneOf, PositiveInt, Range, Seconds,
+                         check_argv, doc_lines, help_text, typed)
 from runner.engine.demo import generate
 from runner.errors import PmxError
 
-DTYPES = OneOf("auto", "float32", "float16", "bfloat16")
-COMPUTE_DTYPES = OneOf("float32", "float16", "bfloat16")
-POSITIVE = Range(1)
-AT_LEAST_0 = Range(0)
 
-
-def convert(input_dir: str, output_dir: str, dtype: Annotated[str, DTYPES] = "auto",
-            num_shards: Annotated[int, POSITIVE] = 1, overwrite: bool = False, progress: bool = True) -> None:
+def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: PositiveInt = 1, overwrite: bool = False, progress: bool = True) -> None:
     """Convert a HuggingFace checkpoint directory into a PMX directory.
 
     Args:
@@ -39,7 +34,7 @@ def convert(input_dir: str, output_dir: str, dtype: Annotated[str, DTYPES] = "au
           f"({p.num_shards} shard{'s' if p.num_shards > 1 else ''})")
 
 
-def split(input_dir: str, num_shards: Annotated[int, POSITIVE], output_dir: str, overwrite: bool = False,
+def split(input_dir: str, num_shards: PositiveInt, output_dir: str, overwrite: bool = False,
           progress: bool = True) -> None:
     """Cut a PMX model into `num_shards` tensor-parallel shards (an already split model is re-cut).
 
@@ -57,7 +52,7 @@ def split(input_dir: str, num_shards: Annotated[int, POSITIVE], output_dir: str,
     print(f"split {input_dir} -> {output_dir} ({p.num_shards} shards{reps}{pads})")
 
 
-def merge(input_dir: str, num_shards: Annotated[int, POSITIVE], output_dir: str, overwrite: bool = False,
+def merge(input_dir: str, num_shards: PositiveInt, output_dir: str, overwrite: bool = False,
           progress: bool = True) -> None:
     """Put the `num_shards` shards of a split PMX model back into one, bit for bit.
 
@@ -73,11 +68,11 @@ def merge(input_dir: str, num_shards: Annotated[int, POSITIVE], output_dir: str,
     print(f"merged {input_dir} ({num_shards} shards) -> {output_dir}")
 
 
-def make_random_model(output_dir: str, hidden_dim: Annotated[int, POSITIVE] = 128,
-                      intermediate_dim: Annotated[int, POSITIVE] = 344, num_layers: Annotated[int, POSITIVE] = 2,
-                      num_heads: Annotated[int, POSITIVE] = 8, num_kv_heads: Annotated[int, POSITIVE] = 4,
-                      vocab_size: Annotated[int, Range(259)] = 512, dtype: Annotated[str, COMPUTE_DTYPES] = "float32",
-                      seed: int = 0, overwrite: bool = False) -> None:
+def make_random_model(output_dir: str, hidden_dim: PositiveInt = 128, intermediate_dim: PositiveInt = 344,
+                      num_layers: PositiveInt = 2, num_heads: PositiveInt = 8, num_kv_heads: PositiveInt = 4,
+                      vocab_size: Annotated[int, Range(259)] = 512,
+                      dtype: Annotated[str, OneOf("float32", "float16", "bfloat16")] = "float32", seed: int = 0,
+                      overwrite: bool = False) -> None:
     """Write a random-weight HF Llama checkpoint with a small BPE tokenizer.json (for demos and benchmarks).
 
     Args:
@@ -98,12 +93,10 @@ def make_random_model(output_dir: str, hidden_dim: Annotated[int, POSITIVE] = 12
     print(f"wrote a random-weight Llama checkpoint to {output_dir}")
 
 
-def replay(ckpt_dir: str, dump_dir: str, step: Annotated[int, AT_LEAST_0], output_dir: str = "out/replay",
-           warmup: Annotated[int, AT_LEAST_0] = 2, min_profiling_seconds: Annotated[float, AT_LEAST_0] = 1.0,
-           device: Annotated[str, OneOf("auto", "cpu", "cuda")] = "auto",
-           dtype: Annotated[Optional[str], DTYPES] = None, cache_layout: Annotated[Optional[int], OneOf(0, 1, 2, 3)] = None,
-           min_snr: float = 60.0, min_cosine: Annotated[float, Range(-1, 1)] = 0.9999,
-           collective_timeout: Annotated[Optional[float], Range(0, lo_open=True)] = None) -> None:
+def replay(ckpt_dir: str, dump_dir: str, step: Count, output_dir: str = "out/replay", warmup: Count = 2,
+           min_profiling_seconds: Annotated[float, Range(0)] = 1.0, device: Device = "auto",
+           dtype: Optional[Dtype] = None, cache_layout: Optional[CacheLayout] = None, min_snr: float = 60.0,
+           min_cosine: Annotated[float, Range(-1, 1)] = 0.9999, collective_timeout: Optional[Seconds] = None) -> None:
     """Replay a dumped step on every rank (run it under the same mpirun -np N as the dump); time it and
     check its logits against the dump. Exit status 1 when a rank is beyond tolerance.
 
@@ -149,14 +142,11 @@ def compare(dir_a: str, dir_b: str, metric: Annotated[str, OneOf("snr", "cosine"
 
 
 def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 16 32 64 128 256",
-          input_len: Annotated[int, POSITIVE] = 8, tokens_file: Optional[str] = None,
-          gen_len: Annotated[int, POSITIVE] = 256, warmup_loops: Annotated[int, AT_LEAST_0] = 1,
-          benchmark_loops: Annotated[int, POSITIVE] = 1, quantized_cache: bool = False,
-          cache_layout: Annotated[int, OneOf(0, 1, 2, 3)] = 0, cache_mode: Annotated[int, OneOf(0, 1)] = 0,
-          device: Annotated[str, OneOf("auto", "cpu", "cuda")] = "auto", dtype: Annotated[str, DTYPES] = "auto",
-          seed: int = 0, csv: Optional[str] = None, progress: bool = True,
-          kernels: Annotated[str, OneOf("auto", "triton", "reference")] = "auto",
-          collective_timeout: Annotated[Optional[float], Range(0, lo_open=True)] = None) -> None:
+          input_len: PositiveInt = 8, tokens_file: Optional[str] = None, gen_len: PositiveInt = 256,
+          warmup_loops: Count = 1, benchmark_loops: PositiveInt = 1, quantized_cache: bool = False,
+          cache_layout: CacheLayout = 0, cache_mode: CacheMode = 0, device: Device = "auto", dtype: Dtype = "auto",
+          seed: int = 0, csv: Optional[str] = None, progress: bool = True, kernels: Kernels = "auto",
+          collective_timeout: Optional[Seconds] = None) -> None:
     """Throughput per batch size (ppl.llm.serving's benchmark_llama); one CSV line per batch size:
     batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib). Run under mpirun -np N for tensor parallelism.
 

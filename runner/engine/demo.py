@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
-from runner.args import OneOf, Range, int_list
+from runner.args import CacheLayout, CacheMode, Count, Device, Dtype, Kernels, PositiveInt, Range, Seconds, int_list
 from runner.errors import PmxError
 
 DEFAULT_PROMPT = "I believe the meaning of life is"
@@ -41,32 +41,32 @@ def generate(
     prompts_file: Optional[str] = None,
     temperature: Annotated[float, Range(0)] = 0.0,
     top_p: Annotated[float, Range(0, 1, lo_open=True)] = 0.95,
-    top_k: Annotated[int, Range(0)] = 0,
+    top_k: Count = 0,
     seed: Optional[int] = None,
-    batch: Annotated[Optional[int], Range(1)] = None,
-    max_batch: Annotated[int, Range(1)] = 256,
-    seqlen_scale_up: Annotated[int, Range(1)] = 1,
+    batch: Optional[PositiveInt] = None,
+    max_batch: PositiveInt = 256,
+    seqlen_scale_up: PositiveInt = 1,
     unaligned_batch: bool = False,
-    max_gen_len: Annotated[int, Range(1)] = 256,
+    max_gen_len: PositiveInt = 256,
     friendly_gqa: bool = False,
     fused_qkv: bool = True,
     fused_kvcache: bool = True,
     fused_ffn_glu: bool = True,
     auto_causal: bool = True,
     quantized_cache: bool = False,
-    cache_layout: Annotated[int, OneOf(0, 1, 2, 3)] = 0,
-    cache_mode: Annotated[int, OneOf(0, 1)] = 0,
+    cache_layout: CacheLayout = 0,
+    cache_mode: CacheMode = 0,
     dynamic_batching: bool = True,
     context_chunking: bool = True,
-    context_chunk_size: Annotated[int, Range(1)] = 512,
+    context_chunk_size: PositiveInt = 512,
     dump_tensor_path: Optional[str] = None,
     dump_steps: Optional[str] = None,
-    device: Annotated[str, OneOf("auto", "cpu", "cuda")] = "auto",
-    dtype: Annotated[str, OneOf("auto", "float32", "float16", "bfloat16")] = "auto",
-    kernels: Annotated[str, OneOf("auto", "triton", "reference")] = "auto",
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    kernels: Kernels = "auto",
     show_ids: bool = False,
     progress: bool = True,
-    collective_timeout: Annotated[Optional[float], Range(0, lo_open=True)] = None,
+    collective_timeout: Optional[Seconds] = None,
 ) -> None:
     """Generate text with a PMX model on 1 or N ranks (mpirun / torchrun).
 

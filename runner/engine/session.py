@@ -85,8 +85,8 @@ def open_session(ckpt_dir: str, options: EngineOptions = EngineOptions(), device
         params = sharded_params(unsharded_params(params), env.world_size)
     else:
         check_world_size(ckpt_dir, params.num_shards, env)
-        shard = Path(ckpt_dir) / shard_file(env.rank)
-        check_shards({r: SafetensorsReader(Path(ckpt_dir) / shard_file(r)) for r in {0, env.rank}}, params.num_shards)
+        headers = {r: SafetensorsReader(Path(ckpt_dir) / shard_file(r)) for r in {0, env.rank}}
+        check_shards(headers, params.num_shards)
     dev = pick_device(device, env)
     torch_dtype = pick_dtype(dtype, params.dtype, dev)
     timeout_s = collective_timeout(timeout_s)
@@ -98,8 +98,8 @@ def open_session(ckpt_dir: str, options: EngineOptions = EngineOptions(), device
     if random_weights:
         weights = random_shard(params, env.rank, dev, torch_dtype, seed)
     else:
-        with progress_bar(SafetensorsReader(shard).data_bytes(), f"loading {shard.name}",
-                          show=progress and env.rank == 0) as bar:
+        own = headers[env.rank]
+        with progress_bar(own.data_bytes(), f"loading {own.path.name}", show=progress and env.rank == 0) as bar:
             _, weights = load_shard(Path(ckpt_dir), env.rank, dev, torch_dtype, on_tensor=bar.update)
     comm.sync()
     return Session(env, dev, comm, Transformer(params, weights, comm, options))
