@@ -17,7 +17,8 @@ from runner.engine.demo import generate
 from runner.errors import PmxError
 
 
-def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: PositiveInt = 1, overwrite: bool = False, progress: bool = True) -> None:
+def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: PositiveInt = 1,
+            overwrite: bool = False, progress: bool = True) -> None:
     """Convert a HuggingFace checkpoint directory into a PMX directory.
 
     Args:

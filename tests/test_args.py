@@ -119,7 +119,8 @@ def test_help_of_every_command_lists_each_flag_with_type_default_and_meaning(cap
 
 
 def test_help_of_the_scripts():
-    for script, needle in (("Demo.py", "--max_gen_len int >= 1              default 256    new tokens per sequence"), ("Split.py", "--num_shards int"),
+    for script, needle in (("Demo.py", "--max_gen_len int >= 1              default 256    new tokens per sequence"),
+                           ("Split.py", "--num_shards int"),
                            ("benchmark.sh", "MIN_PROFILING_SECONDS"), ("benchmark_llama.sh", "BATCH_SIZES")):
         cmd = [sys.executable, SCRIPTS / script] if script.endswith(".py") else [SCRIPTS / script]
         res = subprocess.run([str(c) for c in cmd + ["--help"]], capture_output=True, text=True, timeout=60)

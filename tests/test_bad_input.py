@@ -110,7 +110,8 @@ def pmx_dir(make_hf, tmp_path):
     return tmp_path / "pmx"
 
 
-@pytest.mark.parametrize("n,needle", [(3, "num_heads=8 is not divisible by 3"), (0, "--num_shards must be >= 1, got 0")])
+@pytest.mark.parametrize("n,needle", [(3, "num_heads=8 is not divisible by 3"),
+                                      (0, "--num_shards must be >= 1, got 0")])
 def test_impossible_num_shards(pmx_dir, tmp_path, n, needle):
     out = tmp_path / "split"
     assert_fails_cleanly(run_cli("split", "--input_dir", pmx_dir, "--num_shards", n, "--output_dir", out), out,
@@ -289,5 +290,6 @@ def test_replay_against_another_model_is_refused(stories, shared_model, tmp_path
     convert(str(shared_model("tinystories-656k")), str(tmp_path / "tiny"), progress=False)
     err = cli(capfd, "replay", "--ckpt_dir", tmp_path / "tiny", "--dump_dir", stories / "dump1", "--step", 1,
               "--output_dir", tmp_path / "out")
-    assert f"{stories / 'dump1' / 'rank_0'}: kv_cache has shape" in err and "the dump was made with another model" in err
+    assert f"{stories / 'dump1' / 'rank_0'}: kv_cache has shape" in err
+    assert "the dump was made with another model" in err
     assert not (tmp_path / "out").exists()

@@ -110,7 +110,7 @@ def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str, warmup: int
     from runner.engine.session import check_world_size, open_session
     from runner.parallel.launch import detect
 
-    check_apart(Path(output_dir), {"--dump_dir": Path(dump_dir), "--ckpt_dir": Path(ckpt_dir)})
+    check_apart(Path(output_dir), {"--dump_dir": Path(dump_dir), "--ckpt_dir": Path(ckpt_dir)}, nested_ok=True)
     env = detect()
     rank_dir = Path(dump_dir) / f"rank_{env.rank}"
     if not rank_dir.is_dir():

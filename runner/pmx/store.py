@@ -188,13 +188,16 @@ class SafetensorsReader:
         return buf.view(TORCH_DTYPES[e["dtype"]]).reshape(e["shape"])
 
 
-def check_apart(output: Path, inputs: dict[str, Path], out_flag: str = "--output_dir") -> None:
+def check_apart(output: Path, inputs: dict[str, Path], out_flag: str = "--output_dir",
+                nested_ok: bool = False) -> None:
     """Refuses an output directory equal to, inside or containing one of `inputs` ({flag: path}): writing it
-    (and with --overwrite, replacing it) would destroy the input."""
+    (and with --overwrite, replacing it) would destroy the input. With `nested_ok`, only the same directory
+    is refused (for outputs written file by file beside what is there)."""
     out = Path(output).resolve()
     for flag, path in inputs.items():
         src = Path(path).resolve()
-        how = "is the same directory as" if out == src else "is inside" if src in out.parents else "contains" if out in src.parents else None
+        how = "is the same directory as" if out == src else None if nested_ok else \
+            "is inside" if src in out.parents else "contains" if out in src.parents else None
         if how:
             raise PmxError(f"{out_flag} {output} {how} {flag} {path}; write the output somewhere else")
 
