@@ -19,6 +19,7 @@ class GenerationProgress:
     """Sequences done and tokens/s of one generation, fed by the generator's per-step hook."""
 
     def __init__(self, sequences: int, show: bool):
+        self.shown = show
         self.bar = progress_bar(sequences, "generating", unit="seq", show=show)
         self.tokens, self.t0 = 0, time.perf_counter()
 

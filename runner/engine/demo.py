@@ -165,6 +165,8 @@ def generate(
     finally:
         bar.close()
     dt = time.perf_counter() - t0
+    if bar.shown and not sys.stderr.isatty():  # forwarded by a launcher, stderr's last bar line and this text may
+        sess.log()                             # arrive in either order: keep the text off the bar's line
     for pr, out in zip(prompts, outs):
         sess.log(tok.decode(pr + out))
         if show_ids:
