@@ -111,10 +111,10 @@ class Flag:
     default: Any                 # inspect.Parameter.empty when required
     help: str
     check: Any = None            # Range / OneOf / None
-    positional: bool = False     # may also be given without its --name (e.g. compare's dir_a dir_b)
 
     @property
     def required(self) -> bool:
+        """No default; may also be given in order without its --name (e.g. compare's dir_a dir_b)."""
         return self.default is inspect.Parameter.empty
 
     def parse(self, value):
@@ -188,8 +188,7 @@ def flags_of(fn: Callable) -> list[Flag]:
     out = []
     for p in inspect.signature(fn).parameters.values():
         kind, check = _kind(hints.get(p.name, str))
-        out.append(Flag(p.name, kind, p.default, helps.get(p.name, ""), check,
-                        positional=p.default is inspect.Parameter.empty))
+        out.append(Flag(p.name, kind, p.default, helps.get(p.name, ""), check))
     return out
 
 
@@ -248,7 +247,7 @@ def check_argv(fn: Callable, argv: Sequence[str], prog: str) -> None:
             raise PmxError(f"{prog}: {tok} takes no value; write --{name} false")
         flag.parse("true" if value is None else value)
         given.add(name)
-    free = [f for f in flags.values() if f.positional and f.name not in given]
+    free = [f for f in flags.values() if f.required and f.name not in given]
     if len(positionals) > len(free):
         raise PmxError(f"{prog}: unexpected argument(s) {positionals[len(free):]}; see {prog} --help")
     for f, value in zip(free, positionals):

@@ -103,7 +103,7 @@ class Job:
                 if data[0] in HANDLED_SIGNALS:
                     break
         if not self._done.wait(self.grace_s):  # the main thread did not end the job in time
-                self.fail(str(Interrupted(data[0])), exit_code(data[0]), from_thread=True)
+            self.fail(str(Interrupted(data[0])), exit_code(data[0]), from_thread=True)
 
     # -- the error path -----------------------------------------------------------------------------
     def prefix(self) -> str:
