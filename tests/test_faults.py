@@ -17,7 +17,7 @@ from conftest import ROOT
 from jobs import Job, has_open_mpi, launch_cmd, run_job
 
 DEMO = [sys.executable, ROOT / "scripts" / "Demo.py"]
-LONG = ["--batch", 64, "--max_gen_len", 400, "--context_chunking", "false"]  # ~10 s of generation on 2 cores
+LONG = ["--batch", 128, "--max_gen_len", 500, "--context_chunking", "false"]  # > 5 s of generation on 2 cores
 END_WITHIN = 5.0  # seconds from a fault to the end of the whole job
 OPEN_MPI = pytest.param("openmpi", marks=pytest.mark.skipif(not has_open_mpi(), reason="Open MPI is not installed"))
 
