@@ -1,23 +1,24 @@
 """Command line: `python -m runner <command>` / `pmx-runner <command>`.
 
-Commands: convert, split, merge (PMX layer); generate, replay, compare, bench (engine). Each is a plain, typed function;
-fire turns it into flags, so `--input_dir X` and `--input-dir X` both work. A :class:`PmxError`
-ends the program with its message on stderr and exit status 2, without a traceback.
+Commands: convert, split, merge (PMX layer); generate, replay, compare, bench (engine). Each is a plain, typed
+function; fire dispatches to it, with the parse functions of :mod:`runner.args` so that every flag is read
+as typed (`--input_dir X` and `--input-dir X` both work). :func:`run` is the error path of every entry
+point: see :mod:`runner.parallel.job`.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
-from typing import Callable, Optional
+from typing import Annotated, Callable, Optional
 
+from runner.args import (CacheLayout, CacheMode, Compile, Count, Device, Dtype, Kernels, OneOf, PositiveInt, Range,
+                         Seconds, check_argv, doc_lines, help_text, typed)
 from runner.engine.demo import generate
 from runner.errors import PmxError
 
 
-def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: int = 1, overwrite: bool = False,
-            progress: bool = True) -> None:
+def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: PositiveInt = 1,
+            overwrite: bool = False, progress: bool = True) -> None:
     """Convert a HuggingFace checkpoint directory into a PMX directory.
 
     Args:
@@ -34,7 +35,8 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
           f"({p.num_shards} shard{'s' if p.num_shards > 1 else ''})")
 
 
-def split(input_dir: str, num_shards: int, output_dir: str, overwrite: bool = False, progress: bool = True) -> None:
+def split(input_dir: str, num_shards: PositiveInt, output_dir: str, overwrite: bool = False,
+          progress: bool = True) -> None:
     """Cut a PMX model into `num_shards` tensor-parallel shards (an already split model is re-cut).
 
     Args:
@@ -51,7 +53,8 @@ def split(input_dir: str, num_shards: int, output_dir: str, overwrite: bool = Fa
     print(f"split {input_dir} -> {output_dir} ({p.num_shards} shards{reps}{pads})")
 
 
-def merge(input_dir: str, num_shards: int, output_dir: str, overwrite: bool = False, progress: bool = True) -> None:
+def merge(input_dir: str, num_shards: PositiveInt, output_dir: str, overwrite: bool = False,
+          progress: bool = True) -> None:
     """Put the `num_shards` shards of a split PMX model back into one, bit for bit.
 
     Args:
@@ -66,19 +69,35 @@ def merge(input_dir: str, num_shards: int, output_dir: str, overwrite: bool = Fa
     print(f"merged {input_dir} ({num_shards} shards) -> {output_dir}")
 
 
-def make_random_model(output_dir: str, hidden_dim: int = 128, intermediate_dim: int = 344, num_layers: int = 2,
-                      num_heads: int = 8, num_kv_heads: int = 4, vocab_size: int = 512, dtype: str = "float32",
-                      seed: int = 0, overwrite: bool = False) -> None:
-    """Write a random-weight HF Llama checkpoint with a small BPE tokenizer.json (for demos and benchmarks)."""
+def make_random_model(output_dir: str, hidden_dim: PositiveInt = 128, intermediate_dim: PositiveInt = 344,
+                      num_layers: PositiveInt = 2, num_heads: PositiveInt = 8, num_kv_heads: PositiveInt = 4,
+                      vocab_size: Annotated[int, Range(259)] = 512,
+                      dtype: Annotated[str, OneOf("float32", "float16", "bfloat16")] = "float32", seed: int = 0,
+                      overwrite: bool = False) -> None:
+    """Write a random-weight HF Llama checkpoint with a small BPE tokenizer.json (for demos and benchmarks).
+
+    Args:
+        output_dir: HF directory to create (config.json, model.safetensors, tokenizer.json).
+        hidden_dim: hidden size (a multiple of num_heads).
+        intermediate_dim: MLP size.
+        num_layers: decoder layers.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (divides num_heads).
+        vocab_size: vocabulary size (at least 259: the byte-level tokenizer's 256 bytes and 3 special tokens).
+        dtype: float32, float16 or bfloat16.
+        seed: seed of the random weights.
+        overwrite: replace a non-empty output_dir.
+    """
     from runner.pmx.random_model import make_random_model as _make
     _make(output_dir, hidden_dim, intermediate_dim, num_layers, num_heads, num_kv_heads, vocab_size, dtype, seed,
           overwrite)
     print(f"wrote a random-weight Llama checkpoint to {output_dir}")
 
 
-def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str = "out/replay", warmup: int = 2,
-           min_profiling_seconds: float = 1.0, device: str = "auto", dtype: Optional[str] = None,
-           cache_layout: Optional[int] = None, min_snr: float = 60.0, min_cosine: float = 0.9999) -> None:
+def replay(ckpt_dir: str, dump_dir: str, step: Count, output_dir: str = "out/replay", warmup: Count = 2,
+           min_profiling_seconds: Annotated[float, Range(0)] = 1.0, device: Device = "auto",
+           dtype: Optional[Dtype] = None, cache_layout: Optional[CacheLayout] = None, min_snr: float = 60.0,
+           min_cosine: Annotated[float, Range(-1, 1)] = 0.9999, collective_timeout: Optional[Seconds] = None) -> None:
     """Replay a dumped step on every rank (run it under the same mpirun -np N as the dump); time it and
     check its logits against the dump. Exit status 1 when a rank is beyond tolerance.
 
@@ -94,16 +113,18 @@ def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str = "out/repla
         cache_layout: override the cache layout (when a dump without engine.json is ambiguous).
         min_snr: pass threshold in dB (identical logits always pass).
         min_cosine: pass threshold for the cosine similarity.
+        collective_timeout: seconds a collective may wait for the other ranks (default $PMX_COLLECTIVE_TIMEOUT or 30).
     """
     from runner.engine.replay import replay as _replay
     status = _replay(ckpt_dir, dump_dir, step, output_dir, warmup, min_profiling_seconds, device, dtype, cache_layout,
-                     min_snr, min_cosine)
+                     min_snr, min_cosine, collective_timeout)
     if status:
         sys.exit(status)
 
 
-def compare(dir_a: str, dir_b: str, metric: str = "snr", threshold: Optional[float] = None, csv: Optional[str] = None,
-            tensors: Optional[str] = None, steps: Optional[str] = None) -> None:
+def compare(dir_a: str, dir_b: str, metric: Annotated[str, OneOf("snr", "cosine", "mse")] = "snr",
+            threshold: Optional[float] = None, csv: Optional[str] = None, tensors: Optional[str] = None,
+            steps: Optional[str] = None) -> None:
     """Compare two dump trees tensor by tensor (A is the reference); exit status 1 when one fails.
 
     Args:
@@ -122,10 +143,11 @@ def compare(dir_a: str, dir_b: str, metric: str = "snr", threshold: Optional[flo
 
 
 def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 16 32 64 128 256",
-          input_len: int = 8, tokens_file: Optional[str] = None, gen_len: int = 256, warmup_loops: int = 1,
-          benchmark_loops: int = 1, quantized_cache: bool = False, cache_layout: int = 0, cache_mode: int = 0,
-          device: str = "auto", dtype: str = "auto", seed: int = 0, csv: Optional[str] = None,
-          progress: bool = True, kernels: str = "auto", compile: str = "auto") -> None:
+          input_len: PositiveInt = 8, tokens_file: Optional[str] = None, gen_len: PositiveInt = 256,
+          warmup_loops: Count = 1, benchmark_loops: PositiveInt = 1, quantized_cache: bool = False,
+          cache_layout: CacheLayout = 0, cache_mode: CacheMode = 0, device: Device = "auto", dtype: Dtype = "auto",
+          seed: int = 0, csv: Optional[str] = None, progress: bool = True, kernels: Kernels = "auto",
+          collective_timeout: Optional[Seconds] = None, compile: Compile = "auto") -> None:
     """Throughput per batch size (ppl.llm.serving's benchmark_llama); one CSV line per batch size:
     batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib). Run under mpirun -np N for tensor parallelism.
 
@@ -146,38 +168,79 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
         seed: seed of the random prompts and weights.
         csv: also write the CSV to this file.
         progress: progress lines on stderr.
-        kernels: auto (Triton on CUDA, fast torch elsewhere), triton, torch or reference.
-        compile: torch.compile the decode step: auto, on or off (see generate).
+        kernels: auto (Triton on CUDA, fast torch elsewhere), triton, torch or reference (the spec).
+        collective_timeout: seconds a collective may wait for the other ranks (default $PMX_COLLECTIVE_TIMEOUT or 30).
+        compile: torch.compile the decode step: auto (on CPU, for models of 32M+ parameters per rank), on, off.
     """
     from runner.engine.bench import bench as _bench
     _bench(model, random_weights, batch_sizes, input_len, tokens_file, gen_len, warmup_loops, benchmark_loops,
-           quantized_cache, cache_layout, cache_mode, device, dtype, seed, csv, progress, kernels, compile)
+           quantized_cache, cache_layout, cache_mode, device, dtype, seed, csv, progress, kernels, collective_timeout,
+           compile)
 
 
-COMMANDS: dict[str, Callable] = {"make_random_model": make_random_model, "convert": convert, "split": split, "merge": merge, "generate": generate,
-                               "replay": replay, "compare": compare, "bench": bench}
+COMMANDS: dict[str, Callable] = {
+    "convert": convert, "split": split, "merge": merge, "generate": generate, "replay": replay, "compare": compare,
+    "bench": bench, "make_random_model": make_random_model}
+HELP_FLAGS = ("--help", "-h", "-help")
 
 
-def run(component, argv: list[str] | None = None) -> None:
-    """Runs `component` under fire. A user error becomes `error: ...` (with `rank r: ` before it when
-    several ranks run) and exit status 2; under MPI the whole job is aborted, so that no peer waits
-    for a collective that will never come."""
+def _resolve(component, argv: list[str], prog: str) -> tuple[Optional[Callable], list[str], str]:
+    """(command, its arguments, its name for messages); command None for the list of commands."""
+    if callable(component):
+        return component, argv, prog
+    if not argv or argv[0] in HELP_FLAGS:
+        return None, argv, prog
+    name = argv[0].replace("-", "_")
+    if name not in component:
+        import difflib
+        close = difflib.get_close_matches(name, list(component), n=1)
+        raise PmxError(f"{prog}: unknown command {argv[0]!r}" + (f"; did you mean {close[0]}?" if close else "") +
+                       f" (commands: {', '.join(component)})")
+    return component[name], argv[1:], f"{prog} {name}"
+
+
+def _commands_help(component: dict, prog: str) -> str:
+    width = max(map(len, component))
+    rows = [f"  {name:<{width}}  {doc_lines(fn)[0].split('. ')[0].rstrip('.')}" for name, fn in component.items()]
+    return "\n".join([f"usage: {prog} COMMAND [--flag value ...]   ({prog} COMMAND --help lists its flags)", "",
+                      "commands:", *rows])
+
+
+def run(component, argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
+    """Runs a command (or a dict of them) from the command line.
+
+    Every rank first joins the job (:class:`runner.parallel.job.Job`: MPI is initialised on every rank under
+    mpirun, SIGINT / SIGTERM handled); flags are then checked against the command's signature (unknown
+    flags refused with the closest name, values parsed as typed), and fire calls the command. Any failure
+    becomes `rank r: error: ...` (just `error: ...` for one process), printed once, with exit status 2 for
+    bad input (1 for an unexpected exception, with its traceback; 130 / 143 for SIGINT / SIGTERM); under
+    mpirun the launcher then ends the whole job and under torchrun the elastic agent stops the others.
+    """
+    import contextlib
+    import os
+
     import fire
-    try:
-        fire.Fire(component, command=argv)
-    except Exception as e:  # noqa: BLE001 (every rank reports its own error, then the job ends)
-        from runner.parallel.launch import detect, under_mpi
-        env = detect() if ("RANK" in os.environ or under_mpi()) else None
-        who = f"rank {env.rank}: " if env and env.world_size > 1 else ""
-        if not isinstance(e, PmxError):
-            traceback.print_exc()
-        print(f"{who}error: {e if isinstance(e, PmxError) else f'{type(e).__name__}: {e}'}", file=sys.stderr,
-              flush=True)
-        if env and env.launcher == "mpi" and env.world_size > 1:
-            from mpi4py import MPI
-            MPI.COMM_WORLD.Abort(2)
-        sys.exit(2)
+
+    from runner.parallel.job import Job, describe
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = prog or os.path.basename(sys.argv[0] or "pmx-runner")
+    if prog == "__main__.py":
+        prog = "python -m runner"
+    job = Job().start()
+    with job.signals_handled():
+        try:
+            fn, args, name = _resolve(component, argv, prog)
+            if fn is None or any(a in HELP_FLAGS for a in args):
+                with contextlib.suppress(BrokenPipeError):  # e.g. `--help | head`
+                    print(_commands_help(component, prog) if fn is None else help_text(fn, name), flush=True)
+                return
+            check_argv(fn, args, name)
+            fire.Fire(typed(fn), command=args, name=name)
+        except SystemExit:
+            raise
+        except BaseException as e:  # noqa: BLE001 (every rank reports its own error, then the job ends)
+            job.fail(*describe(e))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     run(COMMANDS, argv)

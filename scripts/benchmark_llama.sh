@@ -18,6 +18,10 @@
 #   EXTRA        more flags for `python -m runner bench` (e.g. "--quantized_cache True --device cuda")
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
+  sed -n '2,/^#   EXTRA/p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
 PYTHON=${PYTHON:-$( [ -x "$here/.venv/bin/python" ] && echo "$here/.venv/bin/python" || command -v python3 )}
 TP=${TP:-1}
 args=()

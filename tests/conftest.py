@@ -12,7 +12,9 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run under its interpreter on CPU (set before Triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_MODELS = ROOT.parent / "shared" / "models"
+STORIES_PROMPT = ["--prompt", "Once upon a time", "--max_gen_len", 40]
 
 
 @pytest.fixture
@@ -24,6 +26,28 @@ def shared_model():
             pytest.skip(f"{path} not found: the real checkpoints live in ../shared/models beside the project")
         return path
     return get
+
+
+@pytest.fixture(scope="session")
+def stories(tmp_path_factory):
+    """stories260k as PMX, unsplit and split in 2, with greedy dumps of steps 0, 1 and 39 at TP=1 and TP=2."""
+    import subprocess
+    import sys
+
+    from runner.pmx.convert import convert, reshard
+    src = SHARED_MODELS / "stories260k"
+    if not (src / "config.json").is_file():
+        pytest.skip(f"{src} not found: the real checkpoints live in ../shared/models beside the project")
+    base = tmp_path_factory.mktemp("stories")
+    convert(str(src), str(base / "pmx"), progress=False)
+    reshard(str(base / "pmx"), str(base / "pmx_2"), 2, progress=False)
+    demo = [sys.executable, ROOT / "scripts" / "Demo.py"]
+    for tp, cmd in ((2, [ROOT / "scripts" / "mpirun.sh", "-np", 2, *demo, "--ckpt_dir", base / "pmx_2"]),
+                    (1, [*demo, "--ckpt_dir", base / "pmx"])):
+        cmd += [*STORIES_PROMPT, "--dump_tensor_path", base / f"dump{tp}", "--dump_steps", "0,1,39"]
+        res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-3000:]
+    return base
 
 
 ARCH_CONFIGS = {

@@ -1,14 +1,11 @@
 """Generation end to end: the real checkpoints' reference ids at every TP size, dynamic batching,
-sampling, and ranks that die."""
+sampling (ranks that die: test_faults.py)."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -77,7 +74,11 @@ def test_real_model_reference_ids(split_models, name, launcher, n):
                "--show_ids")
     assert res.returncode == 0, res.stderr[-3000:]
     assert ids_of(res.stdout) == [REFERENCE[name]], res.stdout  # printed once: only rank 0 writes output
-    assert res.stdout.count("prepared 1 prompts") == 1
+    assert res.stdout.startswith("prepared 1 prompts\n")  # before generating
+    # progress on stderr, from rank 0 only: loading its shard, then sequences done and tokens/s; no warnings
+    assert res.stderr.count("loading model.00.safetensors: 100%") == 1 and "model.01" not in res.stderr
+    assert re.search(r"generating: 100%.*1/1 .*40 tokens, [0-9.]+ tokens/s", res.stderr), res.stderr
+    assert "Warning" not in res.stderr.replace("OMP_NUM_THREADS", ""), res.stderr
 
 
 def stories_engine(split_models, **options) -> Transformer:
@@ -138,48 +139,3 @@ def test_wrong_number_of_ranks(split_models):
         pytest.skip("../shared/models/stories260k not found")
     res = demo("single", 1, split_models[("stories260k", 2)])
     assert res.returncode == 2 and "split into 2 shard(s) but 1 rank(s)" in res.stderr
-
-
-def test_killed_rank_makes_the_others_exit(split_models, tmp_path):
-    if ("stories260k", 4) not in split_models:
-        pytest.skip("../shared/models/stories260k not found")
-    ckpt = split_models[("stories260k", 4)]
-    args = [str(ROOT / "scripts" / "mpirun.sh"), "-np", "4", sys.executable, str(ROOT / "scripts" / "Demo.py"),
-            "--ckpt_dir", str(ckpt), "--batch", 64, "--max_gen_len", 400, "--context_chunking", "False"]
-    proc = subprocess.Popen(list(map(str, args)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        victim = None
-        deadline = time.monotonic() + 60
-        while victim is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-            victim = _rank_pid(str(ckpt), rank=2)
-        assert victim is not None, "rank 2 never started"
-        time.sleep(2.0)  # let it get into generation
-        assert proc.poll() is None, "generation ended before the kill; make it longer"
-        t0 = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        proc.wait(timeout=45)
-        assert time.monotonic() - t0 < 30
-        assert proc.returncode != 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    leftovers = [p for p in range(4) if _rank_pid(str(ckpt), rank=p)]
-    assert not leftovers, f"ranks {leftovers} still running"
-
-
-def _rank_pid(marker: str, rank: int):
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            if marker.encode() not in cmd or not any(c.endswith(b"Demo.py") for c in cmd):
-                continue
-            env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in kv)
-        except OSError:
-            continue
-        if env.get(b"PMI_RANK", env.get(b"OMPI_COMM_WORLD_RANK")) == str(rank).encode():
-            return int(pid)
-    return None

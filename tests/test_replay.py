@@ -20,10 +20,8 @@ from runner.engine.model import EngineOptions, Transformer, load_shard
 from runner.engine.replay import Agreement, infer_options, replay
 from runner.errors import PmxError
 from runner.parallel.comm import SingleComm
-from runner.pmx.convert import convert, reshard
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT = ["--prompt", "Once upon a time", "--max_gen_len", 40]
 
 
 def run(cmd, env=None, timeout=300) -> subprocess.CompletedProcess:
@@ -34,25 +32,6 @@ def run(cmd, env=None, timeout=300) -> subprocess.CompletedProcess:
 def mpirun(n, *cmd, env=None, launcher=None):
     extra = {"MPIRUN": launcher} if launcher else {}
     return run([ROOT / "scripts" / "mpirun.sh", "-np", n, *cmd], env={**(env or {}), **extra})
-
-
-@pytest.fixture(scope="module")
-def stories(tmp_path_factory):
-    """stories260k as PMX, unsplit and split in 2, with greedy dumps of steps 0, 1 and 39 at TP=1 and TP=2."""
-    from conftest import SHARED_MODELS
-    src = SHARED_MODELS / "stories260k"
-    if not (src / "config.json").is_file():
-        pytest.skip(f"{src} not found: the real checkpoints live in ../shared/models beside the project")
-    base = tmp_path_factory.mktemp("stories")
-    convert(str(src), str(base / "pmx"), progress=False)
-    reshard(str(base / "pmx"), str(base / "pmx_2"), 2, progress=False)
-    demo = [sys.executable, ROOT / "scripts" / "Demo.py"]
-    res = mpirun(2, *demo, "--ckpt_dir", base / "pmx_2", *PROMPT, "--dump_tensor_path", base / "dump2",
-                 "--dump_steps", "0,1,39")
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = run([*demo, "--ckpt_dir", base / "pmx", *PROMPT, "--dump_tensor_path", base / "dump1", "--dump_steps", "0,1,39"])
-    assert res.returncode == 0, res.stderr[-3000:]
-    return base
 
 
 # --- the dumper and its reader -------------------------------------------------------------------

@@ -55,3 +55,96 @@ def test_random_roundtrip_odd_sizes(make_hf, tmp_path, arch, n):
     reshard(str(tmp_path / "split"), str(tmp_path / "re"), 2, progress=False)
     reshard(str(tmp_path / "re"), str(tmp_path / "merged"), 1, progress=False)
     assert_same_model(tmp_path / "full", tmp_path / "merged")
+
+
+# --- which model and which shard: safetensors metadata -------------------------------------------------
+def shard_meta(path) -> dict:
+    from runner.pmx.store import SafetensorsReader
+    return SafetensorsReader(path).metadata()
+
+
+@pytest.fixture
+def stories_splits(shared_model, tmp_path):
+    """stories260k unsplit and split in 2, and the same model with one weight changed, split in 2."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    convert(str(shared_model("stories260k")), str(tmp_path / "full"), progress=False)
+    reshard(str(tmp_path / "full"), str(tmp_path / "s2"), 2, progress=False)
+    other = tmp_path / "other_full"
+    other.mkdir()
+    for f in (tmp_path / "full").iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    with safe_open(str(other / "model.00.safetensors"), "pt") as f:
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    sd["norm.weight"] += 1
+    save_file(sd, str(other / "model.00.safetensors"))  # no metadata: as written before it existed
+    reshard(str(other), str(tmp_path / "other_s2"), 2, progress=False)
+    return tmp_path
+
+
+def test_every_shard_records_its_rank_the_shard_count_and_the_model(stories_splits):
+    t = stories_splits
+    full, s0, s1 = (shard_meta(p) for p in (t / "full/model.00.safetensors", t / "s2/model.00.safetensors",
+                                            t / "s2/model.01.safetensors"))
+    assert (full["pmx_rank"], full["pmx_num_shards"]) == ("0", "1") and len(full["pmx_fingerprint"]) == 32
+    assert (s0["pmx_rank"], s0["pmx_num_shards"], s1["pmx_rank"], s1["pmx_num_shards"]) == ("0", "2", "1", "2")
+    assert full["pmx_fingerprint"] == s0["pmx_fingerprint"] == s1["pmx_fingerprint"]  # one model, whatever the split
+    assert shard_meta(t / "other_s2/model.00.safetensors")["pmx_fingerprint"] != s0["pmx_fingerprint"]
+    reshard(str(t / "other_s2"), str(t / "other_merged"), 1, progress=False)  # shards without metadata still merge
+    assert shard_meta(t / "other_merged/model.00.safetensors")["pmx_fingerprint"] != full["pmx_fingerprint"]
+
+
+def swap_in(dst, name, src):
+    (dst / name).write_bytes((src / name).read_bytes())
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("swap", r"model.00.safetensors: holds shard 1 \(its pmx_rank metadata\), but its name says shard 0: the shard "
+             r"files were renamed or swapped"),
+    ("other_model", r"model.01.safetensors: comes from another model than .*model.00.safetensors .*shards of "
+                    r"different models are mixed"),
+    ("other_split", r"model.01.safetensors: is one of 4 shards \(pmx_num_shards\), but pmx_params.json says "
+                    r"num_shards=2: shards of different splits are mixed"),
+])
+def test_swapped_or_mixed_shards_are_refused(stories_splits, damage, message):
+    t = stories_splits
+    s2 = t / "s2"
+    if damage == "swap":
+        (s2 / "model.00.safetensors").rename(s2 / "tmp")
+        (s2 / "model.01.safetensors").rename(s2 / "model.00.safetensors")
+        (s2 / "tmp").rename(s2 / "model.01.safetensors")
+    elif damage == "other_model":  # same shapes, other weights
+        for name in ("pmx_params.json", "model.01.safetensors"):
+            swap_in(s2, name, t / "other_s2")
+    else:
+        reshard(str(t / "full"), str(t / "s4"), 4, progress=False)
+        swap_in(s2, "model.01.safetensors", t / "s4")
+    with pytest.raises(PmxError, match=message):
+        reshard(str(s2), str(t / "merged"), 1, progress=False)
+    assert not (t / "merged").exists()
+
+
+def test_a_shard_is_checked_when_the_engine_loads_it(stories_splits):
+    from runner.engine.session import open_session
+    t = stories_splits
+    (t / "full" / "model.00.safetensors").write_bytes((t / "s2" / "model.01.safetensors").read_bytes())
+    with pytest.raises(PmxError, match="model.00.safetensors: holds shard 1 .* renamed or swapped"):
+        open_session(str(t / "full"))
+
+
+@pytest.mark.parametrize("edit,message", [
+    (dict(num_layers=4), r"its tensors do not match .*pmx_params.json: missing \[\], unexpected \['layers.4."),
+    (dict(vocab_size=500), r"tensor 'tok_embeddings.weight' is \[512, 64\] unsplit, but .*pmx_params.json gives "
+                          r"\[500, 64\] \(was pmx_params.json edited\?\)"),
+])
+def test_split_and_merge_check_the_params_against_the_tensors(stories_splits, edit, message):
+    import json
+    t = stories_splits
+    for d in ("full", "s2"):
+        path = t / d / "pmx_params.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    with pytest.raises(PmxError, match=message):
+        reshard(str(t / "s2"), str(t / "merged"), 1, progress=False)
+    with pytest.raises(PmxError, match=message):
+        reshard(str(t / "full"), str(t / "split"), 2, progress=False)
+    assert not (t / "merged").exists() and not (t / "split").exists()

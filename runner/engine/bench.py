@@ -23,6 +23,7 @@ import torch
 
 from runner.args import int_list
 from runner.errors import PmxError
+from runner.pmx.store import atomic_file
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CSV_HEADER = "batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib)"
@@ -66,17 +67,17 @@ def bench(model: str, random_weights: bool = False, batch_sizes: Union[str, int,
           input_len: int = 8, tokens_file: Optional[str] = None, gen_len: int = 256, warmup_loops: int = 1,
           benchmark_loops: int = 1, quantized_cache: bool = False, cache_layout: int = 0, cache_mode: int = 0,
           device: str = "auto", dtype: str = "auto", seed: int = 0, csv: Optional[str] = None,
-          progress: bool = True, kernels: str = "auto", compile: str = "auto") -> list[dict]:
+          progress: bool = True, kernels: str = "auto", collective_timeout: Optional[float] = None,
+          compile: str = "auto") -> list[dict]:
     from runner.engine.generator import Generator
     from runner.engine.model import EngineOptions
     from runner.engine.session import open_session
 
     batches = int_list(batch_sizes, "batch_sizes", minimum=1, allow_empty=False)
-    if input_len < 1 or gen_len < 1 or warmup_loops < 0 or benchmark_loops < 1:
-        raise PmxError("--input_len, --gen_len and --benchmark_loops must be >= 1, --warmup_loops >= 0")
     options = EngineOptions(quantized_cache=quantized_cache, cache_layout=cache_layout, cache_mode=cache_mode,
                             kernels=kernels, compile=compile)
-    sess = open_session(model, options, device=device, dtype=dtype, random_weights=random_weights, seed=seed)
+    sess = open_session(model, options, device=device, dtype=dtype, random_weights=random_weights, seed=seed,
+                        timeout_s=collective_timeout, progress=progress)
     p = sess.model.params
     if tokens_file:
         pool = read_tokens_file(tokens_file, p.vocab_size)
@@ -121,8 +122,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: Union[str, int,
         if sess.is_main:
             print(line, flush=True)
     if csv and sess.is_main:
-        tmp = Path(str(csv) + ".tmp")
-        tmp.write_text("\n".join(lines) + "\n")
-        tmp.replace(csv)
+        with atomic_file(Path(csv), "the CSV") as tmp:
+            tmp.write_text("\n".join(lines) + "\n")
     sess.close()
     return results

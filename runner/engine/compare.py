@@ -23,6 +23,7 @@ from runner.engine.dump import DUMP_DTYPES, dump_files, read_dump_file
 from runner.engine.replay import Agreement
 from runner.args import int_list, items
 from runner.errors import PmxError
+from runner.pmx.store import atomic_file
 
 DEFAULT_THRESHOLDS = {"snr": 40.0, "cosine": 0.999, "mse": 1e-4}
 
@@ -122,12 +123,10 @@ def compare(dir_a: str, dir_b: str, metric: str = "snr", threshold: Optional[flo
     print(f"{len(rows) - skipped} compared ({metric} {'<=' if metric == 'mse' else '>='} {thr}), {failed} failed, "
           f"{skipped} skipped", file=out)
     if csv:
-        tmp = Path(str(csv) + ".tmp")
-        with open(tmp, "w", newline="") as f:
+        with atomic_file(Path(csv), "the CSV") as tmp, open(tmp, "w", newline="") as f:
             w = csv_mod.writer(f)
             w.writerow(header)
             w.writerows(table)
-        tmp.replace(csv)
     if failed or skipped == len(rows):
         return 1
     return 0

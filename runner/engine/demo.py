@@ -10,9 +10,10 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Annotated, Optional
 
-from runner.args import int_list
+from runner.args import (CacheLayout, CacheMode, Compile, Count, Device, Dtype, Kernels, PositiveInt, Range, Seconds,
+                         int_list)
 from runner.errors import PmxError
 
 DEFAULT_PROMPT = "I believe the meaning of life is"
@@ -39,33 +40,35 @@ def generate(
     tokenizer_path: Optional[str] = None,
     prompt: Optional[str] = None,
     prompts_file: Optional[str] = None,
-    temperature: float = 0.0,
-    top_p: float = 0.95,
-    top_k: int = 0,
+    temperature: Annotated[float, Range(0)] = 0.0,
+    top_p: Annotated[float, Range(0, 1, lo_open=True)] = 0.95,
+    top_k: Count = 0,
     seed: Optional[int] = None,
-    batch: Optional[int] = None,
-    max_batch: int = 256,
-    seqlen_scale_up: int = 1,
+    batch: Optional[PositiveInt] = None,
+    max_batch: PositiveInt = 256,
+    seqlen_scale_up: PositiveInt = 1,
     unaligned_batch: bool = False,
-    max_gen_len: int = 256,
+    max_gen_len: PositiveInt = 256,
     friendly_gqa: bool = False,
     fused_qkv: bool = True,
     fused_kvcache: bool = True,
     fused_ffn_glu: bool = True,
     auto_causal: bool = True,
     quantized_cache: bool = False,
-    cache_layout: int = 0,
-    cache_mode: int = 0,
+    cache_layout: CacheLayout = 0,
+    cache_mode: CacheMode = 0,
     dynamic_batching: bool = True,
     context_chunking: bool = True,
-    context_chunk_size: int = 512,
+    context_chunk_size: PositiveInt = 512,
     dump_tensor_path: Optional[str] = None,
-    dump_steps: Union[str, int, Sequence[int], None] = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    kernels: str = "auto",
-    compile: str = "auto",
+    dump_steps: Optional[str] = None,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    kernels: Kernels = "auto",
+    compile: Compile = "auto",
     show_ids: bool = False,
+    progress: bool = True,
+    collective_timeout: Optional[Seconds] = None,
 ) -> None:
     """Generate text with a PMX model on 1 or N ranks (mpirun / torchrun).
 
@@ -102,59 +105,72 @@ def generate(
         kernels: auto (fused Triton kernels on CUDA, fast torch ops elsewhere), triton, torch or reference (the spec).
         compile: torch.compile the decode step: auto (on CPU, for models of 32M+ parameters per rank), on, off.
         show_ids: also print the generated token ids.
+        progress: progress bars on stderr (rank 0): loading, then sequences done and tokens/s.
+        collective_timeout: seconds a collective may wait for the other ranks (default $PMX_COLLECTIVE_TIMEOUT or 30).
     """
     from runner.engine.dump import TensorDumper
     from runner.engine.generator import Generator
     from runner.engine.model import EngineOptions
     from runner.engine.sampler import SamplingParams
-    from runner.engine.session import open_session
+    from runner.engine.session import check_world_size, open_session
     from runner.engine.tokenizer import Tokenizer
+    from runner.parallel.launch import detect
     from runner.pmx.params import PmxParams
+    from runner.progress import GenerationProgress
 
     if not dynamic_batching:
         raise PmxError("--dynamic_batching False (static batching) is not supported: this engine always batches "
                        "dynamically, which gives the same tokens")
     if prompt is not None and (prompts_file or unaligned_batch):
         raise PmxError("give one of --prompt, --prompts_file, --unaligned_batch")
-    if seqlen_scale_up < 1 or (batch is not None and batch < 1) or max_batch < 1 or context_chunk_size < 1:
-        raise PmxError("--seqlen_scale_up, --batch, --max_batch and --context_chunk_size must be >= 1")
     steps = int_list(dump_steps, "dump_steps")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     options = EngineOptions(fused_qkv=fused_qkv, fused_ffn_glu=fused_ffn_glu, fused_kvcache=fused_kvcache,
                             friendly_gqa=friendly_gqa, auto_causal=auto_causal, quantized_cache=quantized_cache,
                             cache_layout=cache_layout, cache_mode=cache_mode, kernels=kernels,
                             compile=compile)
+    env = detect()
     params = PmxParams.load(Path(ckpt_dir))
-    tok = Tokenizer(tokenizer_path or ckpt_dir, params.bos_token_id, params.eos_ids[0] if params.eos_ids else None)
+    check_world_size(ckpt_dir, params.num_shards, env)
+    dumper = TensorDumper(dump_tensor_path, env.rank, steps) if dump_tensor_path else None
+    tok = Tokenizer(tokenizer_path or ckpt_dir, params.bos_token_id, params.eos_ids[0] if params.eos_ids else None,
+                    vocab_size=params.vocab_size)
     if prompts_file:
         try:
             texts = [ln for ln in Path(prompts_file).read_text().splitlines() if ln.strip()]
-        except OSError as e:
-            raise PmxError(f"{prompts_file}: cannot read prompts ({e.strerror})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise PmxError(f"{prompts_file}: cannot read prompts ({getattr(e, 'strerror', None) or e})") from None
         if not texts:
             raise PmxError(f"{prompts_file}: holds no prompts")
     elif unaligned_batch:
         texts = list(UNALIGNED_PROMPTS)
     else:
-        texts = [DEFAULT_PROMPT if prompt is None else str(prompt)]
+        texts = [DEFAULT_PROMPT if prompt is None else prompt]
     prompts = [tok.encode(t) for t in texts]
     if seqlen_scale_up > 1:
         prompts = [p * seqlen_scale_up for p in prompts]
     n = batch or len(prompts)
     prompts = [prompts[i % len(prompts)] for i in range(n)]
+    if env.rank == 0:
+        print(f"prepared {len(prompts)} prompts", flush=True)
 
-    sess = open_session(ckpt_dir, options, device=device, dtype=dtype)
-    dumper = None
-    if dump_tensor_path:
-        dumper = TensorDumper(dump_tensor_path, sess.env.rank, steps, meta=run_meta(sess))
+    sess = open_session(ckpt_dir, options, device=device, dtype=dtype, timeout_s=collective_timeout,
+                        progress=progress)
+    if dumper is not None:
+        dumper.meta = run_meta(sess)
     gen = Generator(sess.model, max_batch=max_batch, context_chunk=context_chunk_size if context_chunking else None,
                     dumper=dumper)
     eos = set(params.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
     stats: dict = {}
+    bar = GenerationProgress(len(prompts), show=progress and sess.is_main)
     t0 = time.perf_counter()
-    outs = gen.generate(prompts, max_gen_len, sampling, eos_ids=sorted(eos), stats=stats)
+    try:
+        outs = gen.generate(prompts, max_gen_len, sampling, eos_ids=sorted(eos), stats=stats, progress=bar)
+    finally:
+        bar.close()
     dt = time.perf_counter() - t0
-    sess.log(f"prepared {len(prompts)} prompts")
+    if bar.shown and not sys.stderr.isatty():  # forwarded by a launcher, stderr's last bar line and this text may
+        sess.log()                             # arrive in either order: keep the text off the bar's line
     for pr, out in zip(prompts, outs):
         sess.log(tok.decode(pr + out))
         if show_ids:

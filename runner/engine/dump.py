@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from runner.errors import PmxError
+from runner.pmx.store import atomic_file
 
 DUMP_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
                torch.int64: "int64"}
@@ -31,16 +32,25 @@ def dump_file_name(step: int, name: str, t: torch.Tensor) -> str:
     return f"step{step}_{name}-{dims}-{DUMP_DTYPES[t.dtype]}.bin"
 
 
-def write_tensor(directory: Path, step: int, name: str, t: torch.Tensor) -> Path:
+def write_tensor(directory: Path, step: int, name: str, t: torch.Tensor, what: str = "the step dump") -> Path:
+    """Writes one step tensor (atomically; `directory` is created if needed) and returns its path."""
     if t.dtype not in DUMP_DTYPES:
         t = t.to(torch.int64 if not t.dtype.is_floating_point else torch.float32)
     t = t.reshape(1) if t.dim() == 0 else t
     path = Path(directory) / dump_file_name(step, name, t)
-    tmp = path.with_suffix(".bin.tmp")
-    data = t.detach().reshape(-1 if t.dim() == 0 else t.shape).contiguous().cpu()
-    data.view(torch.uint8).numpy().tofile(tmp) if data.numel() else tmp.write_bytes(b"")
-    tmp.replace(path)
+    data = t.detach().contiguous().cpu()
+    with atomic_file(path, what) as tmp:
+        data.view(torch.uint8).numpy().tofile(tmp) if data.numel() else tmp.write_bytes(b"")
     return path
+
+
+def check_output_dir(directory: Path) -> None:
+    """Refuses, before any work, a directory path with a part that exists and is not a directory."""
+    for p in (Path(directory), *Path(directory).parents):
+        if p.exists():
+            if not p.is_dir():
+                raise PmxError(f"{directory}: cannot create the directory: {p} exists and is not a directory")
+            return
 
 
 class TensorDumper:
@@ -48,21 +58,25 @@ class TensorDumper:
 
     `meta` (the engine options, dtype and device of the run) goes to `rank_{r}/engine.json` beside the
     step files, so that a replay runs the step exactly as it was run; replay also works without it.
+    The rank's folder is checked when the dumper is made and created with the first step written, so a
+    run that fails before leaves no empty folder behind.
     """
 
     def __init__(self, root: str, rank: int, steps: Optional[Iterable[int]] = None, meta: Optional[dict] = None):
         self.dir = Path(root) / f"rank_{rank}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        check_output_dir(self.dir)
         self.steps = None if not steps else {int(s) for s in steps}  # None: every step
-        if meta is not None:
-            tmp = self.dir / (META_FILE + ".tmp")
-            tmp.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-            tmp.replace(self.dir / META_FILE)
+        self.meta = meta
+        self._meta_written = False
 
     def wants(self, step: int) -> bool:
         return self.steps is None or step in self.steps
 
     def dump(self, step: int, tensors: dict) -> None:
+        if self.meta is not None and not self._meta_written:
+            with atomic_file(self.dir / META_FILE, "the dump's engine.json") as tmp:
+                tmp.write_text(json.dumps(self.meta, indent=1, sort_keys=True) + "\n")
+            self._meta_written = True
         for name, t in tensors.items():
             if t is not None:
                 write_tensor(self.dir, step, name, torch.as_tensor(t))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -90,10 +90,12 @@ class Generator:
         return math.ceil(s_len / PAGE_SIZE) * PAGE_SIZE if self.paged else s_len
 
     def generate(self, prompts: Sequence[Sequence[int]], max_gen_len: int, sampling: SamplingParams = SamplingParams(),
-                 eos_ids: Sequence[int] = (), stats: Optional[dict] = None) -> list[list[int]]:
+                 eos_ids: Sequence[int] = (), stats: Optional[dict] = None,
+                 progress: Optional[Callable[[int, int], None]] = None) -> list[list[int]]:
         """Generated ids (prompt excluded, EOS excluded) for each prompt.
 
         `stats`, when given, receives "steps" (engine steps run) and "step_seconds" (wall time of each).
+        `progress`, when given, is called after each step with (tokens sampled in it, sequences done so far).
         """
         p = self.model.params
         if max_gen_len < 1:
@@ -159,6 +161,8 @@ class Generator:
                     results[s.index] = s.generated
                     alloc.give(s.cache)
                     active.remove(s)
+            if progress is not None:
+                progress(len(ready), len(prompts) - len(waiting) - len(active))
         if stats is not None:
             stats["steps"] = step
         return results

@@ -67,8 +67,10 @@ class EngineOptions:
                            "the unfused attention)")
 
 
-def load_shard(ckpt_dir: Path, rank: int, device: torch.device, dtype: torch.dtype) -> tuple[PmxParams, dict]:
-    """Params and rank `rank`'s tensors, with strict checks: every expected tensor, no other, right shapes."""
+def load_shard(ckpt_dir: Path, rank: int, device: torch.device, dtype: torch.dtype,
+               on_tensor=None) -> tuple[PmxParams, dict]:
+    """Params and rank `rank`'s tensors, with strict checks: every expected tensor, no other, right shapes.
+    `on_tensor(nbytes)`, when given, is called after each tensor is read (progress)."""
     params = PmxParams.load(ckpt_dir)
     if params.num_shards <= rank:
         raise PmxError(f"{ckpt_dir}: holds {params.num_shards} shard(s), rank {rank} has none; split the model "
@@ -84,6 +86,8 @@ def load_shard(ckpt_dir: Path, rank: int, device: torch.device, dtype: torch.dty
         if rd.shape(name) != shape:
             raise PmxError(f"{rd.path}: tensor {name!r} has shape {list(rd.shape(name))}, expected {list(shape)}")
         weights[name] = rd.get(name).to(device=device, dtype=dtype)
+        if on_tensor is not None:
+            on_tensor(rd.nbytes(name))
     return params, weights
 
 

@@ -23,12 +23,12 @@ from typing import Optional
 
 import torch
 
-from runner.engine.dump import STEP_INPUTS, load_meta, load_step, write_tensor
+from runner.engine.dump import META_FILE, STEP_INPUTS, load_meta, load_step, write_tensor
 from runner.engine.model import EngineOptions
 from runner.errors import PmxError
 from runner.kernels.reference import cache_shape
 from runner.pmx.params import PmxParams
-from runner.pmx.store import dtype_name
+from runner.pmx.store import check_apart, dtype_name
 
 @dataclass(frozen=True)
 class Agreement:
@@ -79,34 +79,62 @@ def _check_against_dump(o: EngineOptions, t: dict, rank_dir: Path) -> None:
                        f"cache_mode={o.cache_mode} (offset: [B], paged: [B, pages])")
 
 
+def check_dump_fits(params: PmxParams, o: EngineOptions, world_size: int, t: dict, rank_dir: Path,
+                    ckpt_dir: str) -> None:
+    """The dumped step must be one of this model at this rank count: say what differs rather than fail in the step."""
+    kv, kvh = t["kv_cache"], max(params.num_kv_heads // world_size, 1)
+    rows = kv.shape[o.cache_layout] if kv.dim() == 5 else -1
+    want = cache_shape(o.cache_layout, params.num_layers, rows, kvh, params.head_dim)
+    if tuple(kv.shape) != tuple(want):
+        raise PmxError(f"{rank_dir}: kv_cache has shape {list(kv.shape)}, but {ckpt_dir} on {world_size} rank(s) "
+                       f"with cache_layout={o.cache_layout} needs {list(want)} ({params.num_layers} layers, {kvh} KV "
+                       f"heads per rank, head_dim {params.head_dim}): the dump was made with another model")
+    if t["logits"].dim() != 2 or t["logits"].shape[-1] != params.vocab_size:
+        raise PmxError(f"{rank_dir}: logits have shape {list(t['logits'].shape)}, but {ckpt_dir} has a vocabulary of "
+                       f"{params.vocab_size}: the dump was made with another model")
+    ids = t["token_ids"]
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < params.vocab_size):
+        raise PmxError(f"{rank_dir}: token_ids reach {int(ids.max())}, outside {ckpt_dir}'s vocabulary "
+                       f"[0, {params.vocab_size}): the dump was made with another model")
+
+
 def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str, warmup: int = 2,
            min_profiling_seconds: float = 1.0, device: str = "auto", dtype: Optional[str] = None,
-           cache_layout: Optional[int] = None, min_snr: float = 60.0, min_cosine: float = 0.9999) -> int:
-    """Replays step `step` of a dump on each rank; returns the exit status (0 ok, 1 beyond tolerance)."""
-    from runner.engine.session import open_session
+           cache_layout: Optional[int] = None, min_snr: float = 60.0, min_cosine: float = 0.9999,
+           collective_timeout: Optional[float] = None) -> int:
+    """Replays step `step` of a dump on each rank; returns the exit status (0 ok, 1 beyond tolerance).
+
+    Everything about the launch, the dump and the model is checked before the first collective: the rank
+    count against the model's shards and the dump's engine.json, this rank's dump folder, and the dumped
+    tensors against the model."""
+    from runner.engine.session import check_world_size, open_session
     from runner.parallel.launch import detect
 
-    if warmup < 0 or min_profiling_seconds < 0:
-        raise PmxError("--warmup and --min_profiling_seconds must be >= 0")
+    check_apart(Path(output_dir), {"--dump_dir": Path(dump_dir), "--ckpt_dir": Path(ckpt_dir)}, nested_ok=True)
     env = detect()
     rank_dir = Path(dump_dir) / f"rank_{env.rank}"
     if not rank_dir.is_dir():
-        raise PmxError(f"{rank_dir}: no dump for rank {env.rank} (dump with Demo.py --dump_tensor_path "
-                       f"{dump_dir} on as many ranks as replay)")
+        raise PmxError(f"{dump_dir}: has no rank_{env.rank} (dump with Demo.py --dump_tensor_path {dump_dir} on as "
+                       f"many ranks as replay)")
+    params = PmxParams.load(Path(ckpt_dir))
+    check_world_size(ckpt_dir, params.num_shards, env)
+    meta = load_meta(str(rank_dir))
+    if meta and meta.get("world_size", env.world_size) != env.world_size:
+        raise PmxError(f"{rank_dir / META_FILE}: the dump was made on {meta['world_size']} rank(s), but "
+                       f"{env.world_size} were started; replay it with -np {meta['world_size']}")
     t = load_step(str(rank_dir), int(step))
     missing = [n for n in STEP_INPUTS + ("logits",) if n not in t and n != "kv_scale"]
     if missing:
         raise PmxError(f"{rank_dir}: step {step} lacks {missing}")
-    params = PmxParams.load(Path(ckpt_dir))
-    meta = load_meta(str(rank_dir))
     options = infer_options(params, env.world_size, t, meta)
     if cache_layout is not None:
         options = replace(options, cache_layout=int(cache_layout))
     _check_against_dump(options, t, rank_dir)
+    check_dump_fits(params, options, env.world_size, t, rank_dir, ckpt_dir)
     if dtype is None:
         dtype = meta["dtype"] if meta else ("auto" if t["kv_cache"].dtype == torch.int8 else
                                             dtype_name(t["kv_cache"].dtype))
-    sess = open_session(ckpt_dir, options, device=device, dtype=dtype)
+    sess = open_session(ckpt_dir, options, device=device, dtype=dtype, timeout_s=collective_timeout)
     dev = sess.device
     inputs = {n: t[n].to(dev) for n in STEP_INPUTS if n in t}
     inputs.setdefault("kv_scale", None)
@@ -120,12 +148,12 @@ def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str, warmup: int
         return time.perf_counter() - t0
 
     logits = sess.model.forward(**inputs)  # the cache as dumped; later runs rewrite the same rows identically
-    write_tensor(_out_dir(output_dir, env.rank), int(step), "logits", logits.float())
     warm = [timed() for _ in range(max(warmup, 1))]
     per_iter = sum(warm) / len(warm)
     n = torch.tensor([max(1, math.ceil(min_profiling_seconds / max(per_iter, 1e-9)))], dtype=torch.int64)
     n = int(sess.comm.broadcast_(n.to(dev) if dev.type == "cuda" else n)[0])  # every rank runs as many steps
     times = [timed() for _ in range(n)]
+    write_tensor(Path(output_dir) / f"rank_{env.rank}", int(step), "logits", logits.float(), "the replayed logits")
     agree = Agreement.of(logits, t["logits"])
     row = torch.tensor([[min(times), sum(times) / n, max(times), agree.max_abs, agree.cosine, agree.snr_db, n]],
                        dtype=torch.float64, device=dev)
@@ -145,12 +173,3 @@ def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str, warmup: int
                  f"or identical)")
     sess.close()
     return 1 if failed else 0
-
-
-def _out_dir(output_dir: str, rank: int) -> Path:
-    d = Path(output_dir) / f"rank_{rank}"
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PmxError(f"{d}: cannot create the output directory ({e.strerror})") from None
-    return d

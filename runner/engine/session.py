@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from runner.engine.model import EngineOptions, Transformer, load_shard, random_shard
 from runner.errors import PmxError
-from runner.parallel.comm import DEFAULT_TIMEOUT_S, make_comm
+from runner.parallel.comm import collective_timeout, make_comm
 from runner.parallel.launch import LaunchEnv, detect, set_cpu_threads
+from runner.pmx.fingerprint import check_shards
+from runner.pmx.params import shard_file
 from runner.pmx.shard import sharded_params, unsharded_params
-from runner.pmx.store import DTYPE_NAMES
+from runner.pmx.store import DTYPE_NAMES, SafetensorsReader
+from runner.progress import progress_bar
 
 
 @dataclass
@@ -56,30 +60,46 @@ def pick_dtype(dtype: str, params_dtype: str, device: torch.device) -> torch.dty
     return DTYPE_NAMES[dtype]
 
 
+def check_world_size(ckpt_dir: str, num_shards: int, env: LaunchEnv) -> None:
+    if num_shards != env.world_size:
+        raise PmxError(f"{ckpt_dir}: the model is split into {num_shards} shard(s) but {env.world_size} "
+                       f"rank(s) were started; launch -np {num_shards} or split it with "
+                       f"scripts/Split.py --num_shards {env.world_size}")
+
+
 def open_session(ckpt_dir: str, options: EngineOptions = EngineOptions(), device: str = "auto",
-                 dtype: str = "auto", comm_backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 random_weights: bool = False, seed: int = 0) -> Session:
+                 dtype: str = "auto", comm_backend: str = "auto", timeout_s: Optional[float] = None,
+                 random_weights: bool = False, seed: int = 0, progress: bool = False) -> Session:
     """This rank's engine. `ckpt_dir` is a PMX directory split into as many shards as ranks; with
     `random_weights` it may also be a bare pmx_params.json, cut for the ranks started, and the shard is
-    random (see :func:`runner.engine.model.random_shard`)."""
+    random (see :func:`runner.engine.model.random_shard`).
+
+    Everything that can be refused (rank count, shard files, device, dtype) is checked before the first
+    collective; the ranks then wait for each other once loading is done, without the collective timeout
+    (`timeout_s`, default $PMX_COLLECTIVE_TIMEOUT or 30 s), which applies to every collective after.
+    `progress` shows rank 0's loading on stderr."""
+    from runner.pmx.params import PmxParams
     env = detect()
+    params = PmxParams.load(Path(ckpt_dir))
+    if random_weights:
+        params = sharded_params(unsharded_params(params), env.world_size)
+    else:
+        check_world_size(ckpt_dir, params.num_shards, env)
+        headers = {r: SafetensorsReader(Path(ckpt_dir) / shard_file(r)) for r in {0, env.rank}}
+        check_shards(headers, params.num_shards)
     dev = pick_device(device, env)
+    torch_dtype = pick_dtype(dtype, params.dtype, dev)
+    timeout_s = collective_timeout(timeout_s)
     if dev.type == "cpu":
         set_cpu_threads(env)
     else:
         torch.cuda.set_device(dev)
-    from runner.pmx.params import PmxParams
-    params = PmxParams.load(Path(ckpt_dir))
-    if random_weights:
-        params = sharded_params(unsharded_params(params), env.world_size)
-    elif params.num_shards != env.world_size:
-        raise PmxError(f"{ckpt_dir}: the model is split into {params.num_shards} shard(s) but {env.world_size} "
-                       f"rank(s) were started; launch -np {params.num_shards} or split it with "
-                       f"scripts/Split.py --num_shards {env.world_size}")
     comm = make_comm(env, dev, comm_backend, timeout_s)
-    torch_dtype = pick_dtype(dtype, params.dtype, dev)
     if random_weights:
         weights = random_shard(params, env.rank, dev, torch_dtype, seed)
     else:
-        _, weights = load_shard(Path(ckpt_dir), env.rank, dev, torch_dtype)
+        own = headers[env.rank]
+        with progress_bar(own.data_bytes(), f"loading {own.path.name}", show=progress and env.rank == 0) as bar:
+            _, weights = load_shard(Path(ckpt_dir), env.rank, dev, torch_dtype, on_tensor=bar.update)
+    comm.sync()
     return Session(env, dev, comm, Transformer(params, weights, comm, options))

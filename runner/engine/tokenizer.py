@@ -9,9 +9,15 @@ from runner.errors import PmxError
 
 
 class Tokenizer:
-    """encode(text) -> ids with BOS first; decode(ids) -> text. `path` is a file or a directory holding one."""
+    """encode(text) -> ids with BOS first; decode(ids) -> text. `path` is a file or a directory holding one.
 
-    def __init__(self, path: str, bos_id: Optional[int] = None, eos_id: Optional[int] = None):
+    With `vocab_size` (the model's), the tokenizer must fit the model: at most vocab_size tokens, and more
+    than half of it (models pad their vocabulary to a round size, they never double it), so that another
+    model's tokenizer is refused at load rather than failing at decode.
+    """
+
+    def __init__(self, path: str, bos_id: Optional[int] = None, eos_id: Optional[int] = None,
+                 vocab_size: Optional[int] = None):
         p = Path(path)
         if p.is_dir():
             found = [p / n for n in ("tokenizer.model", "tokenizer.json") if (p / n).is_file()]
@@ -21,26 +27,35 @@ class Tokenizer:
         if not p.is_file():
             raise PmxError(f"{p}: tokenizer file not found (expected tokenizer.model or tokenizer.json)")
         self.path = p
-        if p.suffix == ".json":
-            from tokenizers import Tokenizer as HFTokenizer
-            self._hf = HFTokenizer.from_file(str(p))
-            self._sp = None
-            self.bos_id = bos_id if bos_id is not None else self._hf.token_to_id("<s>")
-            self.eos_id = eos_id if eos_id is not None else self._hf.token_to_id("</s>")
-        else:
-            import sentencepiece as spm
-            self._sp = spm.SentencePieceProcessor(model_file=str(p))
-            self._hf = None
-            self.bos_id = bos_id if bos_id is not None else self._sp.bos_id()
-            self.eos_id = eos_id if eos_id is not None else self._sp.eos_id()
+        try:
+            if p.suffix == ".json":
+                from tokenizers import Tokenizer as HFTokenizer
+                self._hf = HFTokenizer.from_file(str(p))
+                self._sp = None
+                self.size = self._hf.get_vocab_size(with_added_tokens=True)
+                self.bos_id = bos_id if bos_id is not None else self._hf.token_to_id("<s>")
+                self.eos_id = eos_id if eos_id is not None else self._hf.token_to_id("</s>")
+            else:
+                import sentencepiece as spm
+                self._sp = spm.SentencePieceProcessor(model_file=str(p))
+                self._hf = None
+                self.size = self._sp.get_piece_size()
+                self.bos_id = bos_id if bos_id is not None else self._sp.bos_id()
+                self.eos_id = eos_id if eos_id is not None else self._sp.eos_id()
+        except Exception as e:  # noqa: BLE001 (sentencepiece and tokenizers raise plain RuntimeError / OSError)
+            kind = "a HF tokenizer.json" if p.suffix == ".json" else "a sentencepiece tokenizer.model"
+            raise PmxError(f"{p}: not {kind} ({' '.join(str(e).split())[:200]})") from None
+        if vocab_size is not None and not vocab_size // 2 < self.size <= vocab_size:
+            raise PmxError(f"{p}: the tokenizer has {self.size} tokens, which does not fit the model's vocabulary of "
+                           f"{vocab_size} (pmx_params.json vocab_size): it belongs to another model")
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         ids = self._sp.encode(text) if self._sp else self._hf.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos and self.bos_id is not None and self.bos_id >= 0 else []) + list(ids)
 
     def decode(self, ids: list[int]) -> str:
-        """Text of `ids`, BOS / EOS left out."""
-        ids = [i for i in ids if i not in (self.bos_id, self.eos_id)]
+        """Text of `ids`, BOS / EOS left out, and ids past the tokenizer's end (a padded vocabulary's rows)."""
+        ids = [i for i in ids if i not in (self.bos_id, self.eos_id) and 0 <= i < self.size]
         if self._sp:
             return self._sp.decode(ids)
         text = self._hf.decode(ids, skip_special_tokens=True)

@@ -6,25 +6,44 @@
 - :class:`TorchComm`: torch.distributed, NCCL on CUDA (under mpirun its rendezvous address is
   broadcast with mpi4py) or gloo on CPU under torchrun.
 
-Every collective runs under a watchdog: if it does not finish within `timeout_s` (a peer died or
-hangs), this rank prints which collective and rank timed out and exits non-zero.
+Every collective runs under a watchdog: if it does not finish within the collective timeout (a peer
+hangs), this rank prints which collective timed out and ends the job (runner.parallel.job). The
+timeout is `--collective_timeout`, else `$PMX_COLLECTIVE_TIMEOUT`, else 30 s. Loading is not counted
+against it: :meth:`sync` (after each rank has loaded its shard) waits without a deadline, since ranks
+load at different speeds; a rank that dies meanwhile ends the job through its launcher.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
-import sys
 import threading
 import time
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from typing import Optional
 
 import torch
 
-from runner.parallel.launch import LaunchEnv
+from runner.errors import PmxError
+from runner.parallel.launch import LaunchEnv, mpi
 
 DEFAULT_TIMEOUT_S = 30.0
+TIMEOUT_ENV = "PMX_COLLECTIVE_TIMEOUT"
+PROCESS_GROUP_TIMEOUT = timedelta(days=1)  # torch.distributed's own deadline; the watchdog enforces ours
+
+
+def collective_timeout(value: Optional[float] = None, environ=os.environ) -> float:
+    """Seconds a collective may wait: `value` (the --collective_timeout flag), else $PMX_COLLECTIVE_TIMEOUT, else 30."""
+    if value is None and environ.get(TIMEOUT_ENV):
+        try:
+            value = float(environ[TIMEOUT_ENV])
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise PmxError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {environ[TIMEOUT_ENV]!r}")
+    return DEFAULT_TIMEOUT_S if value is None else float(value)
 
 
 # mpi4py's collectives as torch ops, so a compiled step calls them in place of a graph break. They act on
@@ -81,9 +100,9 @@ class Watchdog:
             with self._lock:
                 what, since = self._what, self._since
             if what is not None and time.monotonic() - since > self.timeout_s:
-                print(f"rank {self.rank}: error: {what} did not complete within {self.timeout_s:.0f}s; "
-                      f"another rank has probably died or hung. Exiting.", file=sys.stderr, flush=True)
-                os._exit(3)
+                from runner.parallel.job import Job
+                Job().fail(f"{what} did not complete within {self.timeout_s:g}s (--collective_timeout); another "
+                           f"rank has probably died or hung", 3, from_thread=True)
 
 
 class SingleComm:
@@ -104,11 +123,16 @@ class SingleComm:
     def barrier(self) -> None:
         pass
 
+    def sync(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
-    def abort(self, code: int = 1) -> None:
-        os._exit(code)
+
+@contextmanager
+def _unguarded():
+    yield
 
 
 def _cat_gathered(flat: torch.Tensor, world: int, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -122,7 +146,7 @@ class MpiComm:
     """mpi4py on CPU tensors: in-place Allreduce, Allgather, Bcast."""
 
     def __init__(self, env: LaunchEnv, timeout_s: float = DEFAULT_TIMEOUT_S):
-        from mpi4py import MPI
+        MPI = mpi()
         self._MPI, self._comm = MPI, MPI.COMM_WORLD
         self.rank, self.world_size = env.rank, env.world_size
         self._dog = Watchdog(env.rank, timeout_s)
@@ -169,12 +193,12 @@ class MpiComm:
         with self._dog.guard("barrier"):
             self._comm.Barrier()
 
+    def sync(self) -> None:
+        """A barrier without a deadline (after loading)."""
+        self._comm.Barrier()
+
     def close(self) -> None:
         self.barrier()
-
-    def abort(self, code: int = 1) -> None:
-        sys.stderr.flush()
-        self._comm.Abort(code)
 
 
 class TorchComm:
@@ -185,19 +209,31 @@ class TorchComm:
         self.dist, self.device = dist, device
         self.rank, self.world_size = env.rank, env.world_size
         backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = dict(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+        kwargs = dict(backend=backend, rank=env.rank, world_size=env.world_size, timeout=PROCESS_GROUP_TIMEOUT)
         if env.launcher == "mpi":  # mpirun sets no MASTER_ADDR: rank 0 publishes a reachable address
             kwargs["init_method"] = _mpi_rendezvous()
         if not dist.is_initialized():
             dist.init_process_group(**kwargs)
-        self._dog = Watchdog(env.rank, timeout_s + 5)
+        self._dog = Watchdog(env.rank, timeout_s)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.10
+        self._ops = {"all_reduce": dist.all_reduce, "all_gather": gather, "broadcast": dist.broadcast,
+                     "barrier": dist.barrier}
+
+    def _run(self, what: str, *args, guarded: bool = True, **kwargs) -> None:
+        """One collective under the watchdog; a peer that has gone shows as an error naming the collective."""
+        try:
+            with self._dog.guard(what) if guarded else _unguarded():
+                self._ops[what](*args, **kwargs)
+        except RuntimeError as e:  # gloo / NCCL: the connection to a rank that exited or was killed
+            cause = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(e).split())).split(". ")[0]
+            raise PmxError(f"{what} failed: lost contact with another rank, which has probably failed (see its "
+                           f"message): {cause[:160]}") from None
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             import torch.distributed._functional_collectives as funcol
             return t.copy_(funcol.all_reduce(t, "sum", self.dist.group.WORLD))
-        with self._dog.guard("all_reduce"):
-            self.dist.all_reduce(t)
+        self._run("all_reduce", t)
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -207,35 +243,32 @@ class TorchComm:
             out = funcol.all_gather_tensor(src.view(-1), 0, self.dist.group.WORLD)
             return _cat_gathered(out, self.world_size, src, dim)
         out = torch.empty(self.world_size * src.numel(), dtype=src.dtype, device=src.device)
-        with self._dog.guard("all_gather"):
-            self.dist.all_gather_into_tensor(out, src.view(-1))
+        self._run("all_gather", out, src.view(-1))
         return _cat_gathered(out, self.world_size, src, dim)
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        with self._dog.guard("broadcast"):
-            self.dist.broadcast(t, src=src)
+        self._run("broadcast", t, src=src)
         return t
 
     def guard(self, what: str):
         return self._dog.guard(what)
 
     def barrier(self) -> None:
-        with self._dog.guard("barrier"):
-            self.dist.barrier()
+        self._run("barrier")
+
+    def sync(self) -> None:
+        """A barrier without a deadline (after loading)."""
+        self._run("barrier", guarded=False)
 
     def close(self) -> None:
         """Tears the process group down (gloo aborts at exit otherwise)."""
         self.barrier()
         self.dist.destroy_process_group()
 
-    def abort(self, code: int = 1) -> None:
-        sys.stderr.flush()
-        os._exit(code)
-
 
 def _mpi_rendezvous() -> str:
     """tcp://host:port chosen by rank 0 (MASTER_ADDR if set, else its own IP) and broadcast with mpi4py."""
-    from mpi4py import MPI
+    MPI = mpi()
     comm = MPI.COMM_WORLD
     addr = None
     if comm.Get_rank() == 0:

@@ -1,17 +1,28 @@
 """Who am I? Rank, world size and local rank from the launcher's environment.
 
 Order (DESIGN.md): torchrun's RANK / WORLD_SIZE / LOCAL_RANK; then an MPI launch (MPICH's PMI_RANK /
-MPI_LOCALRANKID, Open MPI's OMPI_COMM_WORLD_*, PMIx's PMIX_RANK), read through mpi4py's COMM_WORLD
-with the local rank from a shared-memory split; otherwise one process.
+PMI_SIZE / MPI_LOCALRANKID / MPI_LOCALNRANKS, Open MPI's OMPI_COMM_WORLD_*, PMIx's PMIX_RANK);
+otherwise one process.
+
+Under MPI, :func:`detect` initialises MPI (mpi4py's COMM_WORLD) and reads rank and size from it; the
+local rank comes from the launcher's variables, and only where they are missing from a
+shared-memory split, a collective. :func:`rank_from_environment` never touches MPI: it is what the
+error path uses, so that reporting an error can never block on a peer.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+
+from runner.errors import PmxError
 
 MPI_MARKERS = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                "PMIX_RANK", "HYDRA_CONTROL_FD")
+_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_LOCAL_VARS = (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"), ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
 
 
 @dataclass(frozen=True)
@@ -27,38 +38,98 @@ def under_mpi(environ=os.environ) -> bool:
     return any(k in environ for k in MPI_MARKERS)
 
 
+def under_torchrun(environ=os.environ) -> bool:
+    return "RANK" in environ and "WORLD_SIZE" in environ
+
+
+def _first_int(environ, names) -> int | None:
+    for n in names:
+        if environ.get(n, "").strip().isdigit():
+            return int(environ[n])
+    return None
+
+
+def rank_from_environment(environ=os.environ) -> tuple[int, int]:
+    """(rank, world size) from the launcher's variables alone, (0, 1) when there are none. No MPI call."""
+    names = _RANK_VARS if under_torchrun(environ) or under_mpi(environ) else ()
+    rank, size = _first_int(environ, names), _first_int(environ, _SIZE_VARS if names else ())
+    return (rank or 0, size or 1)
+
+
+def mpi():
+    """mpi4py's MPI module, initialising MPI on first use. Under Open MPI's mpirun, mpi4py's PyPI wheel
+    (which serves MPICH and Open MPI) must load Open MPI's library; it reads this when first imported."""
+    if any(k.startswith("OMPI_COMM_WORLD_") for k in os.environ) and "MPI4PY_MPIABI" not in os.environ:
+        os.environ["MPI4PY_MPIABI"] = "openmpi"
+    from mpi4py import MPI
+    return MPI
+
+
 def detect(environ=os.environ) -> LaunchEnv:
     """The launch environment of this process (see module docstring for the order)."""
-    if "RANK" in environ and "WORLD_SIZE" in environ:
+    if under_torchrun(environ):
         ws = int(environ["WORLD_SIZE"])
         return LaunchEnv("torchrun", int(environ["RANK"]), ws, int(environ.get("LOCAL_RANK", 0)),
                          int(environ.get("LOCAL_WORLD_SIZE", ws)))
     if under_mpi(environ):
-        if any(k.startswith("OMPI_COMM_WORLD_") for k in environ) and "MPI4PY_MPIABI" not in environ:
-            # mpi4py's PyPI wheel serves MPICH and Open MPI; it must load Open MPI's library under Open MPI's
-            # mpirun (this is read once, when mpi4py.MPI is first imported)
-            os.environ["MPI4PY_MPIABI"] = "openmpi"
-        from mpi4py import MPI
-        world = MPI.COMM_WORLD
-        local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-        env = LaunchEnv("mpi", world.Get_rank(), world.Get_size(), local.Get_rank(), local.Get_size())
-        local.Free()
+        world = mpi().COMM_WORLD
+        rank, size = world.Get_rank(), world.Get_size()
+        for rank_var, size_var in _LOCAL_VARS:
+            local, local_size = _first_int(environ, (rank_var,)), _first_int(environ, (size_var,))
+            if local is not None and local_size:
+                return LaunchEnv("mpi", rank, size, local, local_size)
+        split = world.Split_type(mpi().COMM_TYPE_SHARED, key=rank)  # a collective: only at start-up
+        env = LaunchEnv("mpi", rank, size, split.Get_rank(), split.Get_size())
+        split.Free()
         return env
     return LaunchEnv("single", 0, 1, 0, 1)
 
 
-def set_cpu_threads(env: LaunchEnv) -> int:
+def end_job(code: int) -> None:
+    """Ends this process at once with `code` (non-zero), which ends the whole job: under mpirun, a rank that
+    exits after MPI_Init without MPI_Finalize makes MPICH's and Open MPI's launchers kill every rank; under
+    torchrun the elastic agent stops the other workers. Never runs a collective and never returns.
+
+    Not MPI_Abort: under MPICH it tears the job's output forwarding down at once, and the rank's own
+    message, already written, was lost in 4 runs of 16 here; after a plain exit the launcher reads the
+    rank's output to its end first (16 of 16)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def torchrun_default_threads(environ=os.environ) -> bool:
+    """torchrun sets OMP_NUM_THREADS=1 in every worker when the user did not set it."""
+    return under_torchrun(environ) and "TORCHELASTIC_RUN_ID" in environ and environ.get("OMP_NUM_THREADS") == "1"
+
+
+def set_cpu_threads(env: LaunchEnv, environ=os.environ) -> int:
     """Gives each local rank its share of the cores (torch under mpirun starts with one thread).
 
-    OMP_NUM_THREADS wins when set; otherwise cores / local ranks, never more than this process's
-    CPU affinity allows (Open MPI may bind each rank to one core).
+    PMX_NUM_THREADS wins, then OMP_NUM_THREADS (except the 1 that torchrun sets for every worker);
+    otherwise cores / local ranks, never more than this process's CPU affinity allows (Open MPI may
+    bind each rank to one core).
     """
     import torch
-    if os.environ.get("OMP_NUM_THREADS"):
-        n = int(os.environ["OMP_NUM_THREADS"])
-    else:
+    n = _threads(environ, "PMX_NUM_THREADS")
+    if n is None and not torchrun_default_threads(environ):
+        n = _threads(environ, "OMP_NUM_THREADS")
+    if n is None:
         total = os.cpu_count() or 1
         allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
         n = max(1, min(allowed, total // max(env.local_world_size, 1)))
     torch.set_num_threads(n)
     return n
+
+
+def _threads(environ, name: str) -> int | None:
+    """A thread count from the environment (OpenMP's "4,2" nesting: its first level), None when unset."""
+    value = environ.get(name, "").split(",")[0].strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise PmxError(f"{name} must be a positive integer, got {environ[name]!r}")
+    return int(value)

@@ -12,18 +12,19 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
-from tqdm import tqdm
 
 from model_zoo import family_for
 from model_zoo.decoder import unpermute_rotary
 from runner.errors import PmxError
+from runner.progress import progress_bar
+from runner.pmx.fingerprint import FINGERPRINT, Fingerprint, check_shards, shard_metadata
 from runner.pmx.hf import HFCheckpoint, BinFile
 from runner.pmx.opmx import check_tensors, find_ppl_params, ppl_params
 from runner.pmx.params import PmxParams, shard_file
 from runner.pmx.schema import pmx_tensors
 from runner.pmx.shard import full_shape, merge_tensor, shard_shape, sharded_params, split_tensor, unsharded_params
 from runner.pmx.store import (DTYPE_NAMES, _numel, SafetensorsReader, SafetensorsWriter, atomic_output_dir,
-                              copy_tokenizer_files, dtype_name)
+                              check_apart, copy_tokenizer_files, dtype_name)
 
 Plan = Sequence[tuple[str, torch.dtype, tuple]]  # (name, dtype, full unsplit shape), in file order
 ST_METADATA = {"format": "pt"}
@@ -34,22 +35,27 @@ def write_pmx(out_dir: Path, params: PmxParams, plan: Plan, fetch: Callable[[str
               num_shards: int, desc: str = "writing", progress: bool = True) -> PmxParams:
     """Writes `num_shards` shard files + pmx_params.json into `out_dir`; returns the written params."""
     sp = sharded_params(unsharded_params(params), num_shards)
-    writers = [SafetensorsWriter(Path(out_dir) / shard_file(r),
-                                 [(n, dt, shard_shape(sp, n, shape)) for n, dt, shape in plan], ST_METADATA)
-               for r in range(num_shards)]
+    fingerprint = Fingerprint(params)
     total = sum(torch.empty((), dtype=dt).element_size() * _numel(shape) for _, dt, shape in plan)
     show = progress and (sys.stderr.isatty() or total > PROGRESS_MIN_BYTES)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not show, mininterval=1.0)
+    bar = progress_bar(total, desc, show=show)
+    writers: list[SafetensorsWriter] = []
     try:
+        for r in range(num_shards):
+            writers.append(SafetensorsWriter(Path(out_dir) / shard_file(r),
+                                             [(n, dt, shard_shape(sp, n, shape)) for n, dt, shape in plan],
+                                             {**ST_METADATA, **shard_metadata(r, num_shards)}))
         for name, dt, shape in plan:
             t = fetch(name)
             if t.dtype != dt or tuple(t.shape) != tuple(shape):
                 raise AssertionError(f"{name}: fetched {t.dtype} {tuple(t.shape)}, planned {dt} {tuple(shape)}")
             for w, part in zip(writers, split_tensor(sp, name, t)):
                 w.write(name, part)
+            fingerprint.add(name, t)
             bar.update(t.numel() * t.element_size())
             del t
         for w in writers:
+            w.patch_metadata(FINGERPRINT, fingerprint.hexdigest())
             w.close()
     except BaseException:
         for w in writers:
@@ -64,6 +70,7 @@ def write_pmx(out_dir: Path, params: PmxParams, plan: Plan, fetch: Callable[[str
 def _write_dir(input_dir: Path, output_dir: str, overwrite: bool, params: PmxParams, plan: Plan,
                fetch: Callable[[str], torch.Tensor], num_shards: int, desc: str, progress: bool) -> PmxParams:
     """write_pmx into a temporary directory beside output_dir, with input_dir's tokenizer files, then rename."""
+    check_apart(Path(output_dir), {"--input_dir": input_dir})
     with atomic_output_dir(Path(output_dir), overwrite) as tmp:
         written = write_pmx(tmp, params, plan, fetch, num_shards, desc=desc, progress=progress)
         copy_tokenizer_files(input_dir, tmp)
@@ -163,6 +170,7 @@ class PmxModel:
                        if p.name not in {shard_file(r) for r in range(self.params.num_shards)})
         if extra:
             raise PmxError(f"{self.dir}: holds {extra}, but pmx_params.json says num_shards={self.params.num_shards}")
+        check_shards(dict(enumerate(self.readers)), self.params.num_shards)
         keys = self.readers[0].keys()
         for r, rd in enumerate(self.readers[1:], 1):
             if rd.keys() != keys:
@@ -194,11 +202,21 @@ def reshard(input_dir: str, output_dir: str, num_shards: int, overwrite: bool = 
                        f"num_shards={p.num_shards} (pmx_params.json)")
     sharded_params(unsharded_params(p), num_shards)
     dt = DTYPE_NAMES[p.dtype]
+    expected = pmx_tensors(p)
+    first = model.readers[0].path
+    missing, extra = sorted(set(expected) - set(model.keys)), sorted(set(model.keys) - set(expected))
+    if missing or extra:
+        raise PmxError(f"{first}: its tensors do not match {input_dir}/pmx_params.json: missing {missing[:4]}, "
+                       f"unexpected {extra[:4]} (was pmx_params.json edited?)")
     plan = []
     for name in model.keys:
         got = model.readers[0].dtype(name)
         if got != dt:
-            raise PmxError(f"{model.readers[0].path}: tensor {name!r} is {got}, expected {dt} (pmx_params dtype)")
-        plan.append((name, dt, model.full_shape(name)))
+            raise PmxError(f"{first}: tensor {name!r} is {got}, expected {dt} (pmx_params dtype)")
+        shape = model.full_shape(name)
+        if tuple(shape) != tuple(expected[name]):
+            raise PmxError(f"{first}: tensor {name!r} is {list(shape)} unsplit, but {input_dir}/pmx_params.json "
+                           f"gives {list(expected[name])} (was pmx_params.json edited?)")
+        plan.append((name, dt, shape))
     return _write_dir(Path(input_dir), output_dir, overwrite, p, plan, model.get_merged, num_shards,
                       "merging" if num_shards == 1 else "splitting", progress)

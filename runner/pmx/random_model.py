@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from runner.errors import PmxError
 from runner.pmx.store import DTYPE_NAMES, SafetensorsWriter, atomic_output_dir
 
 CORPUS = ("Once upon a time there was a little girl named Lily. She loved to play outside in the park. "
@@ -22,6 +23,8 @@ def _tokenizer_json(vocab_size: int) -> str:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([CORPUS] * 4, trainer)
+    # the small corpus gives a few hundred tokens: fill up to the model's vocabulary, as a real tokenizer would
+    tok.add_special_tokens([f"<extra_{i}>" for i in range(vocab_size - tok.get_vocab_size())])
     return tok.to_str()
 
 
@@ -29,6 +32,9 @@ def make_random_model(output_dir: str, hidden_dim: int = 128, intermediate_dim: 
                       num_heads: int = 8, num_kv_heads: int = 4, vocab_size: int = 512, dtype: str = "float32",
                       seed: int = 0, overwrite: bool = False) -> Path:
     """Writes a random-weight `LlamaForCausalLM` checkpoint (config.json, model.safetensors, tokenizer.json)."""
+    if hidden_dim % num_heads or num_heads % num_kv_heads:
+        raise PmxError(f"--hidden_dim {hidden_dim} must be a multiple of --num_heads {num_heads}, and --num_heads "
+                       f"a multiple of --num_kv_heads {num_kv_heads}")
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=hidden_dim,
                intermediate_size=intermediate_dim, num_hidden_layers=num_layers, num_attention_heads=num_heads,
                num_key_value_heads=num_kv_heads, vocab_size=vocab_size, rms_norm_eps=1e-5, rope_theta=10000.0,

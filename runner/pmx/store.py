@@ -56,10 +56,30 @@ class SafetensorsWriter:
             offset += nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
+        self._header = blob
         self._f = open(self.path, "wb")
-        self._f.write(struct.pack("<Q", len(blob)))
-        self._f.write(blob)
+        try:
+            self._f.write(struct.pack("<Q", len(blob)))
+            self._f.write(blob)
+        except BaseException:
+            self._f.close()
+            raise
         self._next = 0
+
+    def patch_metadata(self, key: str, value: str) -> None:
+        """Rewrites metadata `key` in the header already written (e.g. a fingerprint known only once every
+        tensor has been seen); the new value must be as long as the placeholder it replaces."""
+        meta = json.loads(self._header)["__metadata__"]
+        old = json.dumps({key: meta[key]}, separators=(",", ":"))[1:-1].encode()
+        new = json.dumps({key: value}, separators=(",", ":"))[1:-1].encode()
+        at = self._header.index(old)
+        if len(new) != len(old):
+            raise AssertionError(f"{self.path}: metadata {key!r} must keep its length {len(old)}")
+        self._header = self._header[:at] + new + self._header[at + len(new):]
+        pos = self._f.tell()
+        self._f.seek(8 + at)
+        self._f.write(new)
+        self._f.seek(pos)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         want_name, dtype, shape = self.plan[self._next]
@@ -145,6 +165,13 @@ class SafetensorsReader:
     def dtype(self, name: str) -> torch.dtype:
         return TORCH_DTYPES[self._entry(name)["dtype"]]
 
+    def nbytes(self, name: str) -> int:
+        b, t = self._entry(name)["data_offsets"]
+        return t - b
+
+    def data_bytes(self) -> int:
+        return sum(self.nbytes(n) for n in self._keys)
+
     def _entry(self, name: str) -> dict:
         if name not in self._header:
             raise PmxError(f"{self.path}: has no tensor {name!r}")
@@ -161,35 +188,109 @@ class SafetensorsReader:
         return buf.view(TORCH_DTYPES[e["dtype"]]).reshape(e["shape"])
 
 
+def check_apart(output: Path, inputs: dict[str, Path], out_flag: str = "--output_dir",
+                nested_ok: bool = False) -> None:
+    """Refuses an output directory equal to, inside or containing one of `inputs` ({flag: path}): writing it
+    (and with --overwrite, replacing it) would destroy the input. With `nested_ok`, only the same directory
+    is refused (for outputs written file by file beside what is there)."""
+    out = Path(output).resolve()
+    for flag, path in inputs.items():
+        src = Path(path).resolve()
+        how = "is the same directory as" if out == src else None if nested_ok else \
+            "is inside" if src in out.parents else "contains" if out in src.parents else None
+        if how:
+            raise PmxError(f"{out_flag} {output} {how} {flag} {path}; write the output somewhere else")
+
+
+def _fs_error(path: Path, e: OSError) -> PmxError:
+    return PmxError(f"{path}: cannot write the output ({e.strerror or e})")
+
+
 @contextlib.contextmanager
 def atomic_output_dir(output_dir: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yields a temporary directory beside `output_dir`; renames it into place only on success.
 
-    An existing non-empty `output_dir` is refused unless `overwrite`. On any error the temporary
-    directory is removed, so no partial output is ever left behind.
+    An existing non-empty `output_dir` is refused unless `overwrite`, and so is a mount point (it cannot be
+    replaced by a rename). On any error the temporary directory is removed, so no partial output is ever
+    left behind; a filesystem error (read-only, full, not permitted, ...) is one line naming `output_dir`.
     """
     out = Path(output_dir).resolve()
     if out.exists():
         if not out.is_dir():
             raise PmxError(f"{out}: exists and is not a directory")
+        if os.path.ismount(out):
+            raise PmxError(f"{out}: is a mount point and cannot be replaced; write into a directory inside it")
         if any(out.iterdir()) and not overwrite:
             raise PmxError(f"{out}: output directory exists and is not empty (pass --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary directory
+    made = _missing_parents(out)
+    tmp = old = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary directory
         yield tmp
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / "x")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                os.replace(tmp, out)
+            except OSError:
+                os.replace(old / "x", out)  # put the previous output back
+                raise
         else:
             os.replace(tmp, out)
+    except OSError as e:
+        _remove(tmp, old, made)
+        raise _fs_error(out, e) from None
     except BaseException:
+        _remove(tmp, old, made)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """The ancestors of `path` that do not exist yet, deepest first (removed again if writing fails)."""
+    missing = []
+    for parent in Path(path).parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    return missing
+
+
+def _remove(tmp: Path | None, old: Path | None, made: list[Path]) -> None:
+    if tmp is not None:
         shutil.rmtree(tmp, ignore_errors=True)
+    if old is not None and not (old / "x").exists():
+        shutil.rmtree(old, ignore_errors=True)
+    for d in made:  # deepest first; only those this call created, and only when empty
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, what: str = "the output") -> Iterator[Path]:
+    """Yields a temporary path beside `path` (its directory created if needed); renames it into place only
+    on success. On failure the temporary file and the directories this call created are removed, and a
+    filesystem error is one line naming `path`."""
+    path = Path(path)
+    made = _missing_parents(path) if not path.parent.is_dir() else []
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        _remove(None, None, made)
+        if isinstance(e, OSError):
+            raise PmxError(f"{path}: cannot write {what} ({e.strerror or e})") from None
         raise
 
 

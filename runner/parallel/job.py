@@ -1,0 +1,161 @@
+"""How one process of a job reports a failure and ends, so that a job never hangs and never loses the
+real message.
+
+A :class:`Job` is made first thing by the command line (:func:`runner.cli.run`):
+
+- under mpirun it initialises MPI at once on every rank, before flags are read or files opened, so a
+  rank that fails early still ends the whole job (MPICH's start-up waits for every rank: a rank that
+  left before initialising MPI would leave the others spinning there);
+- it turns SIGINT and SIGTERM into the error path: the main thread gets an :class:`Interrupted`
+  exception (so temporary outputs are removed as the stack unwinds), and a watcher thread, woken by
+  the signal even while the main thread is blocked inside a collective, ends the job itself if the
+  main thread has not done so within `grace_s` (1 s when several ranks run, 3 s for one process);
+- :meth:`Job.fail` prints the rank's own message once, as one line `rank R: error: ...` (just
+  `error: ...` for a single process), then ends the process and, under MPI, the whole job
+  (:func:`runner.parallel.launch.end_job`). It runs no collective: the rank comes from the
+  launcher's environment variables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import Iterator, NoReturn, Optional
+
+from runner.parallel.launch import end_job, mpi, rank_from_environment, under_mpi
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived; raised in the main thread so that clean-up code runs on the way out."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        how = "interrupted" if signum == signal.SIGINT else "terminated"
+        super().__init__(f"{how} ({signal.Signals(signum).name})")
+
+
+def exit_code(signum: int) -> int:
+    return 128 + signum
+
+
+class Job:
+    def __init__(self, grace_s: Optional[float] = None):
+        self.rank, self.world_size = rank_from_environment()
+        # how long the main thread has to unwind (and clean up) after a signal before the watcher ends the job:
+        # short when peers are waiting, longer for one process, whose temporary outputs it removes on the way
+        self.grace_s = grace_s if grace_s is not None else (1.0 if self.world_size > 1 else 3.0)
+        self._failing = threading.Lock()
+        self._interrupted = False
+        self._done = threading.Event()
+
+    @property
+    def multi_rank(self) -> bool:
+        return self.world_size > 1
+
+    def start(self) -> "Job":
+        """Initialises MPI under mpirun (every rank, before anything else can fail)."""
+        if under_mpi():
+            mpi()
+        return self
+
+    # -- signals ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def signals_handled(self) -> Iterator["Job"]:
+        """SIGINT / SIGTERM become :class:`Interrupted` in the main thread, and the watcher ends the job
+        `grace_s` later if the main thread has not. Handlers are restored on the way out (main thread only;
+        elsewhere this does nothing)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        previous = {sig: signal.signal(sig, self._raise_interrupted) for sig in HANDLED_SIGNALS}
+        previous_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        threading.Thread(target=self._watcher, args=(r,), name="pmx-signals", daemon=True).start()
+        try:
+            yield self
+        finally:
+            self._done.set()
+            signal.set_wakeup_fd(previous_fd)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            os.close(w)  # the watcher reads end-of-file and returns
+
+    def _raise_interrupted(self, signum, frame) -> None:
+        if not self._interrupted:  # once: a second Ctrl-C must not break the clean-up of the first
+            self._interrupted = True
+            raise Interrupted(signum)
+
+    def _watcher(self, fd: int) -> None:
+        """Runs beside the main thread: a signal that the main thread cannot act on in time (it is blocked
+        in C, e.g. in an MPI collective) still ends the job."""
+        with os.fdopen(fd, "rb", buffering=0) as pipe:
+            while True:
+                data = pipe.read(1)
+                if not data:
+                    return
+                if data[0] in HANDLED_SIGNALS:
+                    break
+        if not self._done.wait(self.grace_s):  # the main thread did not end the job in time
+            self.fail(str(Interrupted(data[0])), exit_code(data[0]), from_thread=True)
+
+    # -- the error path -----------------------------------------------------------------------------
+    def prefix(self) -> str:
+        return f"rank {self.rank}: " if self.multi_rank else ""
+
+    def report(self, message: str, details: Optional[str] = None) -> None:
+        """One write of `details` (e.g. a traceback) and then `rank R: error: message` on a line of its own."""
+        text = "".join(f"{self.prefix()}{ln}\n" for ln in (details or "").splitlines())
+        text += f"{self.prefix()}error: {message}\n"
+        if self.rank or _progress_bar_open():  # rank 0's progress bar may hold the current line: start a new one
+            text = "\n" + text
+        try:
+            sys.stderr.flush()
+            os.write(2, text.encode(errors="replace"))
+        except OSError:
+            pass
+
+    def fail(self, message: str, code: int, details: Optional[str] = None, from_thread: bool = False) -> NoReturn:
+        """Reports once and ends: the whole job when several ranks run, else this process (sys.exit, so
+        that a caller in the same process can catch it)."""
+        if not self._failing.acquire(blocking=False):  # another thread is already ending the process
+            threading.Event().wait()
+        self.report(message, details)
+        if self.multi_rank or from_thread:
+            end_job(code)
+        sys.exit(code)
+
+
+def _progress_bar_open() -> bool:
+    tqdm = sys.modules.get("tqdm")
+    return bool(tqdm and len(getattr(tqdm.tqdm, "_instances", ())))
+
+
+def describe(exc: BaseException) -> tuple[str, int, Optional[str]]:
+    """(message, exit code, traceback or None) for an exception reaching the top of a command."""
+    from runner.errors import PmxError
+    if isinstance(exc, Interrupted):
+        return str(exc), exit_code(exc.signum), None
+    if isinstance(exc, KeyboardInterrupt):
+        return str(Interrupted(signal.SIGINT)), exit_code(signal.SIGINT), None
+    if isinstance(exc, PmxError):
+        return str(exc), 2, None
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}", 2, None
+    tb = exc.__traceback__
+    while tb is not None and _dispatch_frame(tb.tb_frame.f_code.co_filename):  # start at the command itself
+        tb = tb.tb_next
+    return f"{type(exc).__name__}: {exc}", 1, "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _dispatch_frame(filename: str) -> bool:
+    """Frames of the command line and of fire, above the command that failed."""
+    import fire
+    from runner import cli
+    return filename == cli.__file__ or filename.startswith(os.path.dirname(fire.__file__))
