@@ -1,6 +1,7 @@
 """Command line: `python -m runner <command>` / `pmx-runner <command>`.
 
-Commands: convert, split, merge (PMX layer); generate, replay, compare, bench (engine). Each is a plain, typed function;
+Commands: convert, split, merge (PMX layer); generate, replay, compare, bench (engine); serve (the
+OpenAI-compatible server). Each is a plain, typed function;
 fire turns it into flags, so `--input_dir X` and `--input-dir X` both work. A :class:`PmxError`
 ends the program with its message on stderr and exit status 2, without a traceback.
 """
@@ -14,6 +15,7 @@ from typing import Callable, Optional
 
 from runner.engine.demo import generate
 from runner.errors import PmxError
+from runner.serve.server import serve
 
 
 def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: int = 1, overwrite: bool = False,
@@ -155,7 +157,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
 
 
 COMMANDS: dict[str, Callable] = {"make_random_model": make_random_model, "convert": convert, "split": split, "merge": merge, "generate": generate,
-                               "replay": replay, "compare": compare, "bench": bench}
+                               "replay": replay, "compare": compare, "bench": bench, "serve": serve}
 
 
 def run(component, argv: list[str] | None = None) -> None:

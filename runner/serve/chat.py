@@ -88,8 +88,8 @@ class ChatTemplate:
             raise PmxError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
 
     def encode(self, tokenizer, text: str) -> list[int]:
-        """Token ids of rendered text: special token strings become their ids, the rest is tokenized
-        without BOS."""
+        """Token ids of rendered text: special token strings become their ids, the text between them is
+        tokenized piece by piece without BOS (as transformers' sentencepiece Llama tokenizer does)."""
         specials = {s: tokenizer.token_id(s) for s in [*self.specials.values(), *self.added] if s}
         specials = {s: i for s, i in specials.items() if i is not None}
         if not specials:

@@ -70,7 +70,8 @@ class SamplingParams(sampler.SamplingParams):
         need(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
         need(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
         need(_is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= -1 (-1 or 0: off)", self.top_k)
-        need(self.seed is None or _is_int(self.seed), "seed", "an integer or null", self.seed)
+        need(self.seed is None or (_is_int(self.seed) and -2 ** 63 <= self.seed < 2 ** 63), "seed",
+             "an integer in [-2**63, 2**63) or null", self.seed)
         need(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
         need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
              "an integer >= 1 or null", self.max_tokens)
@@ -91,7 +92,7 @@ class SamplingParams(sampler.SamplingParams):
         super().__post_init__()
 
     def for_choice(self, index: int, seed: int) -> sampler.SamplingParams:
-        """The engine's sampling params of completion `index`, seeded with `seed` (+ index when given)."""
-        s = seed if self.seed is None else self.seed + index
+        """The engine's sampling params of completion `index`: seeded with this request's seed + index, or
+        without one with `seed` (drawn per request) + index."""
         return sampler.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                      seed=s % 2 ** 63)
+                                      seed=(seed if self.seed is None else self.seed) + index)

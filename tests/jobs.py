@@ -1,0 +1,142 @@
+"""Jobs the tests start (mpirun, torchrun, scripts): bounded in time, on loopback, no process left behind.
+
+MPICH's launcher puts each rank in a session of its own, so killing the launcher's process group is not
+enough: every process a job starts inherits a marker in its environment (PMX_TEST_JOB), and
+:meth:`Job.cleanup` kills whatever still carries it. Output goes to files, so a test can wait for a line
+while the job runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = "PMX_TEST_JOB"
+RANK_VARS = (b"PMI_RANK", b"OMPI_COMM_WORLD_RANK", b"RANK")
+
+
+OPEN_MPI = "/usr/bin/mpirun"
+
+
+def has_open_mpi() -> bool:
+    return Path(OPEN_MPI).exists() and b"Open MPI" in subprocess.run([OPEN_MPI, "--version"],
+                                                                     capture_output=True).stdout
+
+
+def launch_cmd(launcher: str, n: int, *cmd) -> tuple[list, dict]:
+    """(command, environment) starting `cmd` on n ranks: launcher "mpich" (the venv's mpirun), "openmpi" or
+    "torchrun" (its standalone rendezvous on localhost; it starts Python itself, so a leading interpreter in
+    `cmd` is left out)."""
+    if launcher == "torchrun":
+        cmd = cmd[1:] if str(cmd[0]) == sys.executable else cmd
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", n, *cmd], {}
+    return [ROOT / "scripts" / "mpirun.sh", "-np", n, *cmd], ({"MPIRUN": OPEN_MPI} if launcher == "openmpi" else {})
+
+
+def _environ(pid: int) -> dict:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split(b"=", 1) for kv in raw.split(b"\0") if b"=" in kv)
+
+
+class Job:
+    """A command started in a session of its own, its stdout / stderr in files under `out_dir`."""
+
+    def __init__(self, cmd, out_dir: Path, env: dict | None = None):
+        self.marker = uuid.uuid4().hex
+        self.out, self.err = Path(out_dir) / f"{self.marker}.out", Path(out_dir) / f"{self.marker}.err"
+        with open(self.out, "w") as o, open(self.err, "w") as e:
+            self.proc = subprocess.Popen([str(c) for c in cmd], stdout=o, stderr=e, cwd=ROOT, start_new_session=True,
+                                         env={**os.environ, **(env or {}), MARKER: self.marker})
+        self.t0 = time.monotonic()
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
+
+    @property
+    def stdout(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    def pids(self) -> dict[int, dict]:
+        """{pid: environ} of every live process of this job."""
+        out = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                env = _environ(int(name))
+                if env.get(MARKER.encode()) == self.marker.encode():
+                    out[int(name)] = env
+        return out
+
+    def rank_pid(self, rank: int, timeout: float = 60) -> int:
+        """The pid of the rank process `rank` (found by its launcher's rank variable)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for pid, env in self.pids().items():
+                if any(env.get(v) == str(rank).encode() for v in RANK_VARS):
+                    return pid
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the job ended before rank {rank} started:\n{self.stderr[-2000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"rank {rank} did not start within {timeout}s")
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        """Until `text` shows on stderr."""
+        deadline = time.monotonic() + timeout
+        while text not in self.stderr:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} never showed on stderr:\n{self.stderr[-2000:]}")
+            time.sleep(0.05)
+
+    def wait(self, timeout: float) -> int:
+        """The launcher's exit status; the job is killed (and the test fails) when it outlives `timeout`."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.cleanup()
+            raise AssertionError(f"the job did not end within {timeout}s:\n{self.stderr[-2000:]}") from None
+
+    def lingering(self, timeout: float = 3.0) -> list[int]:
+        """The pids of this job still alive `timeout` seconds after its launcher ended (a launcher may return
+        while its processes are still being killed)."""
+        deadline = time.monotonic() + timeout
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return list(self.pids())
+
+    def cleanup(self) -> list[int]:
+        """Kills every process still carrying this job's marker; returns their pids (empty when none)."""
+        left = list(self.pids())
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        return left
+
+
+def run_job(cmd, out_dir: Path, env: dict | None = None, timeout: float = 120) -> tuple[int, str, str, float]:
+    """(exit status, stdout, stderr, seconds) of a job run to its end; asserts that it left no process behind."""
+    with Job(cmd, out_dir, env) as job:
+        rc = job.wait(timeout)
+        elapsed = time.monotonic() - job.t0
+        left = job.lingering()
+        assert not left, f"processes {left} outlived the job"
+        return rc, job.stdout, job.stderr, elapsed
