@@ -151,6 +151,10 @@ class Subscription:
                 self.client.cancel(sorted(self.pending))
 
 
+def _is_token(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 async def _disconnected(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -283,13 +287,12 @@ def build_app(ctx: ApiContext) -> Starlette:
     def encode_prompts(prompt) -> list:
         if isinstance(prompt, str):
             return [(prompt, ctx.tokenizer.encode(prompt))]
-        if isinstance(prompt, list) and prompt and len(prompt) <= MAX_PROMPTS:
-            if all(isinstance(p, str) for p in prompt):
-                return [(p, ctx.tokenizer.encode(p)) for p in prompt]
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, list) and prompt:
+            if all(_is_token(t) for t in prompt):
                 return [(None, list(prompt))]
-            if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-                   for p in prompt):
+            if len(prompt) <= MAX_PROMPTS and all(isinstance(p, str) for p in prompt):
+                return [(p, ctx.tokenizer.encode(p)) for p in prompt]
+            if len(prompt) <= MAX_PROMPTS and all(isinstance(p, list) and p and all(map(_is_token, p)) for p in prompt):
                 return [(None, list(p)) for p in prompt]
         raise ApiError(400, f"prompt must be a string, an array of 1 to {MAX_PROMPTS} strings, an array of token "
                             f"ids or an array of arrays of token ids", "prompt")

@@ -237,9 +237,9 @@ class Engine:
             raise ParamError("max_tokens", f"this model's maximum context length is {self.max_model_len} tokens; "
                                            f"{p} in the prompt and {max_tokens} to generate make {p + max_tokens}")
         if not self.scheduler.fits(p + max_tokens):
-            raise ParamError("max_tokens", f"{p} prompt and {max_tokens} new tokens need {pages_for(p + max_tokens)} "
-                                           f"KV-cache pages of {PAGE_SIZE} tokens; this server's cache has "
-                                           f"{self.num_pages} (--kv_cache_tokens)")
+            raise ParamError("max_tokens", f"{p} prompt tokens and {max_tokens} new ones need "
+                                           f"{pages_for(p + max_tokens)} KV-cache pages of {PAGE_SIZE} tokens; this "
+                                           f"server's cache has {self.num_pages} (--kv_cache_tokens)")
         return max_tokens
 
     def add_request(self, request_id: str, prompt_ids: list, params: SamplingParams,

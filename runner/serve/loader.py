@@ -71,8 +71,10 @@ def kv_cache_pages(model, comm, args: EngineArgs) -> int:
         budget = _available_memory() * CPU_CACHE_MEMORY_FRACTION
     wanted = -(-args.max_batch * model.params.max_position_embeddings // PAGE_SIZE)
     pages = torch.tensor([max(1, min(wanted, int(budget // per_page)))], dtype=torch.int64)
-    if comm.world_size > 1:  # ranks may see different free memory: take the smallest
-        pages = comm.all_gather(pages.to(model.device) if model.device.type == "cuda" else pages).min()
+    if comm.world_size > 1 and model.device.type == "cuda":  # each device has its own free memory: the smallest
+        pages = comm.all_gather(pages.to(model.device)).min()
+    elif comm.world_size > 1:  # host memory: rank 0's reading for all
+        pages = comm.broadcast_(pages)
     return int(pages)
 
 
