@@ -112,6 +112,8 @@ def test_completions_reference_text_streamed_and_not(server):
     assert "".join(lp.tokens) == REFERENCE_TEXT and len(lp.top_logprobs) == 40
     assert all(len(t) == 2 and max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs))
     assert lp.text_offset[:3] == [0, 1, 7]
+    echo = c.completions.create(model="stories", prompt="Once upon a time", max_tokens=40, temperature=0, echo=True)
+    assert echo.choices[0].text == "Once upon a time" + REFERENCE_TEXT
     raw = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Lily", "max_tokens": 3, "stream": True},
                      timeout=60).text
     assert raw.endswith("data: [DONE]\n\n") and raw.startswith("data: {")

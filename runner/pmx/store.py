@@ -194,7 +194,7 @@ def atomic_output_dir(output_dir: Path, overwrite: bool = False) -> Iterator[Pat
 
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+                   "generation_config.json", "chat_template.jinja")
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
