@@ -130,7 +130,8 @@ def _llama_server(given) -> Path:
     with open(log, "a") as out:
         for cmd in (["cmake", "-S", src, "-B", LLAMA_DIR / "build-server", "-DCMAKE_BUILD_TYPE=Release",
                      "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-                     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
+                     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                     "-DLLAMA_BUILD_EXAMPLES=OFF"],
                     ["cmake", "--build", LLAMA_DIR / "build-server", "--target", "llama-server", "-j2"]):
             if subprocess.run([str(c) for c in cmd], stdout=out, stderr=out).returncode:
                 raise Skip(f"the llama-server build failed (see {log})")

@@ -19,7 +19,8 @@ from runner.serve.scheduler import Scheduler, Sequence, pages_for, step_lengths
 
 REFERENCE_IDS = [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410, 408, 419, 292,
                  411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432, 352, 266, 268, 388, 426]
-REFERENCE_TEXT = ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball."
+REFERENCE_TEXT = (", there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, "
+                  "red ball.")
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] + '\\n' }}"
                  "{% elif m['role'] == 'user' %}{{ m['content'] }}{% elif m['role'] == 'assistant' %}"
                  "{{ m['content'] + eos_token }}{% else %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
@@ -37,13 +38,10 @@ def with_chat_template(pmx: Path, out: Path, template: str = CHAT_TEMPLATE) -> P
 @pytest.fixture(scope="module")
 def stories(tmp_path_factory):
     """{"pmx": stories260k as PMX, "chat": the same with a chat template}."""
-    from conftest import SHARED_MODELS
+    from conftest import shared_model_path
     from runner.pmx.convert import convert
-    src = SHARED_MODELS / "stories260k"
-    if not (src / "config.json").is_file():
-        pytest.skip(f"{src} not found: the real checkpoints live in ../shared/models beside the project")
     base = tmp_path_factory.mktemp("serve")
-    convert(str(src), str(base / "pmx"), progress=False)
+    convert(str(shared_model_path("stories260k")), str(base / "pmx"), progress=False)
     return {"pmx": base / "pmx", "chat": with_chat_template(base / "pmx", base / "chat")}
 
 
@@ -200,7 +198,8 @@ def test_metrics_render_prometheus_text():
     text = m.render()
     assert 'pmx_requests_total{reason="stop"} 1' in text and "pmx_kv_pages_used 3" in text
     assert 'pmx_time_to_first_token_seconds_bucket{le="0.04"} 1' in text
-    assert 'pmx_time_to_first_token_seconds_bucket{le="+Inf"} 2' in text and "pmx_time_to_first_token_seconds_count 2" in text
+    assert 'pmx_time_to_first_token_seconds_bucket{le="+Inf"} 2' in text
+    assert "pmx_time_to_first_token_seconds_count 2" in text
     assert "# TYPE pmx_inter_token_latency_seconds histogram" in text
 
 

@@ -17,7 +17,7 @@ import pytest
 from jobs import Job, launch_cmd
 from runner.pmx.convert import reshard
 from runner.serve.params import SamplingParams
-from test_serve import REFERENCE_IDS, REFERENCE_TEXT, one_thread, stories  # noqa: F401 (fixtures)
+from test_serve import REFERENCE_TEXT, one_thread, stories  # noqa: F401 (fixtures)
 
 START_TIMEOUT = 180
 LONG_PROMPT = " ".join([REFERENCE_TEXT.strip(", ")] * 9)  # ~300 tokens: prefilled in chunks of 256

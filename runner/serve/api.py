@@ -25,8 +25,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from runner.errors import PmxError
-from runner.serve.engine import CompletionOutput, Delta, RequestOutput
-from runner.serve.params import MAX_LOGPROBS, ParamError, SamplingParams
+from runner.serve.engine import CompletionOutput, RequestOutput
+from runner.serve.params import MAX_LOGPROBS, ParamError, SamplingParams, is_int, is_number
 
 MAX_PROMPTS = 64
 
@@ -52,8 +52,8 @@ class ClientGone(Exception):
 
 # -- request fields ------------------------------------------------------------------------------
 _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "int": (is_int, "an integer"),
+    "number": (is_number, "a number"),
     "bool": (lambda v: isinstance(v, bool), "a boolean"),
     "str": (lambda v: isinstance(v, str), "a string"),
     "dict": (lambda v: isinstance(v, dict), "an object"),
@@ -100,7 +100,8 @@ def sampling(body: dict, max_tokens, logprobs) -> SamplingParams:
             n=n, max_tokens=max_tokens, temperature=field(body, "temperature", "number", 1.0),
             top_p=field(body, "top_p", "number", 1.0), top_k=field(body, "top_k", "int", 0),
             seed=field(body, "seed", "int"), stop=field(body, "stop", "stop", ()),
-            stop_token_ids=field(body, "stop_token_ids", "list", ()), ignore_eos=field(body, "ignore_eos", "bool", False),
+            stop_token_ids=field(body, "stop_token_ids", "list", ()),
+            ignore_eos=field(body, "ignore_eos", "bool", False),
             logprobs=logprobs,
             include_stop_str_in_output=field(body, "include_stop_str_in_output", "bool", False))
     except ParamError as e:
@@ -151,10 +152,6 @@ class Subscription:
                 self.client.cancel(sorted(self.pending))
 
 
-def _is_token(t) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
-
-
 async def _disconnected(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -163,7 +160,7 @@ async def _disconnected(receive) -> None:
 class EventStream(Response):
     """Server-sent events from an async iterator of `data:` payloads; stops (cancelling) when the client goes."""
 
-    def __init__(self, events: AsyncIterator[str]):  # no body, so no content-length: the stream ends with the connection
+    def __init__(self, events: AsyncIterator[str]):  # no content-length: the stream ends with the connection
         self.status_code, self.background, self.events = 200, None, events
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
@@ -288,11 +285,11 @@ def build_app(ctx: ApiContext) -> Starlette:
         if isinstance(prompt, str):
             return [(prompt, ctx.tokenizer.encode(prompt))]
         if isinstance(prompt, list) and prompt:
-            if all(_is_token(t) for t in prompt):
+            if all(is_int(t) for t in prompt):
                 return [(None, list(prompt))]
             if len(prompt) <= MAX_PROMPTS and all(isinstance(p, str) for p in prompt):
                 return [(p, ctx.tokenizer.encode(p)) for p in prompt]
-            if len(prompt) <= MAX_PROMPTS and all(isinstance(p, list) and p and all(map(_is_token, p)) for p in prompt):
+            if len(prompt) <= MAX_PROMPTS and all(isinstance(p, list) and p and all(map(is_int, p)) for p in prompt):
                 return [(None, list(p)) for p in prompt]
         raise ApiError(400, f"prompt must be a string, an array of 1 to {MAX_PROMPTS} strings, an array of token "
                             f"ids or an array of arrays of token ids", "prompt")

@@ -25,7 +25,7 @@ import torch
 
 from runner.engine.sampler import Sampler
 from runner.kernels.reference import PAGE_SIZE
-from runner.serve.params import ParamError, SamplingParams
+from runner.serve.params import ParamError, SamplingParams, is_int
 from runner.serve.scheduler import Scheduler, Sequence, pages_for, step_lengths
 
 HEARTBEAT_S = 1.0
@@ -226,7 +226,7 @@ class Engine:
         p, vocab = len(prompt_ids), self.model.params.vocab_size
         if p == 0:
             raise ParamError("prompt", "the prompt is empty")
-        bad = [t for t in prompt_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
+        bad = [t for t in prompt_ids if not (is_int(t) and 0 <= t < vocab)]
         if bad:
             raise ParamError("prompt", f"the prompt holds token ids {bad[:3]} outside the vocabulary [0, {vocab})")
         if p >= self.max_model_len:

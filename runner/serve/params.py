@@ -27,11 +27,12 @@ class ParamError(PmxError):
         self.param = param
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """An integer, and not a bool (JSON's true is no count)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x) -> bool:
+def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
@@ -67,20 +68,20 @@ class SamplingParams(sampler.SamplingParams):
             if not ok:
                 raise ParamError(name, f"{name} must be {what}, got {value!r}")
 
-        need(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
-        need(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
-        need(_is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= -1 (-1 or 0: off)", self.top_k)
-        need(self.seed is None or (_is_int(self.seed) and -2 ** 63 <= self.seed < 2 ** 63), "seed",
+        need(is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
+        need(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
+        need(is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= -1 (-1 or 0: off)", self.top_k)
+        need(self.seed is None or (is_int(self.seed) and -2 ** 63 <= self.seed < 2 ** 63), "seed",
              "an integer in [-2**63, 2**63) or null", self.seed)
-        need(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
-        need(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+        need(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
+        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
              "an integer >= 1 or null", self.max_tokens)
-        need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
              f"an integer in [0, {MAX_LOGPROBS}] or null", self.logprobs)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         need(all(isinstance(s, str) and s for s in stop), "stop", "a non-empty string or a list of them", self.stop)
         ids = tuple(self.stop_token_ids or ())
-        need(all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids", "a list of token ids", self.stop_token_ids)
+        need(all(is_int(t) and t >= 0 for t in ids), "stop_token_ids", "a list of token ids", self.stop_token_ids)
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean", self.ignore_eos)
         need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a boolean",
              self.include_stop_str_in_output)
