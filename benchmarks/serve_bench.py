@@ -280,7 +280,8 @@ def main(model: str = str(ROOT.parent / "shared" / "models" / "stories260k"), nu
                    f"{num_requests} streamed /v1/completions requests of about {input_len} prompt tokens, "
                    f"{output_len} greedy output tokens each (ignore_eos), sent all at once or at a Poisson rate; "
                    f"max batch / parallel slots {max_batch}; {threads} thread(s) per system (pmx2: "
-                   f"{max(1, threads // 2)} per rank). TTFT includes queueing.\n\n{out}")
+                   f"{max(1, threads // 2)} per rank). TTFT includes queueing. With a model this small the numbers "
+                   f"measure each server's per-step overhead and its batching, not matmul speed.\n\n{out}")
         if skipped:
             section += "\nSkipped: " + "; ".join(skipped) + "\n"
         write_results(Path(results), section)
