@@ -1,6 +1,7 @@
 """Command line: `python -m runner <command>` / `pmx-runner <command>`.
 
-Commands: convert, split, merge (PMX layer); generate, replay, compare, bench (engine). Each is a plain, typed
+Commands: convert, split, merge (PMX layer); generate, replay, compare, bench (engine);
+serve (the OpenAI-compatible server). Each is a plain, typed
 function; fire dispatches to it, with the parse functions of :mod:`runner.args` so that every flag is read
 as typed (`--input_dir X` and `--input-dir X` both work). :func:`run` is the error path of every entry
 point: see :mod:`runner.parallel.job`.
@@ -15,6 +16,7 @@ from runner.args import (CacheLayout, CacheMode, Compile, Count, Device, Dtype, 
                          Seconds, check_argv, doc_lines, help_text, typed)
 from runner.engine.demo import generate
 from runner.errors import PmxError
+from runner.serve.server import serve
 
 
 def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: PositiveInt = 1,
@@ -180,7 +182,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
 
 COMMANDS: dict[str, Callable] = {
     "convert": convert, "split": split, "merge": merge, "generate": generate, "replay": replay, "compare": compare,
-    "bench": bench, "make_random_model": make_random_model}
+    "bench": bench, "serve": serve, "make_random_model": make_random_model}
 HELP_FLAGS = ("--help", "-h", "-help")
 
 

@@ -17,15 +17,18 @@ SHARED_MODELS = ROOT.parent / "shared" / "models"
 STORIES_PROMPT = ["--prompt", "Once upon a time", "--max_gen_len", 40]
 
 
+def shared_model_path(name: str) -> Path:
+    """Path of a real checkpoint in ../shared/models; skips the test when ../shared is absent."""
+    path = SHARED_MODELS / name
+    if not (path / "config.json").is_file():
+        pytest.skip(f"{path} not found: the real checkpoints live in ../shared/models beside the project")
+    return path
+
+
 @pytest.fixture
 def shared_model():
-    """Path of a real checkpoint in ../shared/models; skips when ../shared is absent."""
-    def get(name: str) -> Path:
-        path = SHARED_MODELS / name
-        if not (path / "config.json").is_file():
-            pytest.skip(f"{path} not found: the real checkpoints live in ../shared/models beside the project")
-        return path
-    return get
+    """shared_model(name): see :func:`shared_model_path`."""
+    return shared_model_path
 
 
 @pytest.fixture(scope="session")

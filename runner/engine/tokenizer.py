@@ -53,6 +53,26 @@ class Tokenizer:
         ids = self._sp.encode(text) if self._sp else self._hf.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos and self.bos_id is not None and self.bos_id >= 0 else []) + list(ids)
 
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size() if self._sp else self._hf.get_vocab_size()
+
+    def token_id(self, text: str):
+        """The id of the token spelled `text` (e.g. a special token such as "<s>"), or None."""
+        if self._sp:
+            i = self._sp.piece_to_id(text)
+            return i if self._sp.id_to_piece(i) == text else None
+        return self._hf.token_to_id(text)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as it appears in a decoded string (its leading space kept)."""
+        if self._sp:
+            piece = self._sp.id_to_piece(token_id)
+            if self._sp.is_byte(token_id):
+                return chr(int(piece[3:-1], 16)) if int(piece[3:-1], 16) < 128 else piece
+            return piece.replace("\u2581", " ")
+        return self._hf.decode([token_id], skip_special_tokens=False)
+
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, BOS / EOS left out, and ids past the tokenizer's end (a padded vocabulary's rows)."""
         ids = [i for i in ids if i not in (self.bos_id, self.eos_id) and 0 <= i < self.size]

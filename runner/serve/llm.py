@@ -1,0 +1,110 @@
+"""The offline API, in vLLM's shape:
+
+    from runner import LLM, SamplingParams
+    llm = LLM("out/pmx")
+    for out in llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, temperature=0)):
+        print(out.outputs[0].text, out.outputs[0].token_ids)
+
+Under `mpirun -np N` / `torchrun` every rank runs the same script and makes the same calls; rank 0
+schedules and samples, the others run the steps with it, and every rank gets the same results.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from runner.errors import PmxError
+from runner.serve.engine import CompletionOutput, RequestOutput
+from runner.serve.loader import EngineArgs, load
+from runner.serve.params import SamplingParams
+
+PromptType = Union[str, Sequence[int]]
+
+
+class LLM:
+    """A PMX model with continuous batching over a paged KV cache, for offline generation.
+
+    Args:
+        ckpt_dir: PMX directory split into as many shards as ranks are started.
+        tokenizer_path: tokenizer.model / tokenizer.json, or a directory (default: ckpt_dir).
+        max_batch: sequences in one step at most.
+        max_num_batched_tokens: tokens in one step at most (long prompts are prefilled in chunks).
+        kv_cache_tokens: KV-cache budget in tokens (pages of 128); default: a share of the memory.
+        gpu_memory_utilization: on CUDA, the share of the device memory for weights and cache.
+        device, dtype, kernels, compile, quantized_cache, cache_layout: as for `python -m runner generate`.
+    """
+
+    def __init__(self, ckpt_dir: str, tokenizer_path: Optional[str] = None, max_batch: int = 64,
+                 max_num_batched_tokens: int = 512, kv_cache_tokens: Optional[int] = None,
+                 gpu_memory_utilization: float = 0.9, device: str = "auto", dtype: str = "auto",
+                 kernels: str = "auto", compile: str = "auto", quantized_cache: bool = False, cache_layout: int = 0):
+        args = EngineArgs(tokenizer_path, max_batch, max_num_batched_tokens, kv_cache_tokens, gpu_memory_utilization,
+                          device, dtype, kernels, compile, quantized_cache, cache_layout)
+        self._loaded = load(ckpt_dir, args)
+        self.engine = self._loaded.engine
+        self.tokenizer = self._loaded.tokenizer
+        self.session = self._loaded.session
+        self._counter = 0
+
+    # -- public API --------------------------------------------------------------------------------
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
+                 ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt is text (BOS is added) or token ids."""
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        encoded = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
+        return self._run(encoded, sampling_params)
+
+    def chat(self, messages: Union[list, Sequence[list]], sampling_params=None, add_generation_prompt: bool = True,
+             chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
+        """Generation for one conversation (a list of {"role", "content"} dicts) or a list of them, each
+        rendered with the model's chat template."""
+        template = self._loaded.chat_template
+        if template is None:
+            raise PmxError("this model has no chat template (no chat_template in its tokenizer_config.json); "
+                           "use generate() with your own prompt text")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        encoded = []
+        for conv in convs:
+            text = template.render(conv, add_generation_prompt, **(chat_template_kwargs or {}))
+            encoded.append((text, template.encode(self.tokenizer, text)))
+        return self._run(encoded, sampling_params)
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- inside --------------------------------------------------------------------------------------
+    def _run(self, encoded: list, sampling_params) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
+            [sampling_params] * len(encoded)
+        if len(params) != len(encoded):
+            raise PmxError(f"{len(params)} sampling params for {len(encoded)} prompts")
+        for (_, ids), p in zip(encoded, params):  # every rank checks, so a bad request fails on every rank
+            self.engine.check(ids, p)
+        eng = self.engine
+        if not self.session.is_main:
+            msg = eng.follow()
+            if msg["k"] != "done":
+                raise PmxError(f"rank 0 ended the generation with {msg['k']!r}")
+            return [RequestOutput.from_json(r) for r in msg["outputs"]]
+        self._counter += 1
+        results = {}
+        for i, ((text, ids), p) in enumerate(zip(encoded, params)):
+            rid = f"{self._counter}-{i}"
+            results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(k) for k in range(p.n)])
+            eng.add_request(rid, ids, p)
+        while eng.has_work():
+            for d in eng.step():
+                results[d.request_id].apply(d, self.tokenizer.token_text)
+        outs = list(results.values())
+        eng.channel.send({"k": "done", "outputs": [o.to_json() for o in outs]})
+        return outs

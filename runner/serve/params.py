@@ -1,0 +1,99 @@
+"""`SamplingParams` of the offline API and the server, in vLLM's shape.
+
+It extends the engine's :class:`runner.engine.sampler.SamplingParams` (temperature, top_k, top_p,
+seed: the same fields with the same meaning, so it goes wherever that one goes, e.g. to a
+:class:`~runner.engine.sampler.Sampler`) with what a request asks for: max_tokens, n, stop strings
+and token ids, logprobs, ignore_eos. Its defaults are vLLM's (and OpenAI's): temperature 1.0,
+max_tokens 16. `top_k` -1 (vLLM's "off") is taken as 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from runner.engine import sampler
+from runner.errors import PmxError
+
+MAX_LOGPROBS = 20
+MAX_N = 64
+
+
+class ParamError(PmxError):
+    """A bad request value; `param` names the field (for the server's error body)."""
+
+    def __init__(self, param: Optional[str], message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def is_int(x) -> bool:
+    """An integer, and not a bool (JSON's true is no count)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams(sampler.SamplingParams):
+    """How to sample one request: the engine's sampling fields plus the request's limits and stops.
+
+    Args:
+        n: how many completions of the prompt (each its own sequence).
+        max_tokens: new tokens at most per completion; None: up to the model's positions.
+        temperature: 0 is greedy; > 0 samples from softmax(logits / temperature).
+        top_p: nucleus mass (1: off).
+        top_k: keep the k most likely tokens (0 or -1: off).
+        seed: sampling seed; completion i of a request uses seed + i. None: a random seed.
+        stop: strings that end a completion (not included in its text unless include_stop_str_in_output).
+        stop_token_ids: token ids that end a completion, like EOS.
+        ignore_eos: keep going past EOS (until max_tokens or a stop).
+        logprobs: also return the log-probabilities of this many most likely tokens per new token (0: the
+            chosen token's only); None: none.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+    """
+    temperature: float = 1.0
+    n: int = 1
+    max_tokens: Optional[int] = 16
+    stop: Union[str, tuple, list, None] = ()
+    stop_token_ids: Union[tuple, list, None] = ()
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        def need(ok: bool, name: str, what: str, value) -> None:
+            if not ok:
+                raise ParamError(name, f"{name} must be {what}, got {value!r}")
+
+        need(is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
+        need(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
+        need(is_int(self.top_k) and self.top_k >= -1, "top_k", "an integer >= -1 (-1 or 0: off)", self.top_k)
+        need(self.seed is None or (is_int(self.seed) and -2 ** 63 <= self.seed < 2 ** 63), "seed",
+             "an integer in [-2**63, 2**63) or null", self.seed)
+        need(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
+        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+             "an integer >= 1 or null", self.max_tokens)
+        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+             f"an integer in [0, {MAX_LOGPROBS}] or null", self.logprobs)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        need(all(isinstance(s, str) and s for s in stop), "stop", "a non-empty string or a list of them", self.stop)
+        ids = tuple(self.stop_token_ids or ())
+        need(all(is_int(t) and t >= 0 for t in ids), "stop_token_ids", "a list of token ids", self.stop_token_ids)
+        need(isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean", self.ignore_eos)
+        need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a boolean",
+             self.include_stop_str_in_output)
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "top_k", max(self.top_k, 0))
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", ids)
+        super().__post_init__()
+
+    def for_choice(self, index: int, seed: int) -> sampler.SamplingParams:
+        """The engine's sampling params of completion `index`: seeded with this request's seed + index, or
+        without one with `seed` (drawn per request) + index."""
+        return sampler.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                      seed=(seed if self.seed is None else self.seed) + index)

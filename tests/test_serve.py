@@ -1,0 +1,265 @@
+"""The serving engine without HTTP: scheduler (pages, chunks, preemption), SamplingParams, chat templates,
+incremental detokenization, metrics, and the offline `LLM` API on stories260k."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from runner.engine import sampler
+from runner.errors import PmxError
+from runner.kernels.reference import PAGE_SIZE
+from runner.serve.metrics import Metrics
+from runner.serve.params import ParamError, SamplingParams
+from runner.serve.scheduler import Scheduler, Sequence, pages_for, step_lengths
+
+REFERENCE_IDS = [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410, 408, 419, 292,
+                 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432, 352, 266, 268, 388, 426]
+REFERENCE_TEXT = (", there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, "
+                  "red ball.")
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] + '\\n' }}"
+                 "{% elif m['role'] == 'user' %}{{ m['content'] }}{% elif m['role'] == 'assistant' %}"
+                 "{{ m['content'] + eos_token }}{% else %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+                 "{% endfor %}")
+
+
+def with_chat_template(pmx: Path, out: Path, template: str = CHAT_TEMPLATE) -> Path:
+    """A copy of a PMX directory whose tokenizer_config.json carries `template`."""
+    shutil.copytree(pmx, out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory):
+    """{"pmx": stories260k as PMX, "chat": the same with a chat template}."""
+    from conftest import shared_model_path
+    from runner.pmx.convert import convert
+    base = tmp_path_factory.mktemp("serve")
+    convert(str(shared_model_path("stories260k")), str(base / "pmx"), progress=False)
+    return {"pmx": base / "pmx", "chat": with_chat_template(base / "pmx", base / "chat")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread for these tiny models (no oversubscription on a busy 2-core box); restored after."""
+    import torch
+    n = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")  # what open_session gives each rank
+        yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llm(stories):
+    from runner import LLM
+    with LLM(str(stories["chat"]), kv_cache_tokens=4096, max_batch=16) as m:
+        yield m
+
+
+# -- scheduler -------------------------------------------------------------------------------------
+def simulate(sched: Scheduler, seqs: list, check=lambda batch: None) -> int:
+    """Runs the scheduler to the end, each sequence "sampling" token 7 until max_len; returns the steps."""
+    for s in seqs:
+        sched.add(s)
+    steps = 0
+    while sched.has_work():
+        batch = sched.schedule()
+        assert batch, "a step with work but nothing to run"
+        check(batch)
+        nd = batch.num_decoding
+        assert all(s.decoding for s, _ in batch.items[:nd]) and not any(s.decoding for s, _ in batch.items[nd:])
+        assert sum(n for _, n in batch.items) <= sched.max_step_tokens and len(batch.items) <= sched.max_batch
+        for s, n in batch.items:  # the pages cover every position written this step, and no page is shared
+            assert len(s.pages) == pages_for(s.computed + n)
+        owned = [p for s in sched.running for p in s.pages]
+        assert len(owned) == len(set(owned)) == sched.pool.used
+        tokens, seqlens, start = step_lengths(batch)
+        assert len(tokens) == sum(seqlens) and start == [s.computed for s, _ in batch.items]
+        for s in sched.advance(batch):
+            s.tokens.append(7)
+            if len(s.tokens) >= s.max_len:
+                sched.remove(s)
+        steps += 1
+        assert steps < 10_000
+    assert sched.pool.free == sched.pool.num_pages
+    return steps
+
+
+def test_scheduler_pages_grow_one_by_one_and_chunks_respect_the_budget():
+    sched = Scheduler(num_pages=8, max_batch=4, max_step_tokens=64)
+    seqs = [Sequence(i, [1] * 100, 100, 100 + 200, arrival=i) for i in range(2)]
+    seen = []
+    simulate(sched, seqs, lambda b: seen.append([(s.seq_id, n, len(s.pages)) for s, n in b.items]))
+    assert seen[0] == [(0, 64, 1)]                   # chunk 1 of sequence 0 fills the budget
+    assert seen[1] == [(0, 36, 1), (1, 28, 1)]       # its rest, then sequence 1 starts beside it
+    for sid in (0, 1):  # grown page by page, as the sequence grows, to 300 tokens
+        counts = [p for step in seen for i, _, p in step if i == sid]
+        assert counts[0] == 1 and counts[-1] == 3 and all(b - a in (0, 1) for a, b in zip(counts, counts[1:]))
+    assert sched.preemptions == 0
+
+
+def test_scheduler_preempts_when_pages_run_out_and_everything_finishes():
+    rng = random.Random(0)
+    sched = Scheduler(num_pages=4, max_batch=6, max_step_tokens=96)
+    seqs = [Sequence(i, [1] * rng.randint(1, 200), 0, 0, arrival=i) for i in range(12)]
+    for s in seqs:
+        s.prompt_len, s.max_len = len(s.tokens), min(len(s.tokens) + rng.randint(1, 300), 4 * PAGE_SIZE)
+    simulate(sched, seqs)
+    assert sched.preemptions > 0
+    assert all(len(s.tokens) == s.max_len for s in seqs)
+
+
+def test_scheduler_refuses_a_sequence_larger_than_the_cache():
+    sched = Scheduler(num_pages=2, max_batch=2, max_step_tokens=8)
+    assert sched.fits(2 * PAGE_SIZE) and not sched.fits(2 * PAGE_SIZE + 1)
+    with pytest.raises(ValueError, match="needs 3 pages"):
+        sched.add(Sequence(0, [1], 1, 2 * PAGE_SIZE + 1))
+    with pytest.raises(ValueError, match="at least max_batch"):
+        Scheduler(num_pages=2, max_batch=8, max_step_tokens=4)
+
+
+# -- SamplingParams --------------------------------------------------------------------------------
+def test_sampling_params_are_vllm_shaped_and_extend_the_engines():
+    p = SamplingParams(max_tokens=5, stop="x", top_k=-1)
+    assert isinstance(p, sampler.SamplingParams)
+    assert (p.temperature, p.top_p, p.top_k, p.n, p.stop, p.logprobs) == (1.0, 1.0, 0, 1, ("x",), None)
+    assert SamplingParams().max_tokens == 16
+    c = SamplingParams(temperature=0.5, seed=10, n=3).for_choice(2, seed=99)
+    assert (c.temperature, c.seed) == (0.5, 12) and type(c) is sampler.SamplingParams
+    for bad, param in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(n=0), "n"),
+                       (dict(max_tokens=0), "max_tokens"), (dict(logprobs=21), "logprobs"), (dict(stop=[""]), "stop"),
+                       (dict(top_k="3"), "top_k"), (dict(seed=2 ** 70), "seed"), (dict(max_tokens=True), "max_tokens")]:
+        with pytest.raises(ParamError) as e:
+            SamplingParams(**bad)
+        assert e.value.param == param and param in str(e.value)
+
+
+# -- chat templates, detokenization, metrics --------------------------------------------------------
+def test_chat_template_renders_as_transformers_does(shared_model, tmp_path):
+    """The same text as transformers' apply_chat_template (tinystories-656k's tokenizer.json, a template that
+    uses loop, filters, bos/eos and add_generation_prompt)."""
+    from transformers import AutoTokenizer
+
+    from runner.serve.chat import ChatTemplate
+    src = shared_model("tinystories-656k")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / name, tmp_path / name)
+    template = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}{{ bos_token }}{% endif %}"
+                "{% if m['role'] == 'system' %}{{ bos_token + m['content'] | trim }}\n{% elif m['role'] == 'user' %}"
+                "User: {{ m['content'] }}\n{% else %}Assistant: {{ m['content'] + eos_token }}\n{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}Assistant:{% endif %}")
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    msgs = [{"role": "system", "content": " Be nice. "}, {"role": "user", "content": "A story about a cat"},
+            {"role": "assistant", "content": "Once upon a time"}, {"role": "user", "content": "More!"}]
+    ours = ChatTemplate.load(tmp_path)
+    for gen in (True, False):
+        assert ours.render(msgs, gen) == AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=gen)
+
+
+def test_chat_template_special_tokens_and_errors(stories):
+    from runner.engine.tokenizer import Tokenizer
+    from runner.serve.chat import ChatTemplate
+    assert ChatTemplate.load(stories["pmx"]) is None  # stories260k ships none
+    t, tok = ChatTemplate.load(stories["chat"]), Tokenizer(str(stories["chat"]))
+    text = t.render([{"role": "user", "content": "Once upon a time"}, {"role": "assistant", "content": "Hi"}])
+    assert text == "<s>Once upon a time" + "Hi</s>"
+    assert t.encode(tok, text) == [1] + tok.encode("Once upon a timeHi", bos=False) + [2]
+    with pytest.raises(PmxError, match="unknown role tool"):
+        t.render([{"role": "tool", "content": "x"}])
+
+
+def test_incremental_detokenizer_matches_whole_decode(stories):
+    from runner.engine.tokenizer import Tokenizer
+    from runner.serve.engine import IncrementalDetokenizer
+    tok = Tokenizer(str(stories["pmx"]))
+    prompt = tok.encode("Once upon a time")
+    rng = random.Random(1)
+    gen = REFERENCE_IDS + [rng.randrange(3, 512) for _ in range(200)]  # byte pieces, odd joins
+    d = IncrementalDetokenizer(tok, prompt)
+    text = "".join(d.add(t) for t in gen)
+    whole = tok.decode(prompt + gen)
+    assert whole.startswith(tok.decode(prompt)) and text == whole[len(tok.decode(prompt)):]
+
+
+def test_metrics_render_prometheus_text():
+    m = Metrics()
+    m.inc("requests_total", label="stop")
+    m.set(kv_pages_used=3, kv_pages_free=5)
+    m.observe(ttft=[0.03, 0.3], itl=[0.002])
+    text = m.render()
+    assert 'pmx_requests_total{reason="stop"} 1' in text and "pmx_kv_pages_used 3" in text
+    assert 'pmx_time_to_first_token_seconds_bucket{le="0.04"} 1' in text
+    assert 'pmx_time_to_first_token_seconds_bucket{le="+Inf"} 2' in text
+    assert "pmx_time_to_first_token_seconds_count 2" in text
+    assert "# TYPE pmx_inter_token_latency_seconds histogram" in text
+
+
+# -- the offline API ------------------------------------------------------------------------------
+def test_llm_generate_reference_text(llm):
+    from runner import SamplingParams as Public
+    assert Public is SamplingParams
+    out = llm.generate(["Once upon a time", "Lily"], SamplingParams(max_tokens=40, temperature=0))
+    assert [len(o.outputs) for o in out] == [1, 1]
+    first = out[0].outputs[0]
+    assert first.token_ids == REFERENCE_IDS and first.text == REFERENCE_TEXT and first.finish_reason == "length"
+    assert out[0].prompt == "Once upon a time" and out[0].prompt_token_ids == [1, 403, 407, 261, 378]
+    again = llm.generate([[1, 403, 407, 261, 378]], SamplingParams(max_tokens=40, temperature=0))  # token ids
+    assert again[0].outputs[0].token_ids == REFERENCE_IDS
+
+
+def test_llm_chat_applies_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "Once upon a time"}], SamplingParams(max_tokens=40, temperature=0))
+    assert out[0].prompt_token_ids == [1, 403, 407, 261, 378] and out[0].outputs[0].text == REFERENCE_TEXT
+
+
+def test_llm_sampling_seeds_stops_logprobs(llm):
+    p = SamplingParams(n=3, max_tokens=30, temperature=0.9, top_p=0.9, seed=5)
+    a, b = llm.generate("Once upon a time", p)[0].outputs, llm.generate("Once upon a time", p)[0].outputs
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]              # seeded: reproducible
+    assert len({tuple(o.token_ids) for o in a}) > 1                          # choices differ (seed + index)
+    stop = llm.generate("Once upon a time", SamplingParams(max_tokens=40, temperature=0, stop=["Lily", "zzz"]))
+    o = stop[0].outputs[0]
+    assert (o.text, o.finish_reason, o.stop_reason) == (", there was a little girl named ", "stop", "Lily")
+    kept = llm.generate("Once upon a time", SamplingParams(max_tokens=40, temperature=0, stop=["Lily"],
+                                                           include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == ", there was a little girl named Lily"
+    lp = llm.generate("Once upon a time", SamplingParams(max_tokens=5, temperature=0, logprobs=3))[0].outputs[0]
+    assert len(lp.logprobs) == 5 and all(len(e) == 3 for e in lp.logprobs)
+    for tid, e in zip(lp.token_ids, lp.logprobs):  # greedy: the chosen token ranks first
+        assert e[tid].rank == 1 and e[tid].logprob == max(x.logprob for x in e.values()) <= 0
+    assert lp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(lp.token_ids, lp.logprobs)))
+    tok = llm.generate("Once upon a time", SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[426]))
+    o = tok[0].outputs[0]  # like EOS: the token ends the completion and is left out
+    assert (o.token_ids, o.finish_reason, o.stop_reason) == (REFERENCE_IDS[:10], "stop", 426)
+
+
+def test_llm_preemption_gives_the_same_tokens(stories, llm):
+    """A cache of 2 pages for 6 sequences of ~200 tokens: sequences are preempted and recomputed, and the
+    greedy tokens are those of a run with room for all."""
+    from runner import LLM
+    prompts = ["Once upon a time", "Lily", "The cat", "Tom had a", "One day", "A big dog"]
+    p = SamplingParams(max_tokens=180, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    with LLM(str(stories["pmx"]), kv_cache_tokens=2 * PAGE_SIZE, max_batch=4, max_num_batched_tokens=64) as small:
+        got = [o.outputs[0].token_ids for o in small.generate(prompts, p)]
+        assert small.engine.scheduler.preemptions > 0
+        assert small.engine.scheduler.pool.free == 2
+        with pytest.raises(ParamError, match="3 KV-cache pages of 128 tokens; this server's cache has 2"):
+            small.generate("Once", SamplingParams(max_tokens=300))  # could never run alone
+    assert got == want
+
+
+def test_llm_bad_requests(llm):
+    with pytest.raises(ParamError, match="maximum context length is 512"):
+        llm.generate([[1] * 600], SamplingParams(max_tokens=1))
+    with pytest.raises(ParamError, match="outside the vocabulary"):
+        llm.generate([[1, 9999]], SamplingParams())
