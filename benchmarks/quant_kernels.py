@@ -40,7 +40,7 @@ GROUP = 128
 
 def _weights(kind: str, k: int, n: int, count: int):
     from runner.kernels.linear import Linear
-    from runner.kernels.quant_linear import pack_int4_blocks, pack_int4_cpu, pack_int8_blocks
+    from runner.kernels.quant_linear import pack_int4_blocks, pack_int4_aten, pack_int8_blocks
     from runner.pmx.quant import quantize_int4, quantize_int8
     out = []
     for i in range(count):
@@ -51,7 +51,7 @@ def _weights(kind: str, k: int, n: int, count: int):
             out.append(quantize_int8(w))
         elif kind == "int4_aten":
             q, s = quantize_int4(w, GROUP)
-            out.append(pack_int4_cpu(q, s, GROUP))
+            out.append(pack_int4_aten(q, s, GROUP))
         elif kind == "int8_pmx":
             q, s = quantize_int8(w)
             out.append((pack_int8_blocks(q), s, n))

@@ -5,10 +5,12 @@ Schemes (recorded as `quantization` in pmx_params.json):
 
 - **int8**: symmetric, one scale per output channel. `scale[n] = max_k |W[n, k]| / 127`,
   `q = round(W / scale)` in [-127, 127]; dequantised `W ~ q * scale[n]`.
-- **int4**: symmetric, one scale per group of `group_size` consecutive input columns (as ppl.pmx's
-  `pseudo_quantize_tensor(zero_point=False)`): `scale[n, g] = max |W[n, group g]| / 7`,
-  `q = clamp(round(W / scale), -8, 7)`, stored as the nibble `q + 8`, two per byte along the input
-  dim (column 2j in the low nibble of byte j, 2j+1 in the high one); dequantised `W ~ (nibble - 8) * scale`.
+- **int4**: symmetric, one scale per group of `group_size` consecutive input columns, as ppl.pmx's
+  `pseudo_quantize_tensor(zero_point=False)` (`q = clamp(round(W / scale), -8, 7)`), stored as the nibble
+  `q + 8`, two per byte along the input dim (column 2j in the low nibble of byte j, 2j+1 in the high one);
+  dequantised `W ~ (nibble - 8) * scale`. Where ppl.pmx takes `scale = max|W| / 7`, each group's scale here
+  is the one of `max|W| / 7 * f`, f in INT4_SCALE_SEARCH, with the least squared error over the group
+  (about 20% less error on the real checkpoints: clipping the largest weight a little rounds the rest better).
 
 Names follow ppl.pmx's weight-only-quantised (woqu) layers: a quantised `X.weight` [.., N, K] becomes
 `X.qweight` (int8 [.., N, K], or uint8 [.., N, K/2] for int4: the bytes of ppl.pmx's int32 column
@@ -31,6 +33,7 @@ from runner.errors import PmxError
 METHODS = ("int8", "int4")
 QUANTIZABLE = re.compile(r"layers\.\d+\.(attention\.(wq|wk|wv|wo)|feed_forward\.(w1|w2|w3))")
 INT8_MAX, INT4_MIN, INT4_MAX = 127, -8, 7
+INT4_SCALE_SEARCH = tuple(round(0.6 + 0.025 * i, 3) for i in range(23))  # 0.6 .. 1.15
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,21 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     if k % group_size:
         raise PmxError(f"int4 needs the input dim ({k}) to be a multiple of group_size {group_size}")
     g = w.float().reshape(*lead, n, k // group_size, group_size)
-    scale = g.abs().amax(-1) / INT4_MAX
-    q = torch.round(g / torch.where(scale == 0, 1.0, scale)[..., None]).clamp_(INT4_MIN, INT4_MAX)
+    amax = g.abs().amax(-1) / INT4_MAX
+
+    def rounded(scale):
+        return torch.round(g / torch.where(scale == 0, 1.0, scale)[..., None]).clamp_(INT4_MIN, INT4_MAX)
+
+    scale, best = amax, None
+    for f in INT4_SCALE_SEARCH:  # per group, the scale with the least squared error
+        s = amax * f
+        err = (rounded(s) * s[..., None] - g).square_().sum(-1)
+        if best is None:
+            scale, best = s, err
+        else:
+            better = err < best
+            scale, best = torch.where(better, s, scale), torch.where(better, err, best)
+    q = rounded(scale)
     return pack_int4((q + 8).to(torch.uint8).reshape(*lead, n, k)), scale
 
 
