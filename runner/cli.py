@@ -186,8 +186,29 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
            quantized_cache, cache_layout, cache_mode, device, dtype, seed, csv, progress, kernels, compile)
 
 
+def perplexity(ckpt_dir: str, text_file: str, tokenizer_path: Optional[str] = None, window: int = 256,
+               stride: Optional[int] = None, max_tokens: Optional[int] = None, device: str = "auto",
+               dtype: str = "auto", kernels: str = "auto") -> None:
+    """Perplexity (sliding window) and tokens/s of a PMX model, float or quantised, over a text file.
+
+    Args:
+        ckpt_dir: PMX directory split into as many shards as ranks (mpirun / torchrun for N > 1).
+        text_file: a UTF-8 text file.
+        tokenizer_path: tokenizer.model or tokenizer.json (default: the one in ckpt_dir).
+        window: tokens per forward pass (at most max_position_embeddings).
+        stride: tokens between window starts (default window / 2); every token is scored once.
+        max_tokens: use only the first max_tokens tokens of the text.
+        device: auto, cpu or cuda.
+        dtype: auto, float32, float16 or bfloat16.
+        kernels: auto, triton, torch or reference.
+    """
+    from runner.engine.perplexity import perplexity as _perplexity
+    _perplexity(ckpt_dir, text_file, tokenizer_path, window, stride, max_tokens, device, dtype, kernels)
+
+
 COMMANDS: dict[str, Callable] = {"make_random_model": make_random_model, "convert": convert, "split": split, "merge": merge, "generate": generate,
-                               "replay": replay, "compare": compare, "bench": bench, "quantize": quantize}
+                               "replay": replay, "compare": compare, "bench": bench, "quantize": quantize,
+                               "perplexity": perplexity}
 
 
 def run(component, argv: list[str] | None = None) -> None:

@@ -185,7 +185,7 @@ class QuantLinear(torch.nn.Module):
                 (w.view(self.out_features, -1, self.group_size) * self.scale.t()[: self.out_features, :, None]
                  ).view(self.out_features, -1)
             return F.linear(xf, w).to(x.dtype)
-        ops = cpu_ops()
+        ops = torch.ops.pmx_cpu_quant  # loaded by pick_kernel (cpu_ops) before this layer was made
         y = ops.linear_int8(xf, self.qweight, self.scale, self.out_features) if self.method == "int8" else \
             ops.linear_int4(xf, self.qweight, self.scale, self.group_size, self.out_features)
         return y.to(x.dtype)

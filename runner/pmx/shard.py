@@ -34,6 +34,7 @@ import torch
 from runner.errors import PmxError
 from runner.pmx.params import PmxParams
 from runner.pmx.quant import scheme_of
+from runner.pmx.schema import pmx_tensors
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,11 @@ def _cut(p: PmxParams, name: str) -> Cut:
 
 
 def _check_groups(p: PmxParams, sharded: PmxParams) -> None:
-    """int4: every row-parallel cut (input columns per rank) must hold whole groups."""
+    """int4: every input dim must hold whole groups, and so must every row-parallel cut (columns per rank)."""
     scheme, n = scheme_of(p), sharded.num_shards
-    if scheme is None or scheme.method != "int4" or n == 1:
+    if scheme is None or scheme.method != "int4":
         return
+    pmx_tensors(p)  # refuses an input dim that is not a multiple of group_size, naming the tensor
     per_rank = {"layers.*.attention.wo": p.num_heads * p.head_dim // n,
                 "layers.*.feed_forward.w2": sharded.padded("intermediate_dim") // n}
     for tensor, cols in per_rank.items():
