@@ -9,7 +9,7 @@
 // along k): per group, acc += scale[g, n] * (sum_k x[m, k] * nibble[n, k] - 8 * sum_k x[m, k]).
 // Written with GCC vector extensions (-march=native: AVX-512 / AVX2 / SSE as the machine has); the widening
 // int8 -> float conversions use intrinsics where available, as GCC 12 does not vectorise them itself.
-// Threads: at::parallel_for over the blocks of 64 channels (torch's intra-op pool, torch.set_num_threads).
+// Threads: at::parallel_for over the blocks of 64 channels (OpenMP, as torch; torch.set_num_threads).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,10 +29,6 @@ typedef uint8_t v16u __attribute__((vector_size(16)));
 
 constexpr int64_t NB = 64;  // output channels per block
 constexpr int MR_MAX = 6;   // rows of x per pass over a block
-#ifndef PMX_PREFETCH
-#define PMX_PREFETCH 1024
-#endif
-constexpr int64_t PREFETCH = PMX_PREFETCH;  // bytes ahead of the weight stream to prefetch (software, besides the hardware's)
 
 template <typename V>
 inline V load(const void* p) {
@@ -81,7 +77,6 @@ inline void block_int8(const float* x, int64_t K, const int8_t* w, float* out, i
     for (int j = 0; j < 4; ++j) a[m][j] = v16f{};
   for (int64_t k = 0; k < K; ++k) {
     const int8_t* wk = w + k * NB;
-    __builtin_prefetch(wk + PREFETCH);
     v16f w0 = cvt_i8(wk), w1 = cvt_i8(wk + 16), w2 = cvt_i8(wk + 32), w3 = cvt_i8(wk + 48);
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * K + k];
@@ -111,8 +106,7 @@ inline void block_int4(const float* x, int64_t K, const uint8_t* w, int64_t G, c
       for (int j = 0; j < 4; ++j) a[m][j] = v16f{};
     for (int64_t k = g * G; k < (g + 1) * G; ++k) {
       const uint8_t* wk = w + k * (NB / 2);
-      __builtin_prefetch(wk + PREFETCH);
-      const v16u p0 = load<v16u>(wk), p1 = load<v16u>(wk + 16);
+        const v16u p0 = load<v16u>(wk), p1 = load<v16u>(wk + 16);
       v16f w0 = cvt_u8(p0 & 15), w1 = cvt_u8(p1 & 15);   // channels 0..15, 16..31
       v16f w2 = cvt_u8(p0 >> 4), w3 = cvt_u8(p1 >> 4);   // 32..47, 48..63
       for (int m = 0; m < MR; ++m) {

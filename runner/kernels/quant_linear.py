@@ -89,7 +89,8 @@ def cpu_ops():
     from torch.utils.cpp_extension import load
     try:
         load(name="pmx_cpu_quant", sources=[str(Path(__file__).with_name("cpu_quant.cpp"))],
-             extra_cflags=["-O3", "-march=native"], is_python_module=False, verbose=False)
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
+             verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler / ninja: the slower aten kernels still work
         print(f"warning: the CPU int8/int4 kernels could not be built ({type(e).__name__}: "
               f"{str(e).splitlines()[0] if str(e) else ''}); using torch's aten kernels", file=sys.stderr)
