@@ -7,6 +7,11 @@ Systems (`--systems`, comma-separated; default all):
   transformers  AutoModelForCausalLM, fp32, torch.set_num_threads(THREADS), greedy generate
   ct2           CTranslate2 float32, Generator(intra_threads=THREADS, inter_threads=1)
   llama.cpp     F32 GGUF: llama-bench (batch 1, prefill) and llama-batched-bench (batch 16), -t THREADS
+Weight-only quantised, the same weights (each quantised by its own tool, lm head included):
+  pmx1-int8 / pmx1-int4    pmx-runner TP=1 on `python -m runner quantize --quantize int8|int4 --quantize_output True`
+  pmx2-int8 / pmx2-int4    the same at TP=2
+  ct2-int8                 CTranslate2 with ct2-transformers-converter --quantization int8
+  llama.cpp-q8_0 / -q4_0   llama-quantize of the F32 GGUF to Q8_0 / Q4_0 (its default: Q4_0 keeps a Q6_K lm head)
 Metrics: decode tokens/s at batch 1 and 16 after an 8-token prompt (prefill time excluded) and prefill
 tokens/s of one 512-token prompt. Every round runs each system once, in its own subprocess, in a
 rotated order; the table gives medians over the rounds and the JSON every raw number (and the best
@@ -66,7 +71,10 @@ SHAPES = {"base": dict(hidden_dim=768, intermediate_dim=2048, num_layers=12, num
           "gqa": dict(hidden_dim=1024, intermediate_dim=2816, num_layers=10, num_heads=16, num_kv_heads=4,
                       vocab_size=32000)}
 LABELS = {"pmx1": "pmx-runner TP=1", "pmx2": "pmx-runner TP=2", "transformers": "transformers",
-          "ct2": "CTranslate2", "llama.cpp": "llama.cpp"}
+          "ct2": "CTranslate2", "llama.cpp": "llama.cpp",
+          "pmx1-int8": "pmx-runner TP=1 int8", "pmx1-int4": "pmx-runner TP=1 int4",
+          "pmx2-int8": "pmx-runner TP=2 int8", "pmx2-int4": "pmx-runner TP=2 int4", "ct2-int8": "CTranslate2 int8",
+          "llama.cpp-q8_0": "llama.cpp Q8_0", "llama.cpp-q4_0": "llama.cpp Q4_0"}
 METRICS = ("decode_b1", "decode_b16", "prefill_512")
 PROMPT, LONG_PROMPT = 8, 512
 
@@ -177,11 +185,13 @@ def _worker_round(cmd_head: list, system: str, model: Path, a: dict, env_threads
     return run
 
 
-def _prepare_pmx(n: int, a: dict):
+def _prepare_pmx(n: int, a: dict, quant: str | None = None):
     from runner.pmx.convert import convert
-    pmx = a["work"] / f"pmx{n}"
+    from runner.pmx.quant import scheme_from_flags
+    pmx = a["work"] / (f"pmx{n}-{quant}" if quant else f"pmx{n}")
     if not (pmx / "pmx_params.json").exists():
-        convert(str(a["hf"]), str(pmx), num_shards=n, overwrite=True, progress=False)
+        convert(str(a["hf"]), str(pmx), num_shards=n, overwrite=True, progress=False,
+                quant=scheme_from_flags(quant, quantize_output=True))
     head = [REPO / "scripts" / "mpirun.sh", "-np", n] if n > 1 else []
     return _worker_round(head, "pmx", pmx, a, max(1, a["threads"] // n))
 
@@ -199,14 +209,14 @@ def _pip_install(package: str, module: str, a: dict) -> None:
     _run(cmd.split(), f"pip install {package}")
 
 
-def _prepare_ct2(a: dict):
+def _prepare_ct2(a: dict, quant: str = "float32"):
     _pip_install("ctranslate2", "ctranslate2", a)
-    out = a["work"] / "ct2-f32"
+    out = a["work"] / ("ct2-f32" if quant == "float32" else f"ct2-{quant}")
     if not (out / "model.bin").exists():
-        tmp = a["work"] / "ct2-f32.tmp"
+        tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         _run([Path(sys.executable).parent / "ct2-transformers-converter", "--model", a["hf"], "--output_dir", tmp,
-              "--quantization", "float32"], "ct2-transformers-converter")
+              "--quantization", quant], "ct2-transformers-converter")
         cfg = json.loads((tmp / "config.json").read_text())
         cfg.update(bos_token="<s>", eos_token="</s>", unk_token="<unk>")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -225,8 +235,8 @@ def _llama_cpp_source() -> Path:
     return src
 
 
-def _llama_cpp_bin(src: Path, given: str | None) -> Path:
-    tools = ("llama-bench", "llama-batched-bench")
+def _llama_cpp_bin(src: Path, given: str | None, extra: tuple = ()) -> Path:
+    tools = ("llama-bench", "llama-batched-bench", *extra)
     if given:
         for d in (Path(given), Path(given) / "bin"):
             if all((d / t).is_file() for t in tools):
@@ -261,9 +271,9 @@ def _sentencepiece_model(path: Path) -> None:
     path.write_bytes(buf.getvalue())
 
 
-def _prepare_llama_cpp(a: dict):
+def _prepare_llama_cpp(a: dict, quant: str | None = None):
     src = _llama_cpp_source()
-    bindir = _llama_cpp_bin(src, a["llama_cpp"])
+    bindir = _llama_cpp_bin(src, a["llama_cpp"], ("llama-quantize",) if quant else ())
     gguf = a["work"] / "model-f32.gguf"
     if not gguf.exists():
         copy = a["work"] / "gguf-src"
@@ -278,6 +288,13 @@ def _prepare_llama_cpp(a: dict):
         _run([sys.executable, lcpp / "convert_hf_to_gguf.py", copy, "--outtype", "f32", "--outfile",
               gguf.with_suffix(".tmp")], "convert_hf_to_gguf.py", env=env)
         gguf.with_suffix(".tmp").rename(gguf)
+    if quant:
+        qgguf = a["work"] / f"model-{quant}.gguf"
+        if not qgguf.exists():
+            _run([bindir / "llama-quantize", gguf, qgguf.with_suffix(".tmp"), quant.upper(), a["threads"]],
+                 "llama-quantize")
+            qgguf.with_suffix(".tmp").rename(qgguf)
+        gguf = qgguf
     t, n = str(a["threads"]), str(a["decode_tokens"])
 
     def bench(*args) -> dict:
@@ -332,7 +349,12 @@ def main(shape: str = "base", rounds: int = 5, threads: int = 2, decode_tokens: 
              engine_options=_engine_options(engine_options), llama_cpp=llama_cpp or os.environ.get("PMX_LLAMA_CPP"))
     prepare = {"pmx1": lambda: _prepare_pmx(1, a), "pmx2": lambda: _prepare_pmx(2, a),
                "transformers": lambda: _worker_round([], "transformers", hf, a, threads),
-               "ct2": lambda: _prepare_ct2(a), "llama.cpp": lambda: _prepare_llama_cpp(a)}
+               "ct2": lambda: _prepare_ct2(a), "llama.cpp": lambda: _prepare_llama_cpp(a),
+               "ct2-int8": lambda: _prepare_ct2(a, "int8"),
+               "llama.cpp-q8_0": lambda: _prepare_llama_cpp(a, "q8_0"),
+               "llama.cpp-q4_0": lambda: _prepare_llama_cpp(a, "q4_0")}
+    for n, q in ((1, "int8"), (1, "int4"), (2, "int8"), (2, "int4")):
+        prepare[f"pmx{n}-{q}"] = (lambda n, q: lambda: _prepare_pmx(n, a, q))(n, q)
     ready, skipped = {}, {}
     for s in chosen:
         try:

@@ -20,7 +20,8 @@ from runner.serve.server import serve
 
 
 def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: PositiveInt = 1,
-            overwrite: bool = False, progress: bool = True) -> None:
+            overwrite: bool = False, progress: bool = True, quantize: Optional[str] = None,
+            group_size: PositiveInt = 128, quantize_output: bool = False) -> None:
     """Convert a HuggingFace checkpoint directory into a PMX directory.
 
     Args:
@@ -30,11 +31,42 @@ def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: 
         num_shards: split into this many tensor-parallel shards while converting.
         overwrite: replace a non-empty output_dir.
         progress: show a progress bar on stderr for large models.
+        quantize: int8 (per output channel) or int4 (groups along the input dim): weight-only quantised linears.
+        group_size: int4 input columns per scale.
+        quantize_output: quantise the lm head (output.weight) too.
     """
     from runner.pmx.convert import convert as _convert
-    p = _convert(input_dir, output_dir, dtype=dtype, num_shards=num_shards, overwrite=overwrite, progress=progress)
-    print(f"converted {input_dir} ({p.architecture}, {p.num_layers} layers, {p.dtype}) -> {output_dir} "
+    from runner.pmx.quant import scheme_from_flags
+    quant = scheme_from_flags(quantize, group_size, quantize_output)
+    p = _convert(input_dir, output_dir, dtype=dtype, num_shards=num_shards, overwrite=overwrite, progress=progress,
+                 quant=quant)
+    print(f"converted {input_dir} ({p.architecture}, {p.num_layers} layers, {p.dtype}"
+          f"{', ' + quant.method + ' weights' if quant else ''}) -> {output_dir} "
           f"({p.num_shards} shard{'s' if p.num_shards > 1 else ''})")
+
+
+def quantize(input_dir: str, output_dir: str, quantize: str = "int8", group_size: PositiveInt = 128,
+             quantize_output: bool = False, num_shards: Optional[PositiveInt] = None, overwrite: bool = False,
+             progress: bool = True) -> None:
+    """Weight-only quantise a float PMX model (split or not): int8 per output channel or int4 in groups.
+
+    Args:
+        input_dir: float PMX directory.
+        output_dir: PMX directory to create.
+        quantize: int8 or int4.
+        group_size: int4 input columns per scale (a multiple of 2 that divides every input dim).
+        quantize_output: quantise the lm head (output.weight) too.
+        num_shards: shards of the output (default: as many as the input has).
+        overwrite: replace a non-empty output_dir.
+        progress: show a progress bar on stderr for large models.
+    """
+    from runner.pmx.convert import quantize_model
+    from runner.pmx.quant import scheme_from_flags
+    quant = scheme_from_flags(quantize, group_size, quantize_output)
+    p = quantize_model(input_dir, output_dir, quant, num_shards=num_shards, overwrite=overwrite, progress=progress)
+    print(f"quantized {input_dir} -> {output_dir} ({quant.method}"
+          f"{f', groups of {quant.group_size}' if quant.group_size else ''}"
+          f"{', output too' if quant.quantize_output else ''}; {p.num_shards} shard{'s' if p.num_shards > 1 else ''})")
 
 
 def split(input_dir: str, num_shards: PositiveInt, output_dir: str, overwrite: bool = False,
@@ -180,9 +212,29 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
            compile)
 
 
+def perplexity(ckpt_dir: str, text_file: str, tokenizer_path: Optional[str] = None, window: PositiveInt = 256,
+               stride: Optional[PositiveInt] = None, max_tokens: Optional[PositiveInt] = None, device: Device = "auto",
+               dtype: Dtype = "auto", kernels: Kernels = "auto") -> None:
+    """Perplexity (sliding window) and tokens/s of a PMX model, float or quantised, over a text file.
+
+    Args:
+        ckpt_dir: PMX directory split into as many shards as ranks (mpirun / torchrun for N > 1).
+        text_file: a UTF-8 text file.
+        tokenizer_path: tokenizer.model or tokenizer.json (default: the one in ckpt_dir).
+        window: tokens per forward pass (at most max_position_embeddings).
+        stride: tokens between window starts (default window / 2); every token is scored once.
+        max_tokens: use only the first max_tokens tokens of the text.
+        device: auto, cpu or cuda.
+        dtype: auto, float32, float16 or bfloat16.
+        kernels: auto, triton, torch or reference.
+    """
+    from runner.engine.perplexity import perplexity as _perplexity
+    _perplexity(ckpt_dir, text_file, tokenizer_path, window, stride, max_tokens, device, dtype, kernels)
+
+
 COMMANDS: dict[str, Callable] = {
-    "convert": convert, "split": split, "merge": merge, "generate": generate, "replay": replay, "compare": compare,
-    "bench": bench, "serve": serve, "make_random_model": make_random_model}
+    "convert": convert, "split": split, "merge": merge, "quantize": quantize, "generate": generate, "serve": serve,
+    "replay": replay, "compare": compare, "bench": bench, "perplexity": perplexity, "make_random_model": make_random_model}
 HELP_FLAGS = ("--help", "-h", "-help")
 
 

@@ -28,9 +28,10 @@ from runner.engine.plan import StepPlan, make_plan, plan_from_inputs
 from runner.errors import PmxError
 from runner.kernels import reference as ref
 from runner.kernels import torch_ops
-from runner.kernels.linear import Linear
+from runner.kernels.quant_linear import cat_weights, make_linear, pop_weight
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from runner.pmx.params import PmxParams, shard_file
+from runner.pmx.quant import is_quant_tensor, quantize, scheme_of, tensor_dtype
 from runner.pmx.schema import pmx_tensors
 from runner.pmx.shard import shard_shape
 from runner.pmx.store import SafetensorsReader
@@ -85,7 +86,13 @@ def load_shard(ckpt_dir: Path, rank: int, device: torch.device, dtype: torch.dty
     for name, shape in expected.items():
         if rd.shape(name) != shape:
             raise PmxError(f"{rd.path}: tensor {name!r} has shape {list(rd.shape(name))}, expected {list(shape)}")
-        weights[name] = rd.get(name).to(device=device, dtype=dtype)
+        if is_quant_tensor(name):  # quantised weights keep their stored dtypes
+            if rd.dtype(name) != tensor_dtype(params, name, dtype):
+                raise PmxError(f"{rd.path}: tensor {name!r} is {rd.dtype(name)}, expected "
+                               f"{tensor_dtype(params, name, dtype)} for {params.quantization}")
+            weights[name] = rd.get(name).to(device=device)
+        else:
+            weights[name] = rd.get(name).to(device=device, dtype=dtype)
         if on_tensor is not None:
             on_tensor(rd.nbytes(name))
     return params, weights
@@ -95,13 +102,17 @@ def random_shard(params: PmxParams, rank: int, device: torch.device, dtype: torc
     """Random weights in the shapes of rank `rank`'s shard (for benchmarks without a checkpoint): matrices
     N(0, 0.02^2), norms 1, biases 0, so activations stay in range as in a trained model."""
     g = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
-    out = {}
-    for name, full in pmx_tensors(params).items():
-        shape = shard_shape(params, name, full)
+    out, scheme, fp = {}, scheme_of(params), params.replace(quantization=None)
+    for name, full in pmx_tensors(fp).items():
+        shape = shard_shape(fp, name, full)
         if "norm" in name:
             out[name] = torch.ones(shape, dtype=dtype, device=device)
         elif name.endswith(".bias"):
             out[name] = torch.zeros(shape, dtype=dtype, device=device)
+        elif scheme is not None and scheme.quantizes(name):  # a quantised model: this rank's part, quantised
+            base = name[: -len(".weight")]
+            out[f"{base}.qweight"], out[f"{base}.scale"] = quantize(torch.randn(shape, generator=g, device=device)
+                                                                    * 0.02, scheme)
         else:
             out[name] = (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype)
     return out
@@ -298,14 +309,16 @@ class Transformer(nn.Module):
         self.rotary = ref.Rotary(p.head_dim, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
         self.tok_embeddings = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
         column, row = partial(ColumnParallelLinear, comm=comm), partial(RowParallelLinear, comm=comm)
+        scheme = scheme_of(p)
+        weight = partial(pop_weight, w, scheme=scheme, kernels=o.kernels)  # float, or weight-only quantised
 
         def take(names, bias_on):
             """Pops the weights (and biases, when the model has them) of `names`."""
-            return [w.pop(f"{n}.weight") for n in names], [w.pop(f"{n}.bias") for n in names] if bias_on else None
+            return [weight(n) for n in names], [w.pop(f"{n}.bias") for n in names] if bias_on else None
 
         def linears(kind, ws, bs, fuse=True):
             """One GEMM over the concatenated weights `ws` when `fuse`, else one GEMM each."""
-            parts = [(torch.cat(ws), torch.cat(bs) if bs else None)] if fuse and len(ws) > 1 else \
+            parts = [(cat_weights(ws), torch.cat(bs) if bs else None)] if fuse and len(ws) > 1 else \
                 list(zip(ws, bs or [None] * len(ws)))
             return [kind(wt, bt, prepack=o.prepack) for wt, bt in parts]
 
@@ -318,10 +331,10 @@ class Transformer(nn.Module):
                 w.pop(f"{a}.k_norm.weight", None), self.heads, self.kv_heads, self.head_dim, p.norm_eps,
                 p.sliding_window, o, ops)
             if p.num_experts:  # each expert cut like a dense MLP; the MoE block all-reduces once, not per expert
-                w1, w3, w2 = (w.pop(f"{m}.{x}.weight") for x in ("w1", "w3", "w2"))  # [E, F/n, D], [E, D, F/n]
+                w1, w3, w2 = (weight(f"{m}.{x}") for x in ("w1", "w3", "w2"))  # [E, F/n, D], [E, D, F/n]
                 ffn = MoE(w.pop(f"{m}.gate.weight"), [
-                    FeedForward(linears(Linear, [w1[e], w3[e]], None, o.fused_ffn_glu),
-                                linears(Linear, [w2[e]], None)[0], ops) for e in range(p.num_experts)],
+                    FeedForward(linears(make_linear, [w1[e], w3[e]], None, o.fused_ffn_glu),
+                                linears(make_linear, [w2[e]], None)[0], ops) for e in range(p.num_experts)],
                           p.num_experts_per_token, comm)
             else:
                 ffn = FeedForward(linears(column, *take([f"{m}.w1", f"{m}.w3"], p.ffn_bias), o.fused_ffn_glu),
@@ -330,7 +343,7 @@ class Transformer(nn.Module):
                                 SkipRMSNorm(w.pop(f"layers.{i}.ffn_norm.weight"), p.norm_eps, ops), ffn))
         self.layers = nn.ModuleList(layers)
         self.norm = SkipRMSNorm(w.pop("norm.weight"), p.norm_eps, ops)
-        self.output = ColumnParallelLinear(w.pop("output.weight"), None, comm, gather_output=True, prepack=o.prepack)
+        self.output = ColumnParallelLinear(weight("output"), None, comm, gather_output=True, prepack=o.prepack)
         self._compiled = self._compile_decode(num_params)
         self._compiled_variants = set()  # (B == 1, no mask, one page): the graphs compiled so far (size 1 specialises)
 

@@ -1,5 +1,6 @@
 """Tensor-parallel layers (Megatron style). Each takes its communicator explicitly; with one rank
-they do no communication at all."""
+they do no communication at all. A weight is a float tensor or a weight-only quantised
+runner.kernels.quant_linear.QuantWeight (cut the same way)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.kernels.linear import Linear
+from runner.kernels.quant_linear import make_linear
 
 
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T + b_r with W cut by output rows; the output stays cut unless gather_output."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], comm, gather_output: bool = False,
+    def __init__(self, weight, bias: Optional[torch.Tensor], comm, gather_output: bool = False,
                  prepack: bool = True):
         super().__init__()
-        self.linear, self.comm, self.gather_output = Linear(weight, bias, prepack), comm, gather_output
+        self.linear, self.comm, self.gather_output = make_linear(weight, bias, prepack), comm, gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
@@ -28,9 +29,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T (+ b once): W cut by input columns, partial sums all-reduced."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], comm, prepack: bool = True):
+    def __init__(self, weight, bias: Optional[torch.Tensor], comm, prepack: bool = True):
         super().__init__()
-        self.linear, self.comm = Linear(weight, None, prepack), comm
+        self.linear, self.comm = make_linear(weight, None, prepack), comm
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

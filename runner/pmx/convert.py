@@ -21,6 +21,7 @@ from runner.pmx.fingerprint import FINGERPRINT, Fingerprint, check_shards, shard
 from runner.pmx.hf import HFCheckpoint, BinFile
 from runner.pmx.opmx import check_tensors, find_ppl_params, ppl_params
 from runner.pmx.params import PmxParams, shard_file
+from runner.pmx.quant import QuantScheme, is_quant_tensor, quantizing_fetch, tensor_dtype
 from runner.pmx.schema import pmx_tensors
 from runner.pmx.shard import full_shape, merge_tensor, shard_shape, sharded_params, split_tensor, unsharded_params
 from runner.pmx.store import (DTYPE_NAMES, _numel, SafetensorsReader, SafetensorsWriter, atomic_output_dir,
@@ -68,9 +69,14 @@ def write_pmx(out_dir: Path, params: PmxParams, plan: Plan, fetch: Callable[[str
 
 
 def _write_dir(input_dir: Path, output_dir: str, overwrite: bool, params: PmxParams, plan: Plan,
-               fetch: Callable[[str], torch.Tensor], num_shards: int, desc: str, progress: bool) -> PmxParams:
-    """write_pmx into a temporary directory beside output_dir, with input_dir's tokenizer files, then rename."""
+               fetch: Callable[[str], torch.Tensor], num_shards: int, desc: str, progress: bool,
+               quant: Optional[QuantScheme] = None) -> PmxParams:
+    """write_pmx into a temporary directory beside output_dir, with input_dir's tokenizer files, then rename.
+    With `quant`, the float model (params, plan, fetch) is written quantised."""
     check_apart(Path(output_dir), {"--input_dir": input_dir})
+    if quant is not None:
+        plan, fetch = quantizing_fetch(quant, plan, fetch)
+        params = with_quant(params, quant)
     with atomic_output_dir(Path(output_dir), overwrite) as tmp:
         written = write_pmx(tmp, params, plan, fetch, num_shards, desc=desc, progress=progress)
         copy_tokenizer_files(input_dir, tmp)
@@ -78,17 +84,18 @@ def _write_dir(input_dir: Path, output_dir: str, overwrite: bool, params: PmxPar
 
 
 def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: int = 1, overwrite: bool = False,
-            progress: bool = True) -> PmxParams:
-    """Converts a HuggingFace checkpoint directory (or a ppl.pmx export) into a PMX directory (optionally split)."""
+            progress: bool = True, quant: Optional[QuantScheme] = None) -> PmxParams:
+    """Converts a HuggingFace checkpoint directory (or a ppl.pmx export) into a PMX directory (optionally split,
+    optionally with weight-only quantised linears, see runner/pmx/quant.py)."""
     ppl = find_ppl_params(Path(input_dir))
     if ppl is not None:
-        return _convert_ppl(Path(input_dir), ppl, output_dir, dtype, num_shards, overwrite, progress)
+        return _convert_ppl(Path(input_dir), ppl, output_dir, dtype, num_shards, overwrite, progress, quant)
     ckpt = HFCheckpoint(Path(input_dir))
     cfg_path = str(Path(input_dir) / "config.json")
     family = family_for(ckpt.config, source=cfg_path)
     params = family.params(ckpt.config, _resolve_dtype(dtype, ckpt), source=cfg_path)
     target = DTYPE_NAMES[params.dtype]
-    sharded_params(params, num_shards)  # fail before any work if the cut is impossible
+    sharded_params(with_quant(params, quant), num_shards)  # fail before any work if the cut is impossible
 
     available = set(ckpt.keys()) | set(ckpt.aliases)
     stored = lambda n: ckpt.aliases.get(n, n)  # noqa: E731 (the name a tied alias is stored under)
@@ -126,11 +133,16 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
         return t.to(target)
 
     plan = [(s.pmx_name, target, s.shape) for s, _ in sources.values()]
-    return _write_dir(Path(input_dir), output_dir, overwrite, params, plan, fetch, num_shards, "converting", progress)
+    return _write_dir(Path(input_dir), output_dir, overwrite, params, plan, fetch, num_shards, "converting", progress,
+                      quant)
+
+
+def with_quant(params: PmxParams, quant: Optional[QuantScheme]) -> PmxParams:
+    return params if quant is None else params.replace(quantization=quant.to_dict())
 
 
 def _convert_ppl(input_dir: Path, params_file: Path, output_dir: str, dtype: str, num_shards: int, overwrite: bool,
-                 progress: bool) -> PmxParams:
+                 progress: bool, quant: Optional[QuantScheme]) -> PmxParams:
     """ppl.pmx's opmx_params.json + model.pth -> PMX (same tensor names and q/k layout)."""
     pth = input_dir / "model.pth"
     if not pth.is_file():
@@ -140,11 +152,11 @@ def _convert_ppl(input_dir: Path, params_file: Path, output_dir: str, dtype: str
     tensors = BinFile(pth)
     params = ppl_params(params_file, tensors, dtype)
     check_tensors(params, tensors)
-    sharded_params(params, num_shards)
+    sharded_params(with_quant(params, quant), num_shards)
     target = DTYPE_NAMES[params.dtype]
     plan = [(n, target, shape) for n, shape in pmx_tensors(params).items()]
     return _write_dir(input_dir, output_dir, overwrite, params, plan, lambda n: tensors.get(n).to(target), num_shards,
-                      "converting", progress)
+                      "converting", progress, quant)
 
 
 def _resolve_dtype(dtype: str, ckpt: HFCheckpoint) -> str:
@@ -201,22 +213,44 @@ def reshard(input_dir: str, output_dir: str, num_shards: int, overwrite: bool = 
         raise PmxError(f"{input_dir}: --num_shards {expect_input_shards} given, but the model there has "
                        f"num_shards={p.num_shards} (pmx_params.json)")
     sharded_params(unsharded_params(p), num_shards)
-    dt = DTYPE_NAMES[p.dtype]
+    plan = _read_plan(model, input_dir)
+    return _write_dir(Path(input_dir), output_dir, overwrite, p, plan, model.get_merged, num_shards,
+                      "merging" if num_shards == 1 else "splitting", progress)
+
+
+def _read_plan(model: PmxModel, input_dir) -> Plan:
+    """(name, dtype, unsplit shape) of every tensor of `model`, in file order, checked against its params:
+    every expected tensor and no other, their dtypes (quantised ones their scheme's) and unsplit shapes."""
+    p, plan = model.params, []
     expected = pmx_tensors(p)
     first = model.readers[0].path
     missing, extra = sorted(set(expected) - set(model.keys)), sorted(set(model.keys) - set(expected))
     if missing or extra:
         raise PmxError(f"{first}: its tensors do not match {input_dir}/pmx_params.json: missing {missing[:4]}, "
                        f"unexpected {extra[:4]} (was pmx_params.json edited?)")
-    plan = []
     for name in model.keys:
-        got = model.readers[0].dtype(name)
+        got, dt = model.readers[0].dtype(name), tensor_dtype(p, name, DTYPE_NAMES[p.dtype])
         if got != dt:
-            raise PmxError(f"{first}: tensor {name!r} is {got}, expected {dt} (pmx_params dtype)")
+            what = "its quantisation" if is_quant_tensor(name) else "pmx_params dtype"
+            raise PmxError(f"{first}: tensor {name!r} is {got}, expected {dt} ({what})")
         shape = model.full_shape(name)
         if tuple(shape) != tuple(expected[name]):
             raise PmxError(f"{first}: tensor {name!r} is {list(shape)} unsplit, but {input_dir}/pmx_params.json "
                            f"gives {list(expected[name])} (was pmx_params.json edited?)")
         plan.append((name, dt, shape))
-    return _write_dir(Path(input_dir), output_dir, overwrite, p, plan, model.get_merged, num_shards,
-                      "merging" if num_shards == 1 else "splitting", progress)
+    return plan
+
+
+def quantize_model(input_dir: str, output_dir: str, quant: QuantScheme, num_shards: Optional[int] = None,
+                   overwrite: bool = False, progress: bool = True) -> PmxParams:
+    """Writes a weight-only quantised copy of the float PMX model in `input_dir` (split as it is, or into
+    `num_shards`). Each weight is merged, quantised whole (so a row-parallel int8 scale covers the full row)
+    and cut again, one tensor at a time."""
+    model = PmxModel(Path(input_dir))
+    p = model.params
+    if p.quantization is not None:
+        raise PmxError(f"{input_dir}: is already quantised ({p.quantization}); quantise its float model")
+    n = p.num_shards if num_shards is None else num_shards
+    sharded_params(with_quant(unsharded_params(p), quant), n)
+    return _write_dir(Path(input_dir), output_dir, overwrite, p, _read_plan(model, input_dir), model.get_merged, n,
+                      "quantizing", progress, quant)

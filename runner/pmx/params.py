@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from runner.errors import PmxError
+from runner.pmx.quant import QuantScheme
 
 FORMAT_VERSION = 1
 PARAMS_FILE = "pmx_params.json"
@@ -51,6 +52,7 @@ class PmxParams:
     num_shards: int = 1
     kv_replication: int = 1              # each KV head is stored on this many ranks (num_kv_heads < num_shards)
     padded_dims: dict = field(default_factory=dict)  # logical dim -> padded size, e.g. {"intermediate_dim": 176}
+    quantization: Optional[dict] = None  # null (float weights) or a weight-only scheme, see runner/pmx/quant.py
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -64,6 +66,8 @@ class PmxParams:
                 raise PmxError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise PmxError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.quantization is not None:
+            QuantScheme.from_dict(self.quantization, "quantization")
 
     # -- derived sizes -------------------------------------------------------------------------
     def padded(self, dim: str) -> int:

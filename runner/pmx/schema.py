@@ -1,8 +1,10 @@
-"""The tensors of a PMX model, derived from its params alone: names and unsplit shapes, in file order."""
+"""The tensors of a PMX model, derived from its params alone: names and unsplit shapes, in file order
+(a quantised model's weights as `qweight` + `scale`, see runner/pmx/quant.py)."""
 
 from __future__ import annotations
 
 from runner.pmx.params import PmxParams
+from runner.pmx.quant import quantized_tensors, scheme_of
 
 
 def pmx_tensors(p: PmxParams) -> dict[str, tuple]:
@@ -33,4 +35,5 @@ def pmx_tensors(p: PmxParams) -> dict[str, tuple]:
                 t[f"{m}.{name}.bias"] = ex + bias
     t["norm.weight"] = (D,)
     t["output.weight"] = (V, D)
-    return t
+    scheme = scheme_of(p)
+    return t if scheme is None else quantized_tensors(scheme, t)

@@ -14,6 +14,12 @@ One table serves both split and merge (Megatron-style cut, as ppl.pmx):
 | norms, router `gate`, wo/w2 biases, q/k norms | replicated                               |
 
 Axes count from the end, so MoE experts stacked as [E, out, in] are cut like a dense MLP.
+
+A weight-only quantised weight (runner/pmx/quant.py) is cut like its float weight: `qweight` on the
+same axis (in bytes, two int4 columns each, along the input dim), `scale` with its rows. An int8 scale is
+one per output row, so it is cut with the rows of a column-parallel weight and replicated beside a
+row-parallel one (wo, w2), whose scales cover the full row. int4 groups run along the input dim: a
+row-parallel cut must fall on group boundaries, and a split that would cut a group is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import torch
 
 from runner.errors import PmxError
 from runner.pmx.params import PmxParams
+from runner.pmx.quant import scheme_of
+from runner.pmx.schema import pmx_tensors
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,7 @@ class Cut:
     kind: str                 # "replicate" | "q_heads" | "kv_heads" | "dim"
     axis: int = 0             # negative: from the end
     dim: Optional[str] = None  # logical dim for kind "dim" (its padding is recorded in padded_dims)
+    unit: int = 1             # logical columns per stored element along `axis` (int4 qweight: 2, int4 scale: G)
 
 
 REPLICATE = Cut("replicate")
@@ -64,6 +73,35 @@ def cut_for(name: str) -> Cut:
     raise PmxError(f"tensor {name!r} has no shard rule; expected one of the PMX tensor names (see runner/pmx/shard.py)")
 
 
+def _cut(p: PmxParams, name: str) -> Cut:
+    """`cut_for(name)`, extended to the `qweight` / `scale` of a quantised model with params `p`."""
+    base, _, leaf = name.rpartition(".")
+    scheme = scheme_of(p)
+    if scheme is None or leaf not in ("qweight", "scale"):
+        return cut_for(name)
+    w = cut_for(f"{base}.weight")
+    if w.kind == "replicate" or w.axis != -1:  # cut by output rows (or not at all): scales go with the rows
+        return Cut(w.kind, -1, w.dim) if (leaf, scheme.method, w.axis) == ("scale", "int8", -2) else w
+    if scheme.method == "int8":  # cut by input columns: the per-row scale covers the full row
+        return w if leaf == "qweight" else REPLICATE
+    return Cut(w.kind, w.axis, w.dim, unit=2 if leaf == "qweight" else scheme.group_size)
+
+
+def _check_groups(p: PmxParams, sharded: PmxParams) -> None:
+    """int4: every input dim must hold whole groups, and so must every row-parallel cut (columns per rank)."""
+    scheme, n = scheme_of(p), sharded.num_shards
+    if scheme is None or scheme.method != "int4":
+        return
+    pmx_tensors(p)  # refuses an input dim that is not a multiple of group_size, naming the tensor
+    per_rank = {"layers.*.attention.wo": p.num_heads * p.head_dim // n,
+                "layers.*.feed_forward.w2": sharded.padded("intermediate_dim") // n}
+    for tensor, cols in per_rank.items():
+        if cols % scheme.group_size:
+            raise PmxError(f"num_shards={n} cannot be honoured: it would cut the int4 groups of tensor {tensor!r} "
+                           f"({cols} input columns per rank, group_size {scheme.group_size}); quantise with a "
+                           f"--group_size that divides {cols}, or pick another shard count")
+
+
 def sharded_params(p: PmxParams, num_shards: int) -> PmxParams:
     """Params of `p` (unsplit) cut into `num_shards`, or a clear error if the model cannot be cut so."""
     n = num_shards
@@ -76,7 +114,9 @@ def sharded_params(p: PmxParams, num_shards: int) -> PmxParams:
         raise PmxError(f"num_shards={n} cannot be honoured: num_kv_heads={kv} must divide it or be divisible by it")
     padded = {d: math.ceil(getattr(p, d) / n) * n for d in ("hidden_dim", "intermediate_dim", "vocab_size")
               if getattr(p, d) % n}
-    return p.replace(num_shards=n, kv_replication=max(1, n // kv), padded_dims=padded)
+    sharded = p.replace(num_shards=n, kv_replication=max(1, n // kv), padded_dims=padded)
+    _check_groups(p, sharded)
+    return sharded
 
 
 def unsharded_params(p: PmxParams) -> PmxParams:
@@ -85,42 +125,42 @@ def unsharded_params(p: PmxParams) -> PmxParams:
 
 def shard_shape(p: PmxParams, name: str, shape: tuple) -> tuple:
     """Shape of one rank's part of tensor `name` (full `shape`) under sharded params `p`."""
-    cut, n = cut_for(name), p.num_shards
+    cut, n = _cut(p, name), p.num_shards
     shape = list(shape)
     if cut.kind == "replicate" or n == 1:
         return tuple(shape)
     if cut.kind == "dim":
-        shape[cut.axis] = p.padded(cut.dim) // n
+        shape[cut.axis] = p.padded(cut.dim) // cut.unit // n
     elif cut.kind == "q_heads":
         shape[cut.axis] //= n
     else:  # kv_heads
-        shape[cut.axis] = max(p.num_kv_heads // n, 1) * p.head_dim
+        shape[cut.axis] = max(p.num_kv_heads // n, 1) * p.head_dim // cut.unit
     return tuple(shape)
 
 
 def full_shape(p: PmxParams, name: str, part: tuple) -> tuple:
     """Unsplit shape of `name` given one rank's part shape (inverse of :func:`shard_shape`)."""
-    cut, n = cut_for(name), p.num_shards
+    cut, n = _cut(p, name), p.num_shards
     shape = list(part)
     if cut.kind == "replicate" or n == 1:
         return tuple(shape)
     if cut.kind == "dim":
-        shape[cut.axis] = getattr(p, cut.dim)
+        shape[cut.axis] = getattr(p, cut.dim) // cut.unit
     elif cut.kind == "q_heads":
         shape[cut.axis] *= n
     else:
-        shape[cut.axis] = p.num_kv_heads * p.head_dim
+        shape[cut.axis] = p.num_kv_heads * p.head_dim // cut.unit
     return tuple(shape)
 
 
 def split_tensor(p: PmxParams, name: str, t: torch.Tensor) -> list[torch.Tensor]:
     """Cuts full tensor `t` into `p.num_shards` parts (views where possible)."""
-    cut, n = cut_for(name), p.num_shards
+    cut, n = _cut(p, name), p.num_shards
     if cut.kind == "replicate" or n == 1:
         return [t] * n
     ax = cut.axis % t.dim()
     if cut.kind == "dim":
-        size, padded = getattr(p, cut.dim), p.padded(cut.dim)
+        size, padded = getattr(p, cut.dim) // cut.unit, p.padded(cut.dim) // cut.unit
         if padded != size:
             pad_shape = list(t.shape)
             pad_shape[ax] = padded - size
@@ -134,7 +174,7 @@ def split_tensor(p: PmxParams, name: str, t: torch.Tensor) -> list[torch.Tensor]
 
 def merge_tensor(p: PmxParams, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """Puts the `p.num_shards` parts of `name` back together; replicas must agree bit for bit."""
-    cut, n = cut_for(name), p.num_shards
+    cut, n = _cut(p, name), p.num_shards
     if cut.kind == "replicate" or n == 1:
         _check_replicas(name, parts, range(n))
         return parts[0]
@@ -145,8 +185,8 @@ def merge_tensor(p: PmxParams, name: str, parts: list[torch.Tensor]) -> torch.Te
             _check_replicas(name, parts, range(k * rep, (k + 1) * rep))
         parts = parts[::rep]
     t = torch.cat(parts, dim=ax)
-    if cut.kind == "dim" and t.shape[ax] != getattr(p, cut.dim):
-        t = t.narrow(ax, 0, getattr(p, cut.dim))
+    if cut.kind == "dim" and t.shape[ax] != getattr(p, cut.dim) // cut.unit:
+        t = t.narrow(ax, 0, getattr(p, cut.dim) // cut.unit)
     return t
 
 

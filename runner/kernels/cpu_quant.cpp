@@ -1,0 +1,224 @@
+// Weight-only int8 / int4 linear for CPU: y[m, n] = sum_k x[m, k] * dequant(W)[n, k], float32 activations.
+//
+// Decoding reads every weight once per step, so the kernel is built to stream weights at memory speed:
+// weights are repacked at load into blocks of 64 output channels, stored k-major inside a block
+// ([N/64, K, 64] int8, or [N/64, K, 32] bytes of two nibbles for int4), so one step of k reads one
+// contiguous run of 64 (int8) or 32 (int4) bytes, converts it to floats in registers and multiplies it into
+// the accumulators of up to MR rows of x at once (x broadcast). Nothing is dequantised into memory.
+// int8: the per-channel scale is applied once at the end. int4 (symmetric, nibble = q + 8, groups of G
+// along k): per group, acc += scale[g, n] * (sum_k x[m, k] * nibble[n, k] - 8 * sum_k x[m, k]).
+// Written with GCC vector extensions (-march=native: AVX-512 / AVX2 / SSE as the machine has); the widening
+// int8 -> float conversions use intrinsics where available, as GCC 12 does not vectorise them itself.
+// Threads: at::parallel_for over the blocks of 64 channels (OpenMP, as torch; torch.set_num_threads).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint8_t v16u __attribute__((vector_size(16)));
+
+constexpr int64_t NB = 64;  // output channels per block
+constexpr int MR_MAX = 6;   // rows of x per pass over a block
+
+template <typename V>
+inline V load(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+// 16 signed bytes -> 16 floats.
+inline v16f cvt_i8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  v16f r;
+  __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+  std::memcpy(&r, &lo, 32);
+  std::memcpy((char*)&r + 32, &hi, 32);
+  return r;
+#else
+  v16f r;
+  for (int i = 0; i < 16; ++i) r[i] = p[i];
+  return r;
+#endif
+}
+
+// 16 bytes holding values 0..15 -> 16 floats.
+inline v16f cvt_u8(v16u b) {
+#if defined(__AVX512F__)
+  __m128i v;
+  std::memcpy(&v, &b, 16);
+  return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+#else
+  int8_t t[16];
+  std::memcpy(t, &b, 16);
+  return cvt_i8(t);  // values < 16: the signed conversion is the same
+#endif
+}
+
+// int8: acc[m][0..63] = sum_k x[m, k] * w[k][0..63] for MR rows; w points at one block [K, 64].
+template <int MR>
+inline void block_int8(const float* x, int64_t K, const int8_t* w, float* out, int64_t ldo, const float* scale,
+                       int64_t ncols) {
+  v16f a[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) a[m][j] = v16f{};
+  for (int64_t k = 0; k < K; ++k) {
+    const int8_t* wk = w + k * NB;
+    v16f w0 = cvt_i8(wk), w1 = cvt_i8(wk + 16), w2 = cvt_i8(wk + 32), w3 = cvt_i8(wk + 48);
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * K + k];
+      a[m][0] += xv * w0;
+      a[m][1] += xv * w1;
+      a[m][2] += xv * w2;
+      a[m][3] += xv * w3;
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float tmp[NB];
+    std::memcpy(tmp, a[m], sizeof(tmp));
+    for (int64_t j = 0; j < ncols; ++j) out[m * ldo + j] = tmp[j] * scale[j];
+  }
+}
+
+// int4: w points at one block [K, 32] of bytes (byte j: channel j in the low nibble, j + 32 in the high one),
+// scale at [K / G, Npad] (this block's column 0), xsum at [M, K / G] (this pass's row 0).
+template <int MR>
+inline void block_int4(const float* x, int64_t K, const uint8_t* w, int64_t G, const float* scale, int64_t lds,
+                       const float* xsum, float* out, int64_t ldo, int64_t ncols) {
+  float acc[MR][NB] = {};
+  const int64_t groups = K / G;
+  for (int64_t g = 0; g < groups; ++g) {
+    v16f a[MR][4];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 4; ++j) a[m][j] = v16f{};
+    for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+      const uint8_t* wk = w + k * (NB / 2);
+        const v16u p0 = load<v16u>(wk), p1 = load<v16u>(wk + 16);
+      v16f w0 = cvt_u8(p0 & 15), w1 = cvt_u8(p1 & 15);   // channels 0..15, 16..31
+      v16f w2 = cvt_u8(p0 >> 4), w3 = cvt_u8(p1 >> 4);   // 32..47, 48..63
+      for (int m = 0; m < MR; ++m) {
+        const float xv = x[m * K + k];
+        a[m][0] += xv * w0;
+        a[m][1] += xv * w1;
+        a[m][2] += xv * w2;
+        a[m][3] += xv * w3;
+      }
+    }
+    const float* s = scale + g * lds;
+    for (int m = 0; m < MR; ++m) {
+      const float off = 8.0f * xsum[m * groups + g];
+      for (int j = 0; j < 4; ++j) {
+        v16f sv = load<v16f>(s + 16 * j), cur = load<v16f>(&acc[m][16 * j]);
+        cur += sv * (a[m][j] - off);
+        std::memcpy(&acc[m][16 * j], &cur, sizeof(cur));
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int64_t j = 0; j < ncols; ++j) out[m * ldo + j] = acc[m][j];
+}
+
+template <typename F>
+inline void rows_of(int64_t M, F&& run) {  // run(m0, mr) over row passes of at most MR_MAX rows
+  for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) run(m0, std::min<int64_t>(MR_MAX, M - m0));
+}
+
+#define PMX_DISPATCH_MR(mr, CALL) \
+  switch (mr) {                   \
+    case 1: CALL(1); break;       \
+    case 2: CALL(2); break;       \
+    case 3: CALL(3); break;       \
+    case 4: CALL(4); break;       \
+    case 5: CALL(5); break;       \
+    default: CALL(6); break;      \
+  }
+
+void check(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t bytes_per_k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  TORCH_CHECK(w.dim() == 3 && w.size(1) == x.size(1) && w.size(2) == bytes_per_k && w.is_contiguous(),
+              "packed weight must be contiguous [N/64, K, ", bytes_per_k, "]");
+  TORCH_CHECK(w.size(0) * NB >= N && (w.size(0) - 1) * NB < N, "packed weight holds ", w.size(0), " blocks for N=", N);
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t N) {
+  check(x, w, N, NB);
+  TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat && scale.numel() == N);
+  const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
+      rows_of(M, [&](int64_t m0, int64_t mr) {
+#define PMX_CALL(R) block_int8<R>(xp + m0 * K, K, wp + b * K * NB, op + m0 * N + n0, N, sp + n0, ncols)
+        PMX_DISPATCH_MR(mr, PMX_CALL)
+#undef PMX_CALL
+      });
+    }
+  });
+  return out;
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t group_size,
+                       int64_t N) {
+  check(x, w, N, NB / 2);
+  const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0), G = group_size;
+  TORCH_CHECK(w.scalar_type() == at::kByte && scale.scalar_type() == at::kFloat && G > 0 && K % G == 0 &&
+                  scale.dim() == 2 && scale.size(0) == K / G && scale.size(1) == blocks * NB && scale.is_contiguous(),
+              "int4: scale must be float32 [K/G, N/64*64], K a multiple of G");
+  const int64_t groups = K / G;
+  at::Tensor xsum = at::zeros({M, groups}, x.options());  // sum of x over each group, for the -8 offset
+  const float* xp = x.data_ptr<float>();
+  float* xs = xsum.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) s += xp[m * K + k];
+      xs[m * groups + g] = s;
+    }
+  at::Tensor out = at::empty({M, N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t lds = blocks * NB;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
+      rows_of(M, [&](int64_t m0, int64_t mr) {
+#define PMX_CALL(R) \
+  block_int4<R>(xp + m0 * K, K, wp + b * K * (NB / 2), G, sp + n0, lds, xs + m0 * groups, op + m0 * N + n0, N, ncols)
+        PMX_DISPATCH_MR(mr, PMX_CALL)
+#undef PMX_CALL
+      });
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pmx_cpu_quant, m) {
+  m.def("linear_int8(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pmx_cpu_quant, CPU, m) {
+  m.impl("linear_int8", &linear_int8);
+  m.impl("linear_int4", &linear_int4);
+}

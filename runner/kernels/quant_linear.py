@@ -1,0 +1,212 @@
+"""Weight-only quantised linear layers: y = x dequant(W)^T + b, with the fastest kernel each device has.
+
+The spec is :func:`reference_linear`: dequantise W (runner.pmx.quant.dequantize), then `F.linear`.
+Kernels, each tested against it (tests/test_quant_kernels.py):
+
+- CPU (`cpu`): this project's kernels (runner/kernels/cpu_quant.cpp, ops `pmx_cpu_quant::linear_int8 /
+  linear_int4`), built on first use for the machine (-march=native) and cached by torch. The weight is
+  repacked once at load into blocks of 64 output channels, k-major, and converted to floats in registers.
+  torch's own weight-only CPU ops (`aten._weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, what
+  gpt-fast uses) measured 5-20x slower on this project's CPU (benchmarks/RESULTS.md, "Weight-only
+  kernels"); they are the fallback (`aten`) where the extension cannot be built. Above CPU_KERNEL_MAX_ROWS
+  rows (prefill) the weight is dequantised once per call and the float GEMM runs, which is faster there.
+- CUDA (`triton`): Triton W8A16 / W4A16 (runner/kernels/triton_quant.py), dequantising in registers.
+- `--kernels reference`, or a shape no kernel takes: the spec, dequantising on every call.
+
+Every kernel is an op of its own under torch.compile (a fake implementation gives its output shape), so
+the compiled decode step calls it as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from runner.kernels.linear import Linear
+from runner.pmx.quant import QuantScheme, dequantize, unpack_int4
+
+CPU_BLOCK = 64            # output channels per block of the packed CPU weights (cpu_quant.cpp)
+CPU_KERNEL_MAX_ROWS = 32  # above this many rows of x, dequantise + float GEMM beats the streaming kernel
+INT4_ATEN_GROUPS = (32, 64, 128, 256)  # the group sizes aten._weight_int4pack_mm_for_cpu takes
+
+
+@dataclass
+class QuantWeight:
+    """A quantised weight as stored (qweight, scale) with its scheme and the kernel set that should run it.
+    Concatenates along output rows (fused qkv / gate-up) and indexes the leading expert dim like a tensor."""
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    scheme: QuantScheme
+    kernels: str = "auto"
+
+    @property
+    def shape(self) -> tuple:
+        """The float weight's shape [.., N, K]."""
+        k = self.qweight.shape[-1] * (2 if self.scheme.method == "int4" else 1)
+        return (*self.qweight.shape[:-1], k)
+
+    def __getitem__(self, i) -> "QuantWeight":
+        return QuantWeight(self.qweight[i], self.scale[i], self.scheme, self.kernels)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.qweight, self.scale, self.scheme.method, dtype)
+
+
+def cat_weights(ws: list):
+    """Concatenates float weights or QuantWeights along the output rows (fused qkv, gate/up)."""
+    if not isinstance(ws[0], QuantWeight):
+        return torch.cat(ws)
+    return QuantWeight(torch.cat([w.qweight for w in ws]), torch.cat([w.scale for w in ws]), ws[0].scheme,
+                       ws[0].kernels)
+
+
+def pop_weight(weights: dict, base: str, scheme: Optional[QuantScheme], kernels: str = "auto"):
+    """Removes and returns the weight of linear `base` from a shard's tensors: `base.weight`, or
+    `base.qweight` + `base.scale` as a QuantWeight."""
+    if scheme is None or f"{base}.weight" in weights:
+        return weights.pop(f"{base}.weight")
+    return QuantWeight(weights.pop(f"{base}.qweight"), weights.pop(f"{base}.scale"), scheme, kernels)
+
+
+def reference_linear(x: torch.Tensor, w: QuantWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The spec: dequantise, then an ordinary float linear."""
+    return F.linear(x, w.dequantize(x.dtype), bias)
+
+
+# -- CPU --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def cpu_ops():
+    """torch.ops.pmx_cpu_quant (runner/kernels/cpu_quant.cpp), built on first use with this machine's
+    compiler and vector instructions and cached by torch under ~/.cache/torch_extensions (once per machine,
+    ~15 s); None where it cannot be built (no compiler or ninja): then the aten kernels run."""
+    from torch.utils.cpp_extension import load
+    try:
+        load(name="pmx_cpu_quant", sources=[str(Path(__file__).with_name("cpu_quant.cpp"))],
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
+             verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler / ninja: the slower aten kernels still work
+        print(f"warning: the CPU int8/int4 kernels could not be built ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}); using torch's aten kernels", file=sys.stderr)
+        return None
+    torch.library.register_fake("pmx_cpu_quant::linear_int8")(lambda x, w, s, n: x.new_empty(x.shape[0], n))
+    torch.library.register_fake("pmx_cpu_quant::linear_int4")(lambda x, w, s, g, n: x.new_empty(x.shape[0], n))
+    return torch.ops.pmx_cpu_quant
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def pack_int8_blocks(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [N/64, K, 64]: blocks of 64 channels, k-major inside a block (rows padded with 0)."""
+    n, k = qweight.shape
+    nb = -(-n // CPU_BLOCK)
+    return _pad_rows(qweight, nb * CPU_BLOCK).view(nb, CPU_BLOCK, k).transpose(1, 2).contiguous()
+
+
+def pack_int4_blocks(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored int4 ([N, K/2] bytes, scales [N, K/G]) -> ([N/64, K, 32] bytes: channel j of a block in the low
+    nibble of byte j, channel j + 32 in the high one; scales [K/G, N/64*64])."""
+    nb = -(-qweight.shape[0] // CPU_BLOCK)
+    nib = _pad_rows(unpack_int4(qweight), nb * CPU_BLOCK)                             # (Np, K)
+    blocks = nib.view(nb, CPU_BLOCK, -1).transpose(1, 2)                             # (nb, K, 64)
+    half = CPU_BLOCK // 2
+    packed = (blocks[..., :half] | (blocks[..., half:] << 4)).contiguous()
+    return packed, _pad_rows(scale.float(), nb * CPU_BLOCK).t().contiguous()
+
+
+def unpack_blocks(method: str, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The stored layout's integers as floats [N, K] from the CPU blocks (int8 values, or int4 nibbles - 8)."""
+    if method == "int8":
+        return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n].float()     # (N, K)
+    nib = torch.cat((packed & 0xF, packed >> 4), dim=-1)                            # (nb, K, 64)
+    return nib.transpose(1, 2).reshape(-1, packed.shape[1])[:n].float() - 8
+
+
+def pack_int4_aten(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored int4 -> aten._weight_int4pack_mm_for_cpu's (weight, scales_and_zeros [K/G, N, 2]). Symmetric:
+    W = (nibble - 8) * scale, so every zero (the kernel's additive offset) is 0."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(qweight).to(torch.int32).contiguous(), 2)
+    s = scale.float().t().contiguous()                                             # (K/G, N)
+    return packed, torch.stack((s, torch.zeros_like(s)), dim=-1).contiguous()
+
+
+def pick_kernel(w: QuantWeight) -> str:
+    """cpu | aten | triton | reference, for this weight's device, scheme, shape and kernel set."""
+    dev = w.qweight.device.type
+    if w.kernels == "reference":
+        return "reference"
+    if dev == "cuda":
+        from runner.kernels.triton_quant import takes_group
+        return "triton" if w.scheme.method == "int8" or takes_group(w.scheme.group_size) else "reference"
+    if dev != "cpu":
+        return "reference"
+    if cpu_ops() is not None:
+        return "cpu"
+    g = w.scheme.group_size
+    return "aten" if w.scheme.method == "int8" or (g in INT4_ATEN_GROUPS and w.shape[-1] % g == 0) else "reference"
+
+
+class QuantLinear(torch.nn.Module):
+    """y = x dequant(W)^T + b for a :class:`QuantWeight` [out, in], on the kernel :func:`pick_kernel` chose."""
+
+    def __init__(self, weight: QuantWeight, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.method, self.group_size = weight.scheme.method, weight.scheme.group_size
+        self.kernel = pick_kernel(weight)
+        self.register_buffer("bias", bias, persistent=False)
+        q, s = weight.qweight, weight.scale
+        if self.kernel == "cpu":
+            q, s = (pack_int8_blocks(q), s.float().contiguous()) if self.method == "int8" else pack_int4_blocks(q, s)
+        elif self.kernel == "aten":
+            q, s = (q.contiguous(), s.float().contiguous()) if self.method == "int8" else pack_int4_aten(q, s)
+        self.register_buffer("qweight", q.contiguous(), persistent=False)
+        self.register_buffer("scale", s.contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        y = getattr(self, f"_{self.kernel}")(x2)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _cpu(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float().contiguous()
+        if x.shape[0] > CPU_KERNEL_MAX_ROWS:  # prefill: dequantise once, then the float GEMM
+            w = unpack_blocks(self.method, self.qweight, self.out_features)          # (N, K)
+            w = w * self.scale[:, None] if self.method == "int8" else \
+                (w.view(self.out_features, -1, self.group_size) * self.scale.t()[: self.out_features, :, None]
+                 ).view(self.out_features, -1)
+            return F.linear(xf, w).to(x.dtype)
+        ops = torch.ops.pmx_cpu_quant  # loaded by pick_kernel (cpu_ops) before this layer was made
+        y = ops.linear_int8(xf, self.qweight, self.scale, self.out_features) if self.method == "int8" else \
+            ops.linear_int4(xf, self.qweight, self.scale, self.group_size, self.out_features)
+        return y.to(x.dtype)
+
+    def _aten(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float().contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(xf, self.qweight, self.scale) if self.method == "int8" else \
+            torch.ops.aten._weight_int4pack_mm_for_cpu(xf, self.qweight, self.group_size, self.scale)
+        return y.to(x.dtype)
+
+    def _triton(self, x: torch.Tensor) -> torch.Tensor:
+        from runner.kernels.triton_quant import quant_matmul
+        return quant_matmul(x, self.qweight, self.scale, self.method, self.group_size)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize(self.qweight, self.scale, self.method, x.dtype))
+
+
+def make_linear(weight, bias: Optional[torch.Tensor] = None, prepack: bool = True) -> torch.nn.Module:
+    """The layer for `weight`: a float tensor (runner.kernels.linear.Linear) or a :class:`QuantWeight`."""
+    if isinstance(weight, QuantWeight):
+        return QuantLinear(weight, bias)
+    return Linear(weight, bias, prepack)

@@ -1,0 +1,73 @@
+"""Triton W8A16 / W4A16 GEMM for CUDA: y = x dequant(W)^T, the weight dequantised in registers.
+
+Reads the stored layout (runner.pmx.quant) as it is: int8 [N, K] with one scale per output row, or int4
+bytes [N, K/2] (column 2j in the low nibble, 2j+1 in the high one) with one scale per group of G input
+columns. Each program computes a [BLOCK_M, BLOCK_N] tile of y, walking K in steps of BLOCK_K that never
+straddle an int4 group (BLOCK_K, 16 or 32, divides G: int4 takes group sizes that are multiples of 16), so one scale per row covers a whole step. Activations in
+float16 / bfloat16 / float32; accumulation in float32. Small M (decoding) runs the same kernel with a
+16-row tile (the smallest `tl.dot` takes). On CPU it runs under the Triton interpreter (tests).
+The spec is runner.kernels.quant_linear.reference_linear (dequantise, then matmul).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, G, INT4: tl.constexpr, FP32: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm, mn = rm < M, rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if not INT4:
+        scale = tl.load(s_ptr + rn, mask=mn, other=0.0).to(tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mk = rk < K
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+        if INT4:
+            rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # bytes of this step
+            b = tl.load(w_ptr + rn[:, None] * (K // 2) + rb[None, :], mask=mn[:, None] & (rb < K // 2)[None, :],
+                        other=0).to(tl.int32)
+            q = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_N, BLOCK_K))        # (BN, BK): 2j low, 2j+1 high
+            s = tl.load(s_ptr + rn * (K // G) + k0 // G, mask=mn, other=0.0).to(tl.float32)
+            w = (q.to(tl.float32) - 8.0) * s[:, None]
+        else:
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0).to(tl.float32)
+        if FP32:  # float32 activations: exact products, no tf32
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    if not INT4:
+        acc = acc * scale[None, :]
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, method: str, group_size: int = 0
+                 ) -> torch.Tensor:
+    """x [M, K] @ dequant(qweight, scale)^T -> [M, N] in x's dtype."""
+    x = x.contiguous()
+    M, K = x.shape
+    N = qweight.shape[0]
+    int4 = method == "int4"
+    if int4 and not takes_group(group_size):
+        raise ValueError(f"int4 group_size {group_size}: the Triton kernel takes multiples of 16")
+    block_k = 32 if not int4 or group_size % 32 == 0 else 16
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    block_m = 16 if M <= 16 else 64
+    block_n = 64
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _quant_matmul_kernel[grid](x, qweight.contiguous(), scale.contiguous(), y, M, N, K, max(group_size, 1),
+                               INT4=int4, FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+                               BLOCK_K=block_k)
+    return y
+
+
+def takes_group(group_size: int) -> bool:
+    """Whether the kernel runs int4 with this group size (a step of K, at least 16 for tl.dot, within a group)."""
+    return group_size % 16 == 0
