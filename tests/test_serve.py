@@ -287,3 +287,16 @@ def test_llm_under_mpirun_every_rank_gets_the_results(stories, tmp_path):
     lines = sorted(json.loads(ln) for ln in out.splitlines() if ln.startswith("["))
     assert [ln[0] for ln in lines] == ["0", "1"] and lines[0][1:] == lines[1][1:]
     assert lines[0][1][0] == REFERENCE_TEXT and len(lines[0][2]) == 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(port="abc"), "--port must be an integer in [0, 65535], got 'abc'"),
+    (dict(port=70000), "--port must be an integer"), (dict(max_batch=0), "--max_batch must be >= 1"),
+    (dict(max_batch=8, max_num_batched_tokens=4), "must be at least --max_batch"),
+    (dict(kv_cache_tokens=10), "at least one page (128)"), (dict(max_waiting=0), "--max_waiting must be"),
+    (dict(drain_timeout=-1), "--drain_timeout must be"), (dict(gpu_memory_utilization=2), "(0, 1]")])
+def test_serve_flags_are_checked_before_anything_loads(flags, message, tmp_path):
+    from runner.serve.server import serve
+    with pytest.raises(PmxError) as e:
+        serve(str(tmp_path / "no-model"), **flags)
+    assert message in str(e.value)

@@ -48,10 +48,13 @@ def serve(ckpt_dir: str, tokenizer_path: Optional[str] = None, host: str = "127.
         quantized_cache: int8 KV cache.
         cache_layout: 0..3.
     """
-    if not 0 <= port <= 65535:
-        raise PmxError(f"--port must be in [0, 65535], got {port}")
-    if max_waiting < 1 or drain_timeout < 0:
-        raise PmxError("--max_waiting must be >= 1 and --drain_timeout >= 0")
+    from runner.serve.params import is_int, is_number
+    if not (is_int(port) and 0 <= port <= 65535):
+        raise PmxError(f"--port must be an integer in [0, 65535], got {port!r}")
+    if not (is_int(max_waiting) and max_waiting >= 1):
+        raise PmxError(f"--max_waiting must be an integer >= 1, got {max_waiting!r}")
+    if not (is_number(drain_timeout) and drain_timeout >= 0):
+        raise PmxError(f"--drain_timeout must be a number >= 0, got {drain_timeout!r}")
     from runner.serve.api import ApiContext, build_app
     from runner.serve.async_engine import AsyncEngine
     from runner.serve.loader import EngineArgs, load
