@@ -263,3 +263,40 @@ def test_llm_bad_requests(llm):
         llm.generate([[1] * 600], SamplingParams(max_tokens=1))
     with pytest.raises(ParamError, match="outside the vocabulary"):
         llm.generate([[1, 9999]], SamplingParams())
+
+
+def test_llm_under_mpirun_every_rank_gets_the_results(stories, tmp_path):
+    """The same script on 2 ranks (mpirun): rank 0 schedules, both get the reference text."""
+    import sys
+
+    from jobs import launch_cmd, run_job
+    from runner.pmx.convert import reshard
+    reshard(str(stories["pmx"]), str(tmp_path / "pmx2"), 2, progress=False)
+    script = tmp_path / "offline.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "from runner import LLM, SamplingParams\n"
+        "with LLM(sys.argv[1], kv_cache_tokens=1024) as llm:\n"
+        "    outs = llm.generate(['Once upon a time', 'Lily'], SamplingParams(max_tokens=40, temperature=0))\n"
+        "    more = llm.generate('Lily', SamplingParams(max_tokens=8, temperature=0.8, seed=1, n=2))\n"
+        "    print(json.dumps([os.environ['PMI_RANK'], [o.outputs[0].text for o in outs],\n"
+        "                      [c.token_ids for c in more[0].outputs]]), flush=True)\n")
+    cmd, env = launch_cmd("mpich", 2, sys.executable, script, tmp_path / "pmx2")
+    rc, out, err, _ = run_job(cmd, tmp_path, {**env, "OMP_NUM_THREADS": "1"}, timeout=180)
+    assert rc == 0, err[-2000:]
+    lines = sorted(json.loads(ln) for ln in out.splitlines() if ln.startswith("["))
+    assert [ln[0] for ln in lines] == ["0", "1"] and lines[0][1:] == lines[1][1:]
+    assert lines[0][1][0] == REFERENCE_TEXT and len(lines[0][2]) == 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(port="abc"), "--port must be an integer in [0, 65535], got 'abc'"),
+    (dict(port=70000), "--port must be an integer"), (dict(max_batch=0), "--max_batch must be >= 1"),
+    (dict(max_batch=8, max_num_batched_tokens=4), "must be at least --max_batch"),
+    (dict(kv_cache_tokens=10), "at least one page (128)"), (dict(max_waiting=0), "--max_waiting must be"),
+    (dict(drain_timeout=-1), "--drain_timeout must be"), (dict(gpu_memory_utilization=2), "(0, 1]")])
+def test_serve_flags_are_checked_before_anything_loads(flags, message, tmp_path):
+    from runner.serve.server import serve
+    with pytest.raises(PmxError) as e:
+        serve(str(tmp_path / "no-model"), **flags)
+    assert message in str(e.value)

@@ -88,7 +88,7 @@ def tp2_server(stories, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("srv2")
     reshard(str(stories["pmx"]), str(tmp / "pmx2"), 2, progress=False)
     srv = start(tmp, "mpich", 2, tmp / "pmx2", "--kv_cache_tokens", 256, "--max_batch", 4,
-                "--max_num_batched_tokens", 64, "--max_waiting", 6, "--drain_timeout", 2)
+                "--max_num_batched_tokens", 64, "--max_waiting", 6, "--drain_timeout", 0.5)
     try:
         yield srv
     finally:
@@ -286,8 +286,17 @@ def test_tp2_full_queue_gets_503_with_retry_after(tp2_server):
     assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in done)
 
 
+def test_tp2_port_in_use_fails_cleanly(tp2_server, tmp_path):
+    port = tp2_server.url.rsplit(":", 1)[1]
+    cmd, env = launch_cmd("mpich", 2, sys.executable, "-m", "runner", "serve", "--ckpt_dir",
+                          tp2_server.job.stderr.split("serving ")[1].split(" at ")[0], "--port", port)
+    with Job(cmd, tmp_path, {**env, "OMP_NUM_THREADS": "1"}) as job:
+        assert job.wait(120) == 2
+        assert f"error: cannot serve on 127.0.0.1:{port}" in job.stderr and not job.lingering()
+
+
 def test_tp2_sigterm_drains_then_cancels_and_every_rank_exits(tp2_server):
-    """SIGTERM with 6 long streams running or queued: the server drains for --drain_timeout (2 s), cancels
+    """SIGTERM with 6 long streams running or queued: the server drains for --drain_timeout (0.5 s), cancels
     the rest (their streams end with an error event), and every rank exits 0."""
     first = asyncio.Event()
 

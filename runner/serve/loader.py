@@ -13,6 +13,7 @@ from runner.errors import PmxError
 from runner.kernels.reference import PAGE_SIZE
 from runner.serve.chat import ChatTemplate
 from runner.serve.engine import Engine
+from runner.serve.params import is_int, is_number
 
 CPU_CACHE_MEMORY_FRACTION = 0.25  # default KV budget on CPU: at most this share of the available memory
 
@@ -33,6 +34,12 @@ class EngineArgs:
     cache_layout: int = 0
 
     def check(self) -> None:
+        for flag in ("max_batch", "max_num_batched_tokens", "kv_cache_tokens", "cache_layout"):
+            value = getattr(self, flag)
+            if not (is_int(value) or (value is None and flag == "kv_cache_tokens")):
+                raise PmxError(f"--{flag} must be an integer, got {value!r}")
+        if not is_number(self.gpu_memory_utilization):
+            raise PmxError(f"--gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}")
         if self.max_batch < 1:
             raise PmxError(f"--max_batch must be >= 1, got {self.max_batch}")
         if self.max_num_batched_tokens < self.max_batch:

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from typing import Optional
 
 from runner.errors import PmxError
@@ -47,10 +48,13 @@ def serve(ckpt_dir: str, tokenizer_path: Optional[str] = None, host: str = "127.
         quantized_cache: int8 KV cache.
         cache_layout: 0..3.
     """
-    if not 0 <= port <= 65535:
-        raise PmxError(f"--port must be in [0, 65535], got {port}")
-    if max_waiting < 1 or drain_timeout < 0:
-        raise PmxError("--max_waiting must be >= 1 and --drain_timeout >= 0")
+    from runner.serve.params import is_int, is_number
+    if not (is_int(port) and 0 <= port <= 65535):
+        raise PmxError(f"--port must be an integer in [0, 65535], got {port!r}")
+    if not (is_int(max_waiting) and max_waiting >= 1):
+        raise PmxError(f"--max_waiting must be an integer >= 1, got {max_waiting!r}")
+    if not (is_number(drain_timeout) and drain_timeout >= 0):
+        raise PmxError(f"--drain_timeout must be a number >= 0, got {drain_timeout!r}")
     from runner.serve.api import ApiContext, build_app
     from runner.serve.async_engine import AsyncEngine
     from runner.serve.loader import EngineArgs, load
@@ -71,20 +75,37 @@ def serve(ckpt_dir: str, tokenizer_path: Optional[str] = None, host: str = "127.
     name = served_model_name or ckpt_dir
     ctx = ApiContext(client, loaded.tokenizer, loaded.chat_template, name, engine.max_model_len, metrics,
                      int(time.time()))
-    http, thread = _start_http(build_app(ctx), host, port)
+    try:
+        http, thread = _start_http(build_app(ctx), host, port)
+    except PmxError as e:
+        _leave(sess, engine, f"error: {e}", 2)
+    failed = False
     try:
         bound = http.servers[0].sockets[0].getsockname()
         print(f"serving {name} at http://{bound[0]}:{bound[1]} ({sess.env.world_size} rank(s), {sess.device}; "
               f"KV cache {engine.num_pages} pages x 128 = {engine.num_pages * 128} tokens, max batch {max_batch})",
               file=sys.stderr, flush=True)
         client.run()
+    except Exception:  # noqa: BLE001 - a bug in the loop: the other ranks are stopped, then this one
+        traceback.print_exc()
+        failed = True
     finally:
         client.accepting = False
         http.should_exit = True
         thread.join(timeout=drain_timeout + 5)
-        engine.channel.send({"k": "stop"})
+    _leave(sess, engine, "error: the engine loop failed (see above); server stopped" if failed else "server stopped",
+           1 if failed else 0)
+
+
+def _leave(sess, engine, message: str, status: int) -> None:
+    """Rank 0: tells the other ranks to stop, closes the session with them, prints `message`; exits with
+    `status` when non-zero. (Past this point the other ranks are gone, so no error may take a path that
+    needs them.)"""
+    engine.channel.send({"k": "stop"})
     sess.close()
-    print("server stopped", file=sys.stderr, flush=True)
+    print(message, file=sys.stderr, flush=True)
+    if status:
+        raise SystemExit(status)
 
 
 def _start_http(app, host: str, port: int):
