@@ -70,8 +70,7 @@ def serve(ckpt_dir: str, tokenizer_path: Optional[str] = None, host: str = "127.
         sess.close()
         return
     client = AsyncEngine(engine, max_waiting, drain_timeout, metrics)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, client.stop)
+    _drain_on_signals(client.stop)
     name = served_model_name or ckpt_dir
     ctx = ApiContext(client, loaded.tokenizer, loaded.chat_template, name, engine.max_model_len, metrics,
                      int(time.time()))
@@ -95,6 +94,14 @@ def serve(ckpt_dir: str, tokenizer_path: Optional[str] = None, host: str = "127.
         thread.join(timeout=drain_timeout + 5)
     _leave(sess, engine, "error: the engine loop failed (see above); server stopped" if failed else "server stopped",
            1 if failed else 0)
+
+
+def _drain_on_signals(handler) -> None:
+    """SIGTERM / SIGINT call `handler` (a graceful drain) instead of taking the job's error path: the job's
+    signal watcher (runner.parallel.job), which would end the job a grace second later, is no longer woken."""
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
 
 
 def _leave(sess, engine, message: str, status: int) -> None:
@@ -129,8 +136,7 @@ def _follow(engine, drain_timeout: float) -> None:
     def on_signal(*_):
         term.setdefault("at", time.monotonic())
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    _drain_on_signals(on_signal)
     msg = engine.follow(lambda: "at" in term and time.monotonic() - term["at"] > drain_timeout + 10)
     if msg["k"] not in ("stop", "quit"):
         raise PmxError(f"unexpected message from rank 0: {msg['k']!r}")
