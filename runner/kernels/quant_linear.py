@@ -1,7 +1,7 @@
 """Weight-only quantised linear layers: y = x dequant(W)^T + b, with the fastest kernel each device has.
 
 The spec is :func:`reference_linear`: dequantise W (runner.pmx.quant.dequantize), then `F.linear`.
-Kernels, each tested against it (tests/test_quant_kernels.py):
+Kernels (their tests against it are still to be written; tests/test_quant.py covers the format, convert, split and merge):
 
 - CPU (`cpu`): this project's kernels (runner/kernels/cpu_quant.cpp, ops `pmx_cpu_quant::linear_int8 /
   linear_int4`), built on first use for the machine (-march=native) and cached by torch. The weight is
