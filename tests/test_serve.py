@@ -279,14 +279,14 @@ def test_llm_under_mpirun_every_rank_gets_the_results(stories, tmp_path):
         "with LLM(sys.argv[1], kv_cache_tokens=1024) as llm:\n"
         "    outs = llm.generate(['Once upon a time', 'Lily'], SamplingParams(max_tokens=40, temperature=0))\n"
         "    more = llm.generate('Lily', SamplingParams(max_tokens=8, temperature=0.8, seed=1, n=2))\n"
-        "    print(json.dumps([os.environ['PMI_RANK'], [o.outputs[0].text for o in outs],\n"
-        "                      [c.token_ids for c in more[0].outputs]]), flush=True)\n")
-    cmd, env = launch_cmd("mpich", 2, sys.executable, script, tmp_path / "pmx2")
+        "    result = [[o.outputs[0].text for o in outs], [c.token_ids for c in more[0].outputs]]\n"
+        "with open(f\"{sys.argv[2]}/rank_{os.environ['PMI_RANK']}.json\", 'w') as f:\n"
+        "    json.dump(result, f)\n")
+    cmd, env = launch_cmd("mpich", 2, sys.executable, script, tmp_path / "pmx2", tmp_path)
     rc, out, err, _ = run_job(cmd, tmp_path, {**env, "OMP_NUM_THREADS": "1"}, timeout=180)
     assert rc == 0, err[-2000:]
-    lines = sorted(json.loads(ln) for ln in out.splitlines() if ln.startswith("["))
-    assert [ln[0] for ln in lines] == ["0", "1"] and lines[0][1:] == lines[1][1:]
-    assert lines[0][1][0] == REFERENCE_TEXT and len(lines[0][2]) == 2
+    r0, r1 = (json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1 and r0[0][0] == REFERENCE_TEXT and len(r0[1]) == 2
 
 
 @pytest.mark.parametrize("flags, message", [
