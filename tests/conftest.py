@@ -15,15 +15,18 @@ if not torch.cuda.is_available():  # Triton kernels run under its interpreter on
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 
 
+def require_shared(name: str) -> Path:
+    """Path of the real checkpoint `name` in ../shared/models; skips the test when it is absent."""
+    path = SHARED_MODELS / name
+    if not (path / "config.json").is_file():
+        pytest.skip(f"{path} not found: the real checkpoints live in ../shared/models beside the project")
+    return path
+
+
 @pytest.fixture
 def shared_model():
     """Path of a real checkpoint in ../shared/models; skips when ../shared is absent."""
-    def get(name: str) -> Path:
-        path = SHARED_MODELS / name
-        if not (path / "config.json").is_file():
-            pytest.skip(f"{path} not found: the real checkpoints live in ../shared/models beside the project")
-        return path
-    return get
+    return require_shared
 
 
 ARCH_CONFIGS = {

@@ -19,6 +19,7 @@ from runner.parallel.comm import SingleComm
 from runner.pmx.convert import convert, quantize_model, reshard
 from runner.pmx.quant import QuantScheme, quantize
 from runner.pmx.shard import sharded_params
+from conftest import require_shared
 from test_bad_input import run_cli
 from test_engine import hf_logits, prompts_and_conts, rel_err, run_tp
 from tp_worker import teacher_forced_logits
@@ -160,10 +161,7 @@ def test_random_quantized_shard_runs():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """tinystories-656k as float, int8 and int4 (groups of 32) PMX models."""
-    from conftest import SHARED_MODELS
-    src = SHARED_MODELS / "tinystories-656k"
-    if not (src / "config.json").is_file():
-        pytest.skip(f"{src} not found: the real checkpoints live in ../shared/models beside the project")
+    src = require_shared("tinystories-656k")
     d = tmp_path_factory.mktemp("tiny")
     convert(str(src), str(d / "fp32"), progress=False)
     quantize_model(str(d / "fp32"), str(d / "int8"), QuantScheme("int8"), progress=False)
@@ -197,8 +195,7 @@ def test_perplexity_windows_and_values(tiny):
     m = engine(tiny / "fp32")  # one window over everything = the plain causal-LM loss of transformers
     ids = list(range(3, 60))
     import transformers
-    from conftest import SHARED_MODELS
-    hf = transformers.AutoModelForCausalLM.from_pretrained(SHARED_MODELS / "tinystories-656k").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(require_shared("tinystories-656k")).eval()
     with torch.no_grad():
         want = float(hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss)
     assert abs(evaluate(m, ids, 64, 32)["nll"] - want) < 1e-4

@@ -71,6 +71,18 @@ inline v16f cvt_u8(v16u b) {
 #endif
 }
 
+// a[m][.] += x[m, k] * (w0 | w1 | w2 | w3): one k for 64 channels and MR rows of x (row stride K).
+template <int MR>
+inline void fma_rows(v16f (&a)[MR][4], const float* x, int64_t K, int64_t k, v16f w0, v16f w1, v16f w2, v16f w3) {
+  for (int m = 0; m < MR; ++m) {
+    const float xv = x[m * K + k];
+    a[m][0] += xv * w0;
+    a[m][1] += xv * w1;
+    a[m][2] += xv * w2;
+    a[m][3] += xv * w3;
+  }
+}
+
 // int8: acc[m][0..63] = sum_k x[m, k] * w[k][0..63] for MR rows; w points at one block [K, 64].
 template <int MR>
 inline void block_int8(const float* x, int64_t K, const int8_t* w, float* out, int64_t ldo, const float* scale,
@@ -80,14 +92,7 @@ inline void block_int8(const float* x, int64_t K, const int8_t* w, float* out, i
     for (int j = 0; j < 4; ++j) a[m][j] = v16f{};
   for (int64_t k = 0; k < K; ++k) {
     const int8_t* wk = w + k * NB;
-    v16f w0 = cvt_i8(wk), w1 = cvt_i8(wk + 16), w2 = cvt_i8(wk + 32), w3 = cvt_i8(wk + 48);
-    for (int m = 0; m < MR; ++m) {
-      const float xv = x[m * K + k];
-      a[m][0] += xv * w0;
-      a[m][1] += xv * w1;
-      a[m][2] += xv * w2;
-      a[m][3] += xv * w3;
-    }
+    fma_rows<MR>(a, x, K, k, cvt_i8(wk), cvt_i8(wk + 16), cvt_i8(wk + 32), cvt_i8(wk + 48));
   }
   for (int m = 0; m < MR; ++m) {
     float tmp[NB];
@@ -109,16 +114,9 @@ inline void block_int4(const float* x, int64_t K, const uint8_t* w, int64_t G, c
       for (int j = 0; j < 4; ++j) a[m][j] = v16f{};
     for (int64_t k = g * G; k < (g + 1) * G; ++k) {
       const uint8_t* wk = w + k * (NB / 2);
-        const v16u p0 = load<v16u>(wk), p1 = load<v16u>(wk + 16);
-      v16f w0 = cvt_u8(p0 & 15), w1 = cvt_u8(p1 & 15);   // channels 0..15, 16..31
-      v16f w2 = cvt_u8(p0 >> 4), w3 = cvt_u8(p1 >> 4);   // 32..47, 48..63
-      for (int m = 0; m < MR; ++m) {
-        const float xv = x[m * K + k];
-        a[m][0] += xv * w0;
-        a[m][1] += xv * w1;
-        a[m][2] += xv * w2;
-        a[m][3] += xv * w3;
-      }
+      const v16u p0 = load<v16u>(wk), p1 = load<v16u>(wk + 16);
+      // channels 0..15, 16..31 in the low nibbles, 32..47, 48..63 in the high ones
+      fma_rows<MR>(a, x, K, k, cvt_u8(p0 & 15), cvt_u8(p1 & 15), cvt_u8(p0 >> 4), cvt_u8(p1 >> 4));
     }
     const float* s = scale + g * lds;
     for (int m = 0; m < MR; ++m) {
