@@ -51,12 +51,12 @@ def _weights(kind: str, k: int, n: int, count: int):
             out.append(quantize_int8(w))
         elif kind == "int4_aten":
             q, s = quantize_int4(w, GROUP)
-            out.append(pack_int4_aten(q, s, GROUP))
+            out.append(pack_int4_aten(q, s))
         elif kind == "int8_pmx":
             q, s = quantize_int8(w)
             out.append((pack_int8_blocks(q), s, n))
         elif kind == "int4_pmx":
-            out.append((*pack_int4_blocks(*quantize_int4(w, GROUP)), n))
+            out.append((*pack_int4_blocks(*quantize_int4(w, GROUP), int(cpu_ops().int4_layout())), n))
     return out
 
 

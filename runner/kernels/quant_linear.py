@@ -1,13 +1,14 @@
 """Weight-only quantised linear layers: y = x dequant(W)^T + b, with the fastest kernel each device has.
 
 The spec is :func:`reference_linear`: dequantise W (runner.pmx.quant.dequantize), then `F.linear`.
-Kernels (their tests against it are still to be written; tests/test_quant.py covers the format, convert, split and merge):
+Kernels, each tested against it (tests/test_quant_engine.py: every kernel and scheme, compiled, TP 2/4, MoE;
+tests/test_quant.py: the format, convert, split and merge):
 
 - CPU (`cpu`): this project's kernels (runner/kernels/cpu_quant.cpp, ops `pmx_cpu_quant::linear_int8 /
   linear_int4`), built on first use for the machine (-march=native) and cached by torch. The weight is
   repacked once at load into blocks of 64 output channels, k-major, and converted to floats in registers.
   torch's own weight-only CPU ops (`aten._weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, what
-  gpt-fast uses) measured 5-20x slower on this project's CPU (benchmarks/RESULTS.md, "Weight-only
+  gpt-fast uses) measured 12-110x slower at M=1 on this project's CPU (benchmarks/RESULTS.md, "Weight-only
   kernels"); they are the fallback (`aten`) where the extension cannot be built. Above CPU_KERNEL_MAX_ROWS
   rows (prefill) the weight is dequantised once per call and the float GEMM runs, which is faster there.
 - CUDA (`triton`): Triton W8A16 / W4A16 (runner/kernels/triton_quant.py), dequantising in registers.
@@ -33,7 +34,7 @@ from runner.pmx.quant import QuantScheme, dequantize, unpack_int4
 
 CPU_BLOCK = 64            # output channels per block of the packed CPU weights (cpu_quant.cpp)
 CPU_KERNEL_MAX_ROWS = 32  # above this many rows of x, dequantise + float GEMM beats the streaming kernel
-INT4_ATEN_GROUPS = (32, 64, 128, 256)  # the group sizes aten._weight_int4pack_mm_for_cpu takes
+INT4_ATEN_GROUPS = (32, 64, 128, 256)  # the group sizes aten._weight_int4pack_mm_for_cpu takes (N % 16 == 0 too)
 
 
 @dataclass
@@ -111,23 +112,47 @@ def pack_int8_blocks(qweight: torch.Tensor) -> torch.Tensor:
     return _pad_rows(qweight, nb * CPU_BLOCK).view(nb, CPU_BLOCK, k).transpose(1, 2).contiguous()
 
 
-def pack_int4_blocks(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored int4 ([N, K/2] bytes, scales [N, K/G]) -> ([N/64, K, 32] bytes: channel j of a block in the low
-    nibble of byte j, channel j + 32 in the high one; scales [K/G, N/64*64])."""
+def _bf16_layout_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 layout 1 (cpu_quant.cpp, AVX512-BF16): for byte b of a 64-byte row (a pair of k), the channels of its
+    low and high nibbles and which k of the pair (the order vpunpck{l,h}bw puts them in)."""
+    b = torch.arange(CPU_BLOCK)
+    r, lane = b % 16, b // 16
+    q, upper = r % 8, (r >= 8).long()
+    ch = 4 * lane + q // 2
+    return 16 * upper + ch, 32 + 16 * upper + ch, q % 2
+
+
+def pack_int4_blocks(qweight: torch.Tensor, scale: torch.Tensor, layout: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored int4 ([N, K/2] bytes, scales [N, K/G]) -> (packed blocks of 64 channels, scales [K/G, N/64*64]).
+    layout 0: [N/64, K, 32], channel j of a block in the low nibble of byte j, channel j + 32 in the high one;
+    layout 1: [N/64, K/2, 64], see _bf16_layout_map."""
     nb = -(-qweight.shape[0] // CPU_BLOCK)
     nib = _pad_rows(unpack_int4(qweight), nb * CPU_BLOCK)                             # (Np, K)
     blocks = nib.view(nb, CPU_BLOCK, -1).transpose(1, 2)                             # (nb, K, 64)
-    half = CPU_BLOCK // 2
-    packed = (blocks[..., :half] | (blocks[..., half:] << 4)).contiguous()
-    return packed, _pad_rows(scale.float(), nb * CPU_BLOCK).t().contiguous()
+    if layout == 1:
+        lo, hi, e = _bf16_layout_map()
+        pairs = blocks.unflatten(1, (-1, 2))                                          # (nb, K/2, 2, 64)
+        packed = pairs[:, :, e, lo] | (pairs[:, :, e, hi] << 4)                       # (nb, K/2, 64)
+    else:
+        half = CPU_BLOCK // 2
+        packed = blocks[..., :half] | (blocks[..., half:] << 4)
+    return packed.contiguous(), _pad_rows(scale.float(), nb * CPU_BLOCK).t().contiguous()
 
 
-def unpack_blocks(method: str, packed: torch.Tensor, n: int) -> torch.Tensor:
+def unpack_blocks(method: str, packed: torch.Tensor, n: int, layout: int = 0) -> torch.Tensor:
     """The stored layout's integers as floats [N, K] from the CPU blocks (int8 values, or int4 nibbles - 8)."""
     if method == "int8":
         return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n].float()     # (N, K)
-    nib = torch.cat((packed & 0xF, packed >> 4), dim=-1)                            # (nb, K, 64)
-    return nib.transpose(1, 2).reshape(-1, packed.shape[1])[:n].float() - 8
+    if layout == 1:
+        lo, hi, e = _bf16_layout_map()
+        nb, half = packed.shape[:2]
+        blocks = packed.new_empty(nb, half, 2, CPU_BLOCK)
+        blocks[:, :, e, lo], blocks[:, :, e, hi] = packed & 0xF, packed >> 4
+        nib = blocks.flatten(1, 2)                                                    # (nb, K, 64)
+    else:
+        nib = torch.cat((packed & 0xF, packed >> 4), dim=-1)                        # (nb, K, 64)
+    return nib.transpose(1, 2).reshape(-1, nib.shape[1])[:n].float() - 8
 
 
 def pack_int4_aten(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,22 +175,33 @@ def pick_kernel(w: QuantWeight) -> str:
         return "reference"
     if cpu_ops() is not None:
         return "cpu"
-    g = w.scheme.group_size
-    return "aten" if w.scheme.method == "int8" or (g in INT4_ATEN_GROUPS and w.shape[-1] % g == 0) else "reference"
+    return "aten" if w.scheme.method == "int8" or aten_int4_takes(w) else "reference"
+
+
+def aten_int4_takes(w: QuantWeight) -> bool:
+    """aten._weight_int4pack_mm_for_cpu: groups of 32..256, N a multiple of 16."""
+    n, k = w.shape[-2:]
+    return w.scheme.group_size in INT4_ATEN_GROUPS and k % w.scheme.group_size == 0 and n % 16 == 0
 
 
 class QuantLinear(torch.nn.Module):
-    """y = x dequant(W)^T + b for a :class:`QuantWeight` [out, in], on the kernel :func:`pick_kernel` chose."""
+    """y = x dequant(W)^T + b for a :class:`QuantWeight` [out, in], on `kernel` (default: :func:`pick_kernel`'s)."""
 
-    def __init__(self, weight: QuantWeight, bias: Optional[torch.Tensor] = None):
+    KERNELS = ("cpu", "aten", "triton", "reference")
+
+    def __init__(self, weight: QuantWeight, bias: Optional[torch.Tensor] = None, kernel: Optional[str] = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.method, self.group_size = weight.scheme.method, weight.scheme.group_size
-        self.kernel = pick_kernel(weight)
+        if kernel not in (None, *self.KERNELS):
+            raise ValueError(f"kernel must be one of {self.KERNELS}, got {kernel!r}")
+        self.kernel = kernel or pick_kernel(weight)
         self.register_buffer("bias", bias, persistent=False)
         q, s = weight.qweight, weight.scale
+        self.layout = int(torch.ops.pmx_cpu_quant.int4_layout()) if self.kernel == "cpu" else 0
         if self.kernel == "cpu":
-            q, s = (pack_int8_blocks(q), s.float().contiguous()) if self.method == "int8" else pack_int4_blocks(q, s)
+            q, s = (pack_int8_blocks(q), s.float().contiguous()) if self.method == "int8" else \
+                pack_int4_blocks(q, s, self.layout)
         elif self.kernel == "aten":
             q, s = (q.contiguous(), s.float().contiguous()) if self.method == "int8" else pack_int4_aten(q, s)
         self.register_buffer("qweight", q.contiguous(), persistent=False)
@@ -181,7 +217,7 @@ class QuantLinear(torch.nn.Module):
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float().contiguous()
         if x.shape[0] > CPU_KERNEL_MAX_ROWS:  # prefill: dequantise once, then the float GEMM
-            w = unpack_blocks(self.method, self.qweight, self.out_features)          # (N, K)
+            w = unpack_blocks(self.method, self.qweight, self.out_features, self.layout)  # (N, K)
             w = w * self.scale[:, None] if self.method == "int8" else \
                 (w.view(self.out_features, -1, self.group_size) * self.scale.t()[: self.out_features, :, None]
                  ).view(self.out_features, -1)
