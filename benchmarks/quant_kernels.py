@@ -14,7 +14,7 @@ Kernels:
   int8_compile  torch.compile of F.linear(x, w.float()) * s: inductor's own dequantise-in-register loop
   int4_aten     torch.ops.aten._weight_int4pack_mm_for_cpu (groups of 128, packed by
                 _convert_weight_to_int4pack_for_cpu)
-  int8_pmx      this project's kernel (runner/kernels/cpu_quant.cpp): int8 blocks of 64 channels, k-major,
+  int8_pmx      this project's kernel (runner/kernels/cpu_linear.cpp): int8 blocks of 64 channels, k-major,
                 converted to float in registers
   int4_pmx      the same for int4 (groups of 128)
   int8_w8a8     oneDNN's int8 GEMM with the activations quantised per row on the fly (not weight-only:
@@ -32,7 +32,7 @@ import fire
 import torch
 import torch.nn.functional as F
 
-from runner.kernels.quant_linear import cpu_ops
+from runner.kernels.cpu_ext import cpu_ops
 
 SHAPES = ((768, 2304), (768, 768), (768, 4096), (2048, 768), (768, 32000))  # (in, out): qkv, wo, w1|w3, w2, head
 GROUP = 128
@@ -40,7 +40,8 @@ GROUP = 128
 
 def _weights(kind: str, k: int, n: int, count: int):
     from runner.kernels.linear import Linear
-    from runner.kernels.quant_linear import pack_int4_blocks, pack_int4_aten, pack_int8_blocks
+    from runner.kernels.cpu_ext import pack_blocks
+    from runner.kernels.quant_linear import pack_int4_blocks, pack_int4_aten
     from runner.pmx.quant import quantize_int4, quantize_int8
     out = []
     for i in range(count):
@@ -54,7 +55,7 @@ def _weights(kind: str, k: int, n: int, count: int):
             out.append(pack_int4_aten(q, s))
         elif kind == "int8_pmx":
             q, s = quantize_int8(w)
-            out.append((pack_int8_blocks(q), s, n))
+            out.append((pack_blocks(q), s, n))
         elif kind == "int4_pmx":
             out.append((*pack_int4_blocks(*quantize_int4(w, GROUP), int(cpu_ops().int4_layout())), n))
     return out

@@ -9,6 +9,7 @@ import torch
 
 from model_zoo.decoder import unpermute_rotary
 from runner.kernels import reference as ref
+from runner.kernels.cpu_ext import cpu_ops
 from runner.kernels.linear import Linear
 from runner.parallel.comm import SingleComm
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
@@ -147,19 +148,33 @@ def test_parallel_layers_single_rank():
     assert torch.equal(ParallelEmbedding(emb, 5, comm)(torch.tensor([3, 1])), emb[[3, 1]])
 
 
-@pytest.mark.parametrize("shape", [(1, 1031, 517), (3, 700, 1111), (17, 2049, 257), (2, 5, 777, 1024)])
+LINEAR_KERNELS = (["pmx"] if cpu_ops() is not None else []) + (["onednn"] if torch.backends.mkldnn.is_available() else [])
+
+
+# rows 1..6 are the kernel's register tiles, 10 and 40 several passes, k 2049 and 4100 more than one k chunk
+@pytest.mark.parametrize("shape", [(1, 1031, 517), (3, 700, 1111), (17, 2049, 257), (2, 5, 777, 1024),
+                                   (40, 4100, 130), (6, 64, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_prepacked_matches_f_linear(shape, bias):
+@pytest.mark.parametrize("kernel", LINEAR_KERNELS)
+def test_linear_prepacked_matches_f_linear(shape, bias, kernel):
     *lead, n_in, n_out = shape
     w, b, x = torch.randn(n_out, n_in), torch.randn(n_out) if bias else None, torch.randn(*lead, n_in)
-    lin = Linear(w, b)
-    if torch.backends.mkldnn.is_available():
-        assert lin.packed is not None and lin.weight is None  # the fast path is really taken on CPU fp32
+    lin = Linear(w, b, kernel=kernel)
+    assert lin.kernel == kernel and lin.packed is not None and lin.weight is None
+    assert torch.equal(lin.dense_weight(), w)
     y = lin(x)
     assert y.shape == (*lead, n_out)
     ref = torch.nn.functional.linear(x, w, b)
     assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()  # fp32 summation order only
     assert torch.equal(Linear(w, b, prepack=False)(x), torch.nn.functional.linear(x, w, b))
+
+
+def test_linear_picks_this_projects_kernel_on_cpu():
+    w = torch.randn(1024, 1024)
+    assert Linear(w).kernel == ("pmx" if cpu_ops() is not None else "onednn")
+    assert Linear(torch.randn(8, 16), min_numel=0).kernel == Linear(w).kernel
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        Linear(w, kernel="mkl")
 
 
 def test_linear_keeps_plain_weight_for_half_precision_and_small_weights():

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from runner.engine.model import EngineOptions, Transformer, load_shard
+from runner.kernels import linear as linear_mod
+from runner.kernels.cpu_ext import cpu_ops
 from runner.errors import PmxError
 from runner.parallel.comm import SingleComm
 from runner.pmx.convert import convert
@@ -26,19 +28,26 @@ def engine(pmx_dir, **options) -> Transformer:
     return Transformer(params, w, SingleComm(), EngineOptions(**options))
 
 
-@pytest.mark.parametrize("arch,options", [
-    ("llama_gqa_odd", dict(cache_layout=0)),
-    ("qwen3", dict(cache_layout=3, cache_mode=1, quantized_cache=True)),
+@pytest.mark.parametrize("arch,options,linear", [
+    ("llama_gqa_odd", dict(cache_layout=0), "pmx"),
+    ("llama_bias", dict(cache_layout=1), "pmx"),
+    ("qwen3", dict(cache_layout=3, cache_mode=1, quantized_cache=True), "plain"),
 ])
-def test_compiled_decode_step_matches_eager_and_transformers(make_hf, tmp_path, arch, options):
+def test_compiled_decode_step_matches_eager_and_transformers(make_hf, tmp_path, monkeypatch, arch, options, linear):
     """Decode steps run under torch.compile(fullgraph=True) (a graph break would raise), with masked histories of
-    different lengths (3 prompts) and the single-sequence graph; logits as eager's and transformers'."""
+    different lengths (3 prompts) and the single-sequence graph; logits as eager's and transformers'. `pmx`: every
+    linear on this project's CPU kernel (the default for real models; these test models are under its size)."""
+    if linear == "pmx":
+        if cpu_ops() is None:
+            pytest.skip("this project's CPU kernels cannot be built here (no compiler)")
+        monkeypatch.setattr(linear_mod, "PREPACK_MIN_NUMEL", 0)
     src, model = make_hf(arch)
     convert(str(src), str(tmp_path / "pmx"), progress=False)
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     eager = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", compile="off", **options), prompts, conts))
     compiled_engine = engine(tmp_path / "pmx", compile="on", **options)
     assert compiled_engine._compiled is not None
+    assert {m.kernel for m in compiled_engine.modules() if isinstance(m, linear_mod.Linear)} == {linear}
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     got = torch.stack(teacher_forced_logits(compiled_engine, prompts, conts))
     single = torch.stack(teacher_forced_logits(compiled_engine, prompts[:1], conts[:1]))

@@ -1,10 +1,16 @@
 """Dense layer y = x W^T + b with the fastest weight format the device has.
 
-On CPU in float32 the weight is reordered once, at load, into oneDNN's blocked layout and applied
-with oneDNN's matmul: 1.3-2x faster than `F.linear` (MKL) at the small row counts of decoding on
-this project's CPU box (see benchmarks/RESULTS.md). oneDNN costs about 20 us per call, so small
-weights (under PREPACK_MIN_NUMEL elements, where MKL is faster) stay plain. Elsewhere (GPU, half
-precision, a torch without oneDNN) it is plain `F.linear` on the [out, in] weight.
+On CPU in float32 the weight is repacked once, at load, for one of two kernels (`Linear.kernel`):
+
+- `pmx` (the default): this project's kernel (runner/kernels/cpu_linear.cpp, `pmx_cpu::linear_f32`) on blocks of 64
+  output channels, k-major: it streams the weight in one pass at decode sizes and is a 6 x 64 register-tile GEMM
+  for prefill. Measured against oneDNN's prepacked GEMM on the project's CPU over the benchmark model's layers:
+  1.1-1.4x faster at 1 to 64 rows, 1.2x at 512 (benchmarks/RESULTS.md, "CPU float32 linear").
+- `onednn`: the weight reordered into oneDNN's blocked layout and applied with oneDNN's matmul, where the
+  extension cannot be built (no compiler).
+
+Weights under PREPACK_MIN_NUMEL elements stay plain `F.linear` (MKL), as do GPU, half precision, a torch without
+either kernel and `prepack=False`.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-PREPACK_MIN_NUMEL = 1 << 19  # below this, MKL's F.linear wins on the measured CPU (M = 1 and 16)
+from runner.kernels.cpu_ext import cpu_ops, pack_blocks, unpack_blocks
+
+PREPACK_MIN_NUMEL = 1 << 19  # below this, a layer's weight is too small for repacking to pay (tiny models)
 
 
 @torch.library.custom_op("pmx::onednn_linear", mutates_args=())
@@ -29,32 +37,64 @@ def _(x, packed, bias, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
-def _onednn_usable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.numel() >= PREPACK_MIN_NUMEL
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+def _onednn_usable() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pick_kernel(weight: torch.Tensor, prepack: bool = True, min_numel: Optional[int] = None) -> str:
+    """pmx | onednn | plain for a float weight [out, in] (plain under `min_numel` elements, default
+    PREPACK_MIN_NUMEL)."""
+    min_numel = PREPACK_MIN_NUMEL if min_numel is None else min_numel
+    if not (prepack and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.numel() >= min_numel):
+        return "plain"
+    if cpu_ops() is not None:
+        return "pmx"
+    return "onednn" if _onednn_usable() else "plain"
 
 
 class Linear(torch.nn.Module):
-    """y = x W^T + b for W [out, in]; `prepack` picks oneDNN's blocked weight where it is usable."""
+    """y = x W^T + b for W [out, in] on `kernel` (pmx | onednn | plain; default: :func:`pick_kernel`'s)."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, prepack: bool = True):
+    KERNELS = ("pmx", "onednn", "plain")
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, prepack: bool = True,
+                 kernel: Optional[str] = None, min_numel: Optional[int] = None):
         super().__init__()
+        if kernel not in (None, *self.KERNELS):
+            raise ValueError(f"kernel must be one of {self.KERNELS}, got {kernel!r}")
         self.out_features, self.in_features = weight.shape
+        self.kernel = kernel or pick_kernel(weight, prepack, min_numel)
         self.register_buffer("bias", bias, persistent=False)
         packed = None
-        if prepack and _onednn_usable(weight):
+        if self.kernel == "onednn":
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
             except RuntimeError:  # an unusual oneDNN build: keep the plain path
-                packed = None
+                self.kernel = "plain"
+        elif self.kernel == "pmx":
+            packed = pack_blocks(weight.float())
         self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("weight", None if packed is not None else weight, persistent=False)
+        self.register_buffer("weight", weight if self.kernel == "plain" else None, persistent=False)
+
+    def dense_weight(self) -> torch.Tensor:
+        """W [out, in] as a plain tensor (a copy for the packed kernels)."""
+        if self.kernel == "pmx":
+            return unpack_blocks(self.packed, self.out_features)
+        if self.kernel == "onednn":
+            return self.packed.to_dense() if self.packed.is_mkldnn else self.packed
+        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
+        if self.kernel == "plain":
             return F.linear(x, self.weight, self.bias)
         if x.dtype != torch.float32:
-            raise TypeError(f"this layer holds a float32 oneDNN weight; got {x.dtype} input")
-        y = onednn_linear(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias, self.out_features)
+            raise TypeError(f"this layer holds a float32 {self.kernel} weight; got {x.dtype} input")
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if self.kernel == "pmx":
+            y = torch.ops.pmx_cpu.linear_f32(x2, self.packed, self.out_features)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = onednn_linear(x2, self.packed, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)

@@ -4,7 +4,7 @@ The spec is :func:`reference_linear`: dequantise W (runner.pmx.quant.dequantize)
 Kernels, each tested against it (tests/test_quant_engine.py: every kernel and scheme, compiled, TP 2/4, MoE;
 tests/test_quant.py: the format, convert, split and merge):
 
-- CPU (`cpu`): this project's kernels (runner/kernels/cpu_quant.cpp, ops `pmx_cpu_quant::linear_int8 /
+- CPU (`cpu`): this project's kernels (runner/kernels/cpu_linear.cpp, ops `pmx_cpu::linear_int8 /
   linear_int4`), built on first use for the machine (-march=native) and cached by torch. The weight is
   repacked once at load into blocks of 64 output channels, k-major, and converted to floats in registers.
   torch's own weight-only CPU ops (`aten._weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, what
@@ -20,19 +20,17 @@ the compiled decode step calls it as it is.
 
 from __future__ import annotations
 
-import functools
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from runner.kernels.cpu_ext import CPU_BLOCK, pad_rows, cpu_ops, pack_blocks
+from runner.kernels.cpu_ext import unpack_blocks as unpack_f32_blocks
 from runner.kernels.linear import Linear
 from runner.pmx.quant import QuantScheme, dequantize, unpack_int4
 
-CPU_BLOCK = 64            # output channels per block of the packed CPU weights (cpu_quant.cpp)
 CPU_KERNEL_MAX_ROWS = 32  # above this many rows of x, dequantise + float GEMM beats the streaming kernel
 INT4_ATEN_GROUPS = (32, 64, 128, 256)  # the group sizes aten._weight_int4pack_mm_for_cpu takes (N % 16 == 0 too)
 
@@ -82,38 +80,8 @@ def reference_linear(x: torch.Tensor, w: QuantWeight, bias: Optional[torch.Tenso
 
 # -- CPU --------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def cpu_ops():
-    """torch.ops.pmx_cpu_quant (runner/kernels/cpu_quant.cpp), built on first use with this machine's
-    compiler and vector instructions and cached by torch under ~/.cache/torch_extensions (once per machine,
-    ~15 s); None where it cannot be built (no compiler or ninja): then the aten kernels run."""
-    from torch.utils.cpp_extension import load
-    try:
-        load(name="pmx_cpu_quant", sources=[str(Path(__file__).with_name("cpu_quant.cpp"))],
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
-             verbose=False)
-    except Exception as e:  # noqa: BLE001 - no compiler / ninja: the slower aten kernels still work
-        print(f"warning: the CPU int8/int4 kernels could not be built ({type(e).__name__}: "
-              f"{str(e).splitlines()[0] if str(e) else ''}); using torch's aten kernels", file=sys.stderr)
-        return None
-    torch.library.register_fake("pmx_cpu_quant::linear_int8")(lambda x, w, s, n: x.new_empty(x.shape[0], n))
-    torch.library.register_fake("pmx_cpu_quant::linear_int4")(lambda x, w, s, g, n: x.new_empty(x.shape[0], n))
-    return torch.ops.pmx_cpu_quant
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
-
-
-def pack_int8_blocks(qweight: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] -> [N/64, K, 64]: blocks of 64 channels, k-major inside a block (rows padded with 0)."""
-    n, k = qweight.shape
-    nb = -(-n // CPU_BLOCK)
-    return _pad_rows(qweight, nb * CPU_BLOCK).view(nb, CPU_BLOCK, k).transpose(1, 2).contiguous()
-
-
 def _bf16_layout_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int4 layout 1 (cpu_quant.cpp, AVX512-BF16): for byte b of a 64-byte row (a pair of k), the channels of its
+    """int4 layout 1 (cpu_linear.cpp, AVX512-BF16): for byte b of a 64-byte row (a pair of k), the channels of its
     low and high nibbles and which k of the pair (the order vpunpck{l,h}bw puts them in)."""
     b = torch.arange(CPU_BLOCK)
     r, lane = b % 16, b // 16
@@ -128,7 +96,7 @@ def pack_int4_blocks(qweight: torch.Tensor, scale: torch.Tensor, layout: int = 0
     layout 0: [N/64, K, 32], channel j of a block in the low nibble of byte j, channel j + 32 in the high one;
     layout 1: [N/64, K/2, 64], see _bf16_layout_map."""
     nb = -(-qweight.shape[0] // CPU_BLOCK)
-    nib = _pad_rows(unpack_int4(qweight), nb * CPU_BLOCK)                             # (Np, K)
+    nib = pad_rows(unpack_int4(qweight), nb * CPU_BLOCK)                             # (Np, K)
     blocks = nib.view(nb, CPU_BLOCK, -1).transpose(1, 2)                             # (nb, K, 64)
     if layout == 1:
         lo, hi, e = _bf16_layout_map()
@@ -137,13 +105,13 @@ def pack_int4_blocks(qweight: torch.Tensor, scale: torch.Tensor, layout: int = 0
     else:
         half = CPU_BLOCK // 2
         packed = blocks[..., :half] | (blocks[..., half:] << 4)
-    return packed.contiguous(), _pad_rows(scale.float(), nb * CPU_BLOCK).t().contiguous()
+    return packed.contiguous(), pad_rows(scale.float(), nb * CPU_BLOCK).t().contiguous()
 
 
 def unpack_blocks(method: str, packed: torch.Tensor, n: int, layout: int = 0) -> torch.Tensor:
     """The stored layout's integers as floats [N, K] from the CPU blocks (int8 values, or int4 nibbles - 8)."""
     if method == "int8":
-        return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n].float()     # (N, K)
+        return unpack_f32_blocks(packed, n).float()                                   # (N, K)
     if layout == 1:
         lo, hi, e = _bf16_layout_map()
         nb, half = packed.shape[:2]
@@ -198,9 +166,9 @@ class QuantLinear(torch.nn.Module):
         self.kernel = kernel or pick_kernel(weight)
         self.register_buffer("bias", bias, persistent=False)
         q, s = weight.qweight, weight.scale
-        self.layout = int(torch.ops.pmx_cpu_quant.int4_layout()) if self.kernel == "cpu" else 0
+        self.layout = int(torch.ops.pmx_cpu.int4_layout()) if self.kernel == "cpu" else 0
         if self.kernel == "cpu":
-            q, s = (pack_int8_blocks(q), s.float().contiguous()) if self.method == "int8" else \
+            q, s = (pack_blocks(q), s.float().contiguous()) if self.method == "int8" else \
                 pack_int4_blocks(q, s, self.layout)
         elif self.kernel == "aten":
             q, s = (q.contiguous(), s.float().contiguous()) if self.method == "int8" else pack_int4_aten(q, s)
@@ -222,7 +190,7 @@ class QuantLinear(torch.nn.Module):
                 (w.view(self.out_features, -1, self.group_size) * self.scale.t()[: self.out_features, :, None]
                  ).view(self.out_features, -1)
             return F.linear(xf, w).to(x.dtype)
-        ops = torch.ops.pmx_cpu_quant  # loaded by pick_kernel (cpu_ops) before this layer was made
+        ops = torch.ops.pmx_cpu  # loaded by pick_kernel (cpu_ops) before this layer was made
         y = ops.linear_int8(xf, self.qweight, self.scale, self.out_features) if self.method == "int8" else \
             ops.linear_int4(xf, self.qweight, self.scale, self.group_size, self.out_features)
         return y.to(x.dtype)
