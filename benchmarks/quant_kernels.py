@@ -9,7 +9,8 @@ effective weight bandwidth. Run it with `nice -n -19` on a shared box and repeat
     python benchmarks/quant_kernels.py [--threads 1,2] [--ms 1,16] [--kernels ...] [--repeats 5]
 
 Kernels:
-  fp32_onednn   float32 weight prepacked for oneDNN (the engine's float path, runner.kernels.linear)
+  fp32_pmx      float32 on this project's kernel (the engine's float path, runner.kernels.linear)
+  fp32_onednn   float32 weight prepacked for oneDNN (the float path where the extension cannot be built)
   int8_aten     torch.ops.aten._weight_int8pack_mm (int8 [N, K], scales [N])
   int8_compile  torch.compile of F.linear(x, w.float()) * s: inductor's own dequantise-in-register loop
   int4_aten     torch.ops.aten._weight_int4pack_mm_for_cpu (groups of 128, packed by
@@ -46,8 +47,8 @@ def _weights(kind: str, k: int, n: int, count: int):
     out = []
     for i in range(count):
         w = torch.randn(n, k) * 0.02
-        if kind == "fp32_onednn":
-            out.append(Linear(w))
+        if kind in ("fp32_onednn", "fp32_pmx"):
+            out.append(Linear(w, kernel=kind[5:]))
         elif kind in ("int8_aten", "int8_compile", "int8_w8a8"):
             out.append(quantize_int8(w))
         elif kind == "int4_aten":
@@ -62,7 +63,7 @@ def _weights(kind: str, k: int, n: int, count: int):
 
 
 def _call(kind: str):
-    if kind == "fp32_onednn":
+    if kind in ("fp32_onednn", "fp32_pmx"):
         return lambda x, lin: lin(x)
     if kind == "int8_aten":
         return lambda x, qs: torch.ops.aten._weight_int8pack_mm(x, qs[0], qs[1])
@@ -89,11 +90,11 @@ def _call(kind: str):
 
 
 def _bytes(kind: str, k: int, n: int) -> int:
-    return {"fp32_onednn": 4 * k * n, "int4_aten": k * n // 2 + 8 * n * k // GROUP,
+    return {"fp32_onednn": 4 * k * n, "fp32_pmx": 4 * k * n, "int4_aten": k * n // 2 + 8 * n * k // GROUP,
             "int4_pmx": k * n // 2 + 4 * n * k // GROUP}.get(kind, k * n + 4 * n)
 
 
-def main(threads="1,2", ms="1,16", kernels="fp32_onednn,int8_aten,int8_compile,int4_aten", repeats: int = 5,
+def main(threads="1,2", ms="1,16", kernels="fp32_pmx,fp32_onednn,int8_pmx,int4_pmx,int8_aten,int4_aten", repeats: int = 5,
          stream_mb: int = 160, json_path: str | None = None) -> None:
     rows = []
     parse = lambda v: [int(x) for x in str(v).replace(",", " ").split()] if not isinstance(v, (list, tuple)) else list(v)  # noqa: E731

@@ -73,6 +73,8 @@ class Linear(torch.nn.Module):
             except RuntimeError:  # an unusual oneDNN build: keep the plain path
                 self.kernel = "plain"
         elif self.kernel == "pmx":
+            if cpu_ops() is None:
+                raise RuntimeError("kernel 'pmx' needs this project's CPU extension, which could not be built here")
             packed = pack_blocks(weight.float())
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("weight", weight if self.kernel == "plain" else None, persistent=False)
