@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -55,6 +57,25 @@ def test_compiled_decode_step_matches_eager_and_transformers(make_hf, tmp_path, 
     assert rel_err(got, eager) < 1e-5 and rel_err(single, eager[:, :1]) < 1e-5
     if not options.get("quantized_cache"):
         assert rel_err(got, hf_logits(model, prompts, conts)) < 1e-4
+
+
+def test_compiled_engines_never_share_graphs(make_hf, tmp_path):
+    """The compiled step keeps no guards on the module tree (they cost 0.5 ms a step), so each engine has a code
+    object of its own: a second engine with the same shapes but another constant (norm eps) in the same process
+    compiles its own graph and gets its own logits, not the first one's."""
+    src, model = make_hf("llama_gqa_odd")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    params, w = load_shard(tmp_path / "pmx", 0, torch.device("cpu"), torch.float32)
+    logits = {}
+    for eps in (1e-5, 0.5):
+        p = dataclasses.replace(params, norm_eps=eps)
+        eager = torch.stack(teacher_forced_logits(Transformer(p, dict(w), SingleComm(), EngineOptions(compile="off")),
+                                                  prompts, conts))
+        logits[eps] = torch.stack(teacher_forced_logits(
+            Transformer(p, dict(w), SingleComm(), EngineOptions(compile="on")), prompts, conts))
+        assert rel_err(logits[eps], eager) < 1e-5
+    assert rel_err(logits[0.5], logits[1e-5]) > 1e-3
 
 
 def test_compiled_decode_step_tensor_parallel(make_hf, tmp_path):
