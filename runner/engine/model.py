@@ -425,10 +425,12 @@ class Transformer(nn.Module):
         # on every call (0.5 ms a step, measured); they never change after load, so those guards are dropped and
         # only the inputs' (tokens, plan, cache) are kept. Dynamo keys its graphs by code object, so this engine
         # gets a code object of its own: another engine in the process (other constants, same shapes) can never
-        # reuse its graphs.
+        # reuse its graphs. cpp_wrapper: the graph's ~110 kernel and op calls are made from C++, not Python
+        # (another ~0.3 ms a step, measured; the same cold compile time).
         run = MethodType(FunctionType(Transformer._run.__code__.replace(), Transformer._run.__globals__, "_run"), self)
         compiled = torch.compile(run, fullgraph=True,
-                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                          "cpp_wrapper": True})
         if o.compile == "on":
             return compiled
 
