@@ -50,7 +50,7 @@ class EngineOptions:
     quantized_cache: bool = False  # int8 KV cache, groups of 8, float16 scales
     cache_layout: int = 0         # 0..3, see runner.kernels.reference.cache_shape
     cache_mode: int = 0           # 0 offset, 1 paged (page size 128)
-    prepack: bool = True          # CPU float32: weights reordered once for oneDNN (runner.kernels.linear)
+    prepack: bool = True          # CPU float32: weights repacked once for the CPU linear kernel (runner.kernels.linear)
     kernels: str = "auto"         # auto (Triton on CUDA, fast torch elsewhere), triton, torch, reference (the spec)
     compile: str = "auto"         # torch.compile the decode step: on, off, auto (on CPU for models of at least
                                   # COMPILE_MIN_PARAMS parameters per rank, where it pays for its compile time)
