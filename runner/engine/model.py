@@ -163,33 +163,50 @@ class Attention(nn.Module):
         self.eps, self.window, self.options, self.ops = eps, sliding_window, options, ops
 
     def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache) -> torch.Tensor:
-        q, k, v = self._qkv_rotated(x, plan)                                      # (T, H|KV|KV, D)
-        cache.store(self.layer, k, v, plan.slots)
+        q, k, v = self._qkv_stored(x, plan, cache)                                # (T, H|KV|KV, D)
         if plan.packed is not None:
             out = self._packed(q, plan, cache)
         else:
             parts = []
             if plan.decode is not None:
-                parts.append(self._decode(q[: plan.decode.kv_slots.shape[0]], plan.decode, cache))
+                parts.append(self._decode(q[: plan.decode.batch], plan.decode, cache))
             for g in plan.prefill:
                 rows = slice(g.row0, g.row0 + g.n * g.seqlen)
                 parts.append(self._prefill(q[rows], k[rows], v[rows], g, cache))
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.wo(out)                                                       # (T, hidden)
 
-    def _qkv_rotated(self, x, plan):
+    def _qkv_stored(self, x, plan, cache):
+        """q, k, v (T, H|KV|KV, D) of the new tokens, q and k rotated, k and v written to the cache."""
+        if hasattr(self.ops, "rotary_kv_store"):  # one kernel rotates q, k in place and writes k, v to the cache
+            q, k, v = self._qkv(x)
+            self.ops.rotary_kv_store(q, k, v, plan.cos, plan.sin, cache.data, cache.scale, cache.layout, self.layer,
+                                     plan.slots)
+        else:
+            q, k, v = self._qkv_rotated(x, plan)
+            cache.store(self.layer, k, v, plan.slots)
+        return q, k, v
+
+    def _qkv(self, x):
+        """q, k, v (T, H|KV|KV, D) before rotary: views of the fused GEMM's output where fused; q/k normed
+        when the model has q/k norms."""
         T, H, KV, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
         if len(self.qkv) == 1:
-            qkv = self.qkv[0](x)                                                  # (T, (H + 2 KV) D)
-            if self.q_norm is None:  # q and k side by side: rotate both in one pass, where the GEMM left them
-                qk = self.ops.apply_rotary(qkv[:, : (H + KV) * D].view(T, H + KV, D), plan.cos, plan.sin)
-                return qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
-            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+            q, k, v = self.qkv[0](x).split([H * D, KV * D, KV * D], dim=-1)
         else:
             q, k, v = (lin(x) for lin in self.qkv)
         q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
         if self.q_norm is not None:
             q, k = ref.rms_norm(q, self.q_norm, self.eps), ref.rms_norm(k, self.k_norm, self.eps)
+        return q, k, v
+
+    def _qkv_rotated(self, x, plan):
+        T, H, KV, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        if len(self.qkv) == 1 and self.q_norm is None:  # q and k side by side: rotate both in one pass
+            qkv = self.qkv[0](x)                                                  # (T, (H + 2 KV) D)
+            qk = self.ops.apply_rotary(qkv[:, : (H + KV) * D].view(T, H + KV, D), plan.cos, plan.sin)
+            return qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
+        q, k, v = self._qkv(x)
         return self.ops.apply_rotary(q, plan.cos, plan.sin), self.ops.apply_rotary(k, plan.cos, plan.sin), v
 
     def _repeat_kv(self, k, v, dim):
@@ -203,7 +220,7 @@ class Attention(nn.Module):
         Bd = q.shape[0]
         if hasattr(self.ops, "decode_attention"):  # a kernel that walks the cache itself
             out = self.ops.decode_attention(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
-                                            d.kvlens, self.options.cache_mode, self.window, d.kv_slots.shape[1])
+                                            d.kvlens, self.options.cache_mode, self.window)
         else:
             k, v = cache.gather(self.layer, d.kv_slots, q.dtype)                  # (Bd, N, KV, D)
             k, v = self._repeat_kv(k.transpose(1, 2), v.transpose(1, 2), 1)       # (Bd, KV, N, D)
@@ -213,6 +230,10 @@ class Attention(nn.Module):
     def _prefill(self, q, k, v, g, cache):
         """g.n sequences of g.seqlen new tokens: q, k, v (n S, heads, D)."""
         n, S, D = g.n, g.seqlen, self.head_dim
+        if hasattr(self.ops, "prefill_attention") and (g.kv_slots is not None or g.mask is not None):
+            out = self.ops.prefill_attention(q, cache.data, cache.scale, cache.layout, self.layer, g.cachestarts,
+                                             g.kvlens, self.options.cache_mode, S, self.window)   # over the cache
+            return out.reshape(n * S, self.heads * D)
         if g.kv_slots is None:                                                    # a fresh prompt's own keys
             k, v = k.reshape(n, S, self.kv_heads, D), v.reshape(n, S, self.kv_heads, D)
         else:

@@ -31,12 +31,17 @@ from runner.kernels.reference import PAGE_SIZE, Rotary
 
 @dataclass
 class DecodeAttention:
-    """The leading `kv_slots.shape[0]` query rows each decode one token of their sequence."""
-    kv_slots: torch.Tensor                 # [Bd, N] int64: cache rows of each history (new token included),
-                                           # padded by repeating its last row
+    """The leading `batch` query rows each decode one token of their sequence."""
+    kv_slots: Optional[torch.Tensor]       # [Bd, N] int64: cache rows of each history (new token included),
+                                           # padded by repeating its last row; None when only kernels that walk
+                                           # the cache themselves read the plan (a CUDA graph's static inputs)
     mask: Optional[torch.Tensor]           # [Bd, 1, 1, N] bool, True where a key is seen; None: all N are
     cachestarts: torch.Tensor              # [Bd] or [Bd, MaxP]: what kernels that walk the cache themselves read
     kvlens: torch.Tensor                   # [Bd] int64
+
+    @property
+    def batch(self) -> int:
+        return self.kvlens.shape[0]
 
 
 @dataclass
@@ -48,6 +53,8 @@ class PrefillGroup:
     kv_slots: Optional[torch.Tensor]       # [n, N] cache rows of the history + new tokens; None: a fresh
                                            # prompt attends over its own new keys (no cache read)
     mask: Optional[torch.Tensor]           # [n, 1, seqlen, N] bool; None: plain causal
+    cachestarts: Optional[torch.Tensor] = None   # [n] or [n, MaxP], and
+    kvlens: Optional[torch.Tensor] = None        # [n]: what kernels that walk the cache themselves read
 
 
 @dataclass
@@ -172,7 +179,7 @@ def make_plan(seqlens: Sequence[int], start_pos: Sequence[int], caches: Sequence
                 N = int(kvlens[b])
                 mask = _window_mask(q_pos, torch.arange(N)[None, :].expand(n, N), kvlens[group],
                                     sliding_window).to(**to)
-            prefill.append(PrefillGroup(row, n, S, kv_slots, mask))
+            prefill.append(PrefillGroup(row, n, S, kv_slots, mask, cache[group].to(**to), kvlens[group].to(**to)))
             row += n * S
             b += n
     return StepPlan(slots.to(**to), cos.to(**to), sin.to(**to), None if last is None else last.to(**to),
