@@ -231,6 +231,45 @@ def test_engine_with_triton_kernels_matches_transformers(make_hf, tmp_path):
         assert rel_err(got, ref_logits) < 1e-4, (options, rel_err(got, ref_logits))
 
 
+LOWP_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2}  # max |logit error| / max |logit|, int8 cache included
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("arch,options", [
+    ("llama_mha", dict(cache_layout=1, cache_mode=1, quantized_cache=True)),
+    ("mistral_window", dict(cache_layout=3)),  # sliding window 5: windowed prefill and decode
+])
+def test_engine_half_precision_matches_transformers(make_hf, tmp_path, dtype, arch, options):
+    """The engine in float16 / bfloat16 on the Triton kernels against transformers in float32 on the same weights:
+    a packed prefill of 3 prompts, 5 decode steps, and a prompt prefilled in chunks (continued chunks attend over
+    the cache through the varlen flash kernel). transformers itself in the same dtype is about as far off."""
+    from runner.pmx.convert import convert
+    from test_engine import hf_logits, prompts_and_conts, rel_err
+    from tp_worker import teacher_forced_logits
+
+    from runner.engine.model import EngineOptions, Transformer, load_shard
+    from runner.parallel.comm import SingleComm
+    src, model = make_hf(arch)
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    conts = [c[:5] for c in conts]
+    want = hf_logits(model, prompts, conts)                                  # (6, 3, V) float32
+    params, w = load_shard(tmp_path / "pmx", 0, torch.device("cpu"), dtype)
+    eng = Transformer(params, w, SingleComm(), EngineOptions(kernels="triton", **options))
+    assert eng.ops is triton_ops and eng.dtype == dtype
+    got = torch.stack(teacher_forced_logits(eng, prompts, conts))
+    assert rel_err(got, want) < LOWP_TOL[dtype], rel_err(got, want)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= (1.0 if dtype == torch.float16 else 0.9)
+    prompt = prompts[2]                                                      # 12 tokens in chunks of 5, 5, 2
+    kv, scale = eng.new_cache(ref.PAGE_SIZE)
+    for p0 in range(0, len(prompt), 5):
+        chunk = prompt[p0:p0 + 5]
+        plan = eng.plan([len(chunk)], [p0], [[0]] if options.get("cache_mode") else [0], 0)
+        assert p0 == 0 or plan.prefill[0].mask is not None                  # a continued chunk reads the cache
+        last = eng.step(torch.tensor(chunk), plan, kv, scale)[0]
+    assert rel_err(last, want[0, 2]) < LOWP_TOL[dtype], rel_err(last, want[0, 2])
+
+
 def test_kernels_option():
     from runner.engine.model import EngineOptions, pick_kernels
     from runner.errors import PmxError

@@ -22,8 +22,8 @@ from runner.kernels.triton_ops import dot_acc, exact_dot
 def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, G, INT4: tl.constexpr, EXACT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)   # row x K, row x N can pass 2^31 (a large
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)   # vocabulary x hidden)
     mm, mn = rm < M, rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if not INT4:
