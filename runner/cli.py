@@ -181,7 +181,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
           warmup_loops: Count = 1, benchmark_loops: PositiveInt = 1, quantized_cache: bool = False,
           cache_layout: CacheLayout = 0, cache_mode: CacheMode = 0, device: Device = "auto", dtype: Dtype = "auto",
           seed: int = 0, csv: Optional[str] = None, progress: bool = True, kernels: Kernels = "auto",
-          collective_timeout: Optional[Seconds] = None, compile: Compile = "auto") -> None:
+          collective_timeout: Optional[Seconds] = None, compile: Compile = "auto", cuda_graphs: bool = True) -> None:
     """Throughput per batch size (ppl.llm.serving's benchmark_llama); one CSV line per batch size:
     batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib). Run under mpirun -np N for tensor parallelism.
 
@@ -205,11 +205,12 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
         kernels: auto (Triton on CUDA, fast torch elsewhere), triton, torch or reference (the spec).
         collective_timeout: seconds a collective may wait for the other ranks (default $PMX_COLLECTIVE_TIMEOUT or 30).
         compile: torch.compile the decode step: auto (on CPU, for models of 32M+ parameters per rank), on, off.
+        cuda_graphs: on CUDA with the Triton kernels, replay the decode step from a CUDA graph per batch bucket.
     """
     from runner.engine.bench import bench as _bench
     _bench(model, random_weights, batch_sizes, input_len, tokens_file, gen_len, warmup_loops, benchmark_loops,
            quantized_cache, cache_layout, cache_mode, device, dtype, seed, csv, progress, kernels, collective_timeout,
-           compile)
+           compile, cuda_graphs)
 
 
 def perplexity(ckpt_dir: str, text_file: str, tokenizer_path: Optional[str] = None, window: PositiveInt = 256,

@@ -92,18 +92,19 @@ def test_cpu_kernel_under_torch_compile():
 @pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 16), ("int4", 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_kernel_matches_reference(method, group, dtype):
-    """Runs compiled on CUDA, under the Triton interpreter on CPU (where bfloat16 dot products are broken, so
-    float16 and float32 are checked there; bfloat16 too on a GPU)."""
+    """Runs compiled on CUDA, under the Triton interpreter on CPU (where the kernel multiplies bfloat16 tiles as
+    float32 copies: the interpreter's own bfloat16 tl.dot is broken)."""
     triton_quant = pytest.importorskip("runner.kernels.triton_quant", reason="triton is not installed")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtypes = [dtype] + ([torch.bfloat16] if dev.type == "cuda" and dtype == torch.float16 else [])
+    dtypes = [dtype] + ([torch.bfloat16] if dtype == torch.float16 else [])
     for (m, n, k), dt in itertools.product([(1, 70, 64), (20, 33, 96)], dtypes):
         w = weight(method, n, k, group)
         w = QuantWeight(w.qweight.to(dev), w.scale.to(dev), w.scheme)
         x = torch.randn(m, k, device=dev).to(dt)
         got = triton_quant.quant_matmul(x, w.qweight, w.scale, method, group)
         want = reference_linear(x.float(), w)
-        assert got.dtype == dt and rel_err(got.float(), want) < (1e-5 if dt == torch.float32 else 1e-2)
+        tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dt]  # bf16: 8 bits of mantissa
+        assert got.dtype == dt and rel_err(got.float(), want) < tol
     assert not triton_quant.takes_group(8)
 
 

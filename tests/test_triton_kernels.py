@@ -94,23 +94,22 @@ def test_kv_store_every_layout(layout, quant, dtype):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("mode", [0, 1])
-@pytest.mark.parametrize("quant", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H,KV,D,window", [(4, 2, 16, None), (6, 1, 24, 5), (3, 3, 8, None)])
-def test_decode_attention_matches_packed_reference(mode, quant, dtype, H, KV, D, window):
-    if quant and D % 8:
-        pytest.skip("int8 cache needs head_dim % 8 == 0")
-    torch.manual_seed(0)
-    kvlens = [9, 1, 140, 33]  # one sequence spans two pages
-    B, layout = len(kvlens), 2
+def _filled_cache(mode, quant, dtype, KV, D, kvlens, layout=2):
+    """A cache holding random histories of lengths kvlens (stored by the reference), offset (mode 0) or paged
+    (mode 1, pages out of order, a sequence over two pages); returns cache, scale, cachestarts and the
+    histories as the reference reads them back."""
     if mode == 0:
-        starts = torch.tensor([0, 9, 10, 150], device=DEV)
-        rows = 183
+        starts = torch.tensor([0] + kvlens[:-1], device=DEV).cumsum(0)
+        rows = sum(kvlens) + 1
     else:
-        starts = torch.tensor([[512, 0], [128, 0], [256, 0], [384, 0]], device=DEV)
-        starts[2, 1] = 640
-        rows = 768
+        pages = [-(-n // ref.PAGE_SIZE) for n in kvlens]
+        nxt, table = 0, []
+        for cnt in pages:
+            table.append(list(range(nxt + (cnt - 1) * ref.PAGE_SIZE, nxt - 1, -ref.PAGE_SIZE)))
+            nxt += max(cnt, 1) * ref.PAGE_SIZE
+        maxp = max(len(t) for t in table)
+        starts = torch.tensor([t + [0] * (maxp - len(t)) for t in table], device=DEV)
+        rows = nxt
     cache, scale = _cache(layout, 1, rows, KV, D, quant, dtype)
     kv_all = []
     for b, n in enumerate(kvlens):  # fill each sequence's history through the reference store
@@ -119,15 +118,101 @@ def test_decode_attention_matches_packed_reference(mode, quant, dtype, H, KV, D,
         k, v = torch.randn(n, KV, D, device=DEV, dtype=dtype), torch.randn(n, KV, D, device=DEV, dtype=dtype)
         ref.kv_store(cache, scale, layout, 0, k, v, slots)
         kv_all.append(ref.kv_load(cache, scale, layout, 0, slots, dtype))
-    q = torch.randn(B, H, D, device=DEV, dtype=dtype)
-    got = triton_ops.decode_attention(q, cache, scale, layout, 0, starts, torch.tensor(kvlens, device=DEV), mode,
-                                      window, split_len=64, block_n=16)
+    return cache, scale, starts, kv_all
+
+
+def _packed_reference(q, kv_all, seqlens, kvlens, window):
     kh, vh = torch.cat([k for k, _ in kv_all]), torch.cat([v for _, v in kv_all])
-    seqstarts = torch.arange(B + 1, device=DEV)
+    seqstarts = torch.tensor([0] + seqlens, device=DEV).cumsum(0)
     kvstarts = torch.tensor([0] + kvlens, device=DEV).cumsum(0)
-    want = ref.attention_packed(q, kh, vh, seqstarts, kvstarts, torch.tensor(kvlens, device=DEV) - 1,
-                                sliding_window=window)
-    close(got, want, dtype, scale=2)
+    start = torch.tensor(kvlens, device=DEV) - torch.tensor(seqlens, device=DEV)
+    return ref.attention_packed(q, kh, vh, seqstarts, kvstarts, start, sliding_window=window)
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,KV,D,window", [(4, 2, 16, None), (6, 1, 24, 5), (3, 3, 8, None)])
+def test_decode_attention_matches_packed_reference(mode, quant, dtype, H, KV, D, window):
+    """One program per (sequence, KV head, split) over the whole query group (tl.dot), 3 splits merged by the
+    merge kernel."""
+    torch.manual_seed(0)
+    kvlens = [9, 1, 140, 33]  # one sequence spans two pages
+    cache, scale, starts, kv_all = _filled_cache(mode, quant, dtype, KV, D, kvlens)
+    q = torch.randn(len(kvlens), H, D, device=DEV, dtype=dtype)
+    got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens, device=DEV), mode,
+                                      window, num_splits=3)
+    close(got, _packed_reference(q, kv_all, [1] * len(kvlens), kvlens, window), dtype, scale=2)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_decode_attention_splits_and_padding_rows(num_splits):
+    """Any split count gives the same result (one split: no merge kernel); a padding row (length 0, as a CUDA
+    graph's bucket pads the batch) attends to nothing and gives zeros, not NaN."""
+    torch.manual_seed(1)
+    dtype, H, KV, D, kvlens = torch.float16, 8, 2, 32, [200, 3, 64]
+    cache, scale, starts, kv_all = _filled_cache(1, True, dtype, KV, D, kvlens)
+    q = torch.randn(len(kvlens) + 1, H, D, device=DEV, dtype=dtype)
+    starts = torch.cat((starts, torch.zeros_like(starts[:1])))
+    got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens + [0], device=DEV), 1,
+                                      num_splits=num_splits)
+    close(got[:-1], _packed_reference(q[:-1], kv_all, [1] * len(kvlens), kvlens, None), dtype, scale=2)
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+
+
+def test_decode_splits_fixed_per_batch():
+    """The split count depends on the batch size (a CUDA graph bucket), the KV heads and the SMs only."""
+    assert triton_ops.decode_splits(1, 32, 132) == 9         # Llama-2-7B on an H100: 32 x 9 programs
+    assert triton_ops.decode_splits(1, 8, 132) == triton_ops.MAX_SPLITS
+    assert triton_ops.decode_splits(64, 32, 132) == 1
+    assert triton_ops.decode_splits(4, 8, triton_ops.sm_count(torch.device("cpu"))) == 1
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,KV,D,window,S,starts", [
+    (4, 2, 16, None, 40, [0, 100]),   # 80 (token, head) rows: two row blocks; a chunk crossing a page
+    (6, 1, 24, 5, 7, [3, 0]),         # sliding window
+    (3, 3, 8, None, 3, [130, 1]),     # continued chunks
+])
+def test_prefill_attention_matches_packed_reference(mode, quant, dtype, H, KV, D, window, S, starts):
+    """The varlen flash kernel: n sequences of S new tokens (fresh or continuing) over their keys in the cache."""
+    torch.manual_seed(2)
+    kvlens = [p + S for p in starts]
+    cache, scale, cstarts, kv_all = _filled_cache(mode, quant, dtype, KV, D, kvlens)
+    q = torch.randn(len(starts) * S, H, D, device=DEV, dtype=dtype)
+    got = triton_ops.prefill_attention(q, cache, scale, 2, 0, cstarts, torch.tensor(kvlens, device=DEV), mode, S,
+                                       window)
+    close(got, _packed_reference(q, kv_all, [S] * len(starts), kvlens, window), dtype, scale=2)
+
+
+@pytest.mark.parametrize("layout", range(4))
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_kv_store_one_launch(layout, quant, dtype):
+    """q and k rotated in place in the fused qkv output, the rotated k and v written to the cache: the reference's
+    apply_rotary then kv_store; a row with slot -1 (CUDA graph padding) is rotated but not stored."""
+    T, H, KV, D, rows = 5, 4, 2, 16, 40
+    qkv = torch.randn(T, (H + 2 * KV) * D, device=DEV, dtype=dtype) * 3
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, KV * D, KV * D], dim=-1))
+    cos, sin = _cos_sin(T, D)
+    slots = torch.tensor([3, 17, -1, 39, 21], device=DEV)
+    want_q, want_k = ref.apply_rotary(q.clone(), cos, sin), ref.apply_rotary(k.clone(), cos, sin)
+    want, want_s = _cache(layout, 2, rows, KV, D, quant, dtype)
+    keep = slots >= 0
+    ref.kv_store(want, want_s, layout, 1, want_k[keep], v[keep], slots[keep])
+    got, got_s = _cache(layout, 2, rows, KV, D, quant, dtype)
+    triton_ops.rotary_kv_store(q, k, v, cos, sin, got, got_s, layout, 1, slots)
+    close(q, want_q, dtype)
+    close(k, want_k, dtype)
+    if quant:
+        truncated = dtype == torch.bfloat16 and not CUDA  # the interpreter truncates the rotated k to bf16
+        assert (got.int() - want.int()).abs().max() <= 1  # a division rounding at a .5 boundary at most
+        assert (got != want).float().mean() < (0.5 if truncated else 0.01)
+        torch.testing.assert_close(got_s, want_s, rtol=1e-2 if truncated else 1e-3, atol=0)
+    else:
+        close(got, want, dtype)
 
 
 def test_engine_with_triton_kernels_matches_transformers(make_hf, tmp_path):
@@ -144,6 +229,45 @@ def test_engine_with_triton_kernels_matches_transformers(make_hf, tmp_path):
         assert eng.ops is triton_ops
         got = torch.stack(teacher_forced_logits(eng, prompts, conts))
         assert rel_err(got, ref_logits) < 1e-4, (options, rel_err(got, ref_logits))
+
+
+LOWP_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2}  # max |logit error| / max |logit|, int8 cache included
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("arch,options", [
+    ("llama_mha", dict(cache_layout=1, cache_mode=1, quantized_cache=True)),
+    ("mistral_window", dict(cache_layout=3)),  # sliding window 5: windowed prefill and decode
+])
+def test_engine_half_precision_matches_transformers(make_hf, tmp_path, dtype, arch, options):
+    """The engine in float16 / bfloat16 on the Triton kernels against transformers in float32 on the same weights:
+    a packed prefill of 3 prompts, 5 decode steps, and a prompt prefilled in chunks (continued chunks attend over
+    the cache through the varlen flash kernel). transformers itself in the same dtype is about as far off."""
+    from runner.pmx.convert import convert
+    from test_engine import hf_logits, prompts_and_conts, rel_err
+    from tp_worker import teacher_forced_logits
+
+    from runner.engine.model import EngineOptions, Transformer, load_shard
+    from runner.parallel.comm import SingleComm
+    src, model = make_hf(arch)
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    conts = [c[:5] for c in conts]
+    want = hf_logits(model, prompts, conts)                                  # (6, 3, V) float32
+    params, w = load_shard(tmp_path / "pmx", 0, torch.device("cpu"), dtype)
+    eng = Transformer(params, w, SingleComm(), EngineOptions(kernels="triton", **options))
+    assert eng.ops is triton_ops and eng.dtype == dtype
+    got = torch.stack(teacher_forced_logits(eng, prompts, conts))
+    assert rel_err(got, want) < LOWP_TOL[dtype], rel_err(got, want)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= (1.0 if dtype == torch.float16 else 0.9)
+    prompt = prompts[2]                                                      # 12 tokens in chunks of 5, 5, 2
+    kv, scale = eng.new_cache(ref.PAGE_SIZE)
+    for p0 in range(0, len(prompt), 5):
+        chunk = prompt[p0:p0 + 5]
+        plan = eng.plan([len(chunk)], [p0], [[0]] if options.get("cache_mode") else [0], 0)
+        assert plan.prefill[0].plain_causal == (p0 == 0 and not options.get("quantized_cache"))  # else: the cache
+        last = eng.step(torch.tensor(chunk), plan, kv, scale)[0]
+    assert rel_err(last, want[0, 2]) < LOWP_TOL[dtype], rel_err(last, want[0, 2])
 
 
 def test_kernels_option():

@@ -66,6 +66,7 @@ def generate(
     dtype: Dtype = "auto",
     kernels: Kernels = "auto",
     compile: Compile = "auto",
+    cuda_graphs: bool = True,
     show_ids: bool = False,
     progress: bool = True,
     collective_timeout: Optional[Seconds] = None,
@@ -104,6 +105,8 @@ def generate(
         dtype: compute dtype: auto (float32 on CPU, the checkpoint's on GPU), float32, float16, bfloat16.
         kernels: auto (fused Triton kernels on CUDA, fast torch ops elsewhere), triton, torch or reference (the spec).
         compile: torch.compile the decode step: auto (on CPU, for models of 32M+ parameters per rank), on, off.
+        cuda_graphs: on CUDA with the Triton kernels, replay the decode step from a CUDA graph per batch bucket
+            (1, 2, 4, ...); false runs every step eagerly.
         show_ids: also print the generated token ids.
         progress: progress bars on stderr (rank 0): loading, then sequences done and tokens/s.
         collective_timeout: seconds a collective may wait for the other ranks (default $PMX_COLLECTIVE_TIMEOUT or 30).
@@ -128,7 +131,7 @@ def generate(
     options = EngineOptions(fused_qkv=fused_qkv, fused_ffn_glu=fused_ffn_glu, fused_kvcache=fused_kvcache,
                             friendly_gqa=friendly_gqa, auto_causal=auto_causal, quantized_cache=quantized_cache,
                             cache_layout=cache_layout, cache_mode=cache_mode, kernels=kernels,
-                            compile=compile)
+                            compile=compile, cuda_graphs=cuda_graphs)
     env = detect()
     params = PmxParams.load(Path(ckpt_dir))
     check_world_size(ckpt_dir, params.num_shards, env)

@@ -7,7 +7,8 @@ replicated KV head), intermediate F/N, vocabulary V/N, embedding columns D/N.
 A step is a plan made on the host (`runner.engine.plan`) and the device step `Transformer.step`,
 which reads only the plan, the weights and the cache. The step where every sequence decodes one
 token has static structure (shapes vary, control flow does not) and runs under
-`torch.compile(fullgraph=True)` on CPU; every other step runs eagerly through the same modules.
+`torch.compile(fullgraph=True)` on CPU, and from CUDA graphs (one per batch bucket, runner.engine.graphs) on
+CUDA with the Triton kernels; every other step runs eagerly through the same modules.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.engine.cache import KVCache, new_cache
+from runner.engine.graphs import DecodeGraphs
 from runner.engine.plan import StepPlan, make_plan, plan_from_inputs
 from runner.errors import PmxError
 from runner.kernels import reference as ref
@@ -54,6 +56,8 @@ class EngineOptions:
     kernels: str = "auto"         # auto (Triton on CUDA, fast torch elsewhere), triton, torch, reference (the spec)
     compile: str = "auto"         # torch.compile the decode step: on, off, auto (on CPU for models of at least
                                   # COMPILE_MIN_PARAMS parameters per rank, where it pays for its compile time)
+    cuda_graphs: bool = True      # CUDA with the Triton kernels: capture the decode step in a CUDA graph per batch
+                                  # bucket and replay it (runner.engine.graphs); no effect elsewhere
 
     def __post_init__(self):
         if self.cache_layout not in (0, 1, 2, 3):
@@ -164,33 +168,50 @@ class Attention(nn.Module):
         self.eps, self.window, self.options, self.ops = eps, sliding_window, options, ops
 
     def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache) -> torch.Tensor:
-        q, k, v = self._qkv_rotated(x, plan)                                      # (T, H|KV|KV, D)
-        cache.store(self.layer, k, v, plan.slots)
+        q, k, v = self._qkv_stored(x, plan, cache)                                # (T, H|KV|KV, D)
         if plan.packed is not None:
             out = self._packed(q, plan, cache)
         else:
             parts = []
             if plan.decode is not None:
-                parts.append(self._decode(q[: plan.decode.kv_slots.shape[0]], plan.decode, cache))
+                parts.append(self._decode(q[: plan.decode.batch], plan.decode, cache))
             for g in plan.prefill:
                 rows = slice(g.row0, g.row0 + g.n * g.seqlen)
                 parts.append(self._prefill(q[rows], k[rows], v[rows], g, cache))
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.wo(out)                                                       # (T, hidden)
 
-    def _qkv_rotated(self, x, plan):
+    def _qkv_stored(self, x, plan, cache):
+        """q, k, v (T, H|KV|KV, D) of the new tokens, q and k rotated, k and v written to the cache."""
+        if hasattr(self.ops, "rotary_kv_store"):  # one kernel rotates q, k in place and writes k, v to the cache
+            q, k, v = self._qkv(x)
+            self.ops.rotary_kv_store(q, k, v, plan.cos, plan.sin, cache.data, cache.scale, cache.layout, self.layer,
+                                     plan.slots)
+        else:
+            q, k, v = self._qkv_rotated(x, plan)
+            cache.store(self.layer, k, v, plan.slots)
+        return q, k, v
+
+    def _qkv(self, x):
+        """q, k, v (T, H|KV|KV, D) before rotary: views of the fused GEMM's output where fused; q/k normed
+        when the model has q/k norms."""
         T, H, KV, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
         if len(self.qkv) == 1:
-            qkv = self.qkv[0](x)                                                  # (T, (H + 2 KV) D)
-            if self.q_norm is None:  # q and k side by side: rotate both in one pass, where the GEMM left them
-                qk = self.ops.apply_rotary(qkv[:, : (H + KV) * D].view(T, H + KV, D), plan.cos, plan.sin)
-                return qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
-            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+            q, k, v = self.qkv[0](x).split([H * D, KV * D, KV * D], dim=-1)
         else:
             q, k, v = (lin(x) for lin in self.qkv)
         q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
         if self.q_norm is not None:
             q, k = ref.rms_norm(q, self.q_norm, self.eps), ref.rms_norm(k, self.k_norm, self.eps)
+        return q, k, v
+
+    def _qkv_rotated(self, x, plan):
+        T, H, KV, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        if len(self.qkv) == 1 and self.q_norm is None:  # q and k side by side: rotate both in one pass
+            qkv = self.qkv[0](x)                                                  # (T, (H + 2 KV) D)
+            qk = self.ops.apply_rotary(qkv[:, : (H + KV) * D].view(T, H + KV, D), plan.cos, plan.sin)
+            return qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
+        q, k, v = self._qkv(x)
         return self.ops.apply_rotary(q, plan.cos, plan.sin), self.ops.apply_rotary(k, plan.cos, plan.sin), v
 
     def _repeat_kv(self, k, v, dim):
@@ -204,7 +225,7 @@ class Attention(nn.Module):
         Bd = q.shape[0]
         if hasattr(self.ops, "decode_attention"):  # a kernel that walks the cache itself
             out = self.ops.decode_attention(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
-                                            d.kvlens, self.options.cache_mode, self.window, d.kv_slots.shape[1])
+                                            d.kvlens, self.options.cache_mode, self.window)
         else:
             k, v = cache.gather(self.layer, d.kv_slots, q.dtype)                  # (Bd, N, KV, D)
             k, v = self._repeat_kv(k.transpose(1, 2), v.transpose(1, 2), 1)       # (Bd, KV, N, D)
@@ -214,6 +235,10 @@ class Attention(nn.Module):
     def _prefill(self, q, k, v, g, cache):
         """g.n sequences of g.seqlen new tokens: q, k, v (n S, heads, D)."""
         n, S, D = g.n, g.seqlen, self.head_dim
+        if hasattr(self.ops, "prefill_attention") and not g.plain_causal:
+            out = self.ops.prefill_attention(q, cache.data, cache.scale, cache.layout, self.layer, g.cachestarts,
+                                             g.kvlens, self.options.cache_mode, S, self.window)   # over the cache
+            return out.reshape(n * S, self.heads * D)
         if g.kv_slots is None:                                                    # a fresh prompt's own keys
             k, v = k.reshape(n, S, self.kv_heads, D), v.reshape(n, S, self.kv_heads, D)
         else:
@@ -307,6 +332,7 @@ class Transformer(nn.Module):
             raise PmxError("mixture-of-experts models with MLP biases are not supported")
         num_params = sum(t.numel() for t in w.values())
         self.ops = ops = pick_kernels(o.kernels, self.device)
+        self._gathers = not hasattr(ops, "decode_attention")  # attention over gathered K/V (else kernels walk the cache)
         self.rotary = ref.Rotary(p.head_dim, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
         self.tok_embeddings = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
         column, row = partial(ColumnParallelLinear, comm=comm), partial(RowParallelLinear, comm=comm)
@@ -347,6 +373,7 @@ class Transformer(nn.Module):
         self.output = ColumnParallelLinear(weight("output"), None, comm, gather_output=True, prepack=o.prepack)
         self._compiled = self._compile_decode(num_params)
         self._compiled_variants = set()  # (B == 1, no mask, one page): the graphs compiled so far (size 1 specialises)
+        self._graphs = self._cuda_graphs()
 
     # -- cache ----------------------------------------------------------------------------------
     def new_cache(self, max_tokens: int):
@@ -361,7 +388,8 @@ class Transformer(nn.Module):
         o = self.options
         return make_plan(seqlens, start_pos, caches, num_decoding, paged=o.cache_mode == 1, rotary=self.rotary,
                          device=self.device, sliding_window=self.params.sliding_window,
-                         fused_kvcache=o.fused_kvcache, read_cache_in_prefill=o.quantized_cache, attn_mask=attn_mask)
+                         fused_kvcache=o.fused_kvcache, read_cache_in_prefill=o.quantized_cache,
+                         gather_rows=self._gathers, attn_mask=attn_mask)
 
     @torch.inference_mode()
     def forward(self, token_ids, attn_mask, seqstarts, kvstarts, cachestarts, decoding_batches, start_pos,
@@ -378,7 +406,7 @@ class Transformer(nn.Module):
             plan = plan_from_inputs(seqstarts, kvstarts, cachestarts, decoding_batches, start_pos,
                                     paged=o.cache_mode == 1, rotary=self.rotary, device=self.device,
                                     sliding_window=self.params.sliding_window, fused_kvcache=o.fused_kvcache,
-                                    read_cache_in_prefill=o.quantized_cache,
+                                    read_cache_in_prefill=o.quantized_cache, gather_rows=self._gathers,
                                     attn_mask=None if attn_mask is None else attn_mask.to(self.device))
         except ValueError as e:
             raise PmxError(f"bad step inputs: {e}") from None
@@ -391,6 +419,10 @@ class Transformer(nn.Module):
         if self.options.quantized_cache != (kv_scale is not None):
             raise PmxError("kv_scale must be given exactly when the cache is quantised")
         tokens, cache = token_ids.to(self.device), KVCache(kv_cache, kv_scale, self.options.cache_layout, self.ops)
+        if self._graphs is not None and plan.decode_only:
+            logits = self._graphs(tokens, plan, cache)  # replays (captures on a bucket's first step) asynchronously
+            if logits is not None:
+                return logits
         if self._compiled is not None and plan.decode_only:
             _mark_dynamic(tokens, plan, cache)
             d = plan.decode
@@ -411,6 +443,17 @@ class Transformer(nn.Module):
             x, residual = x[plan.last], residual[plan.last]                         # (B, hidden)
         h, _ = self.norm(x, residual)
         return self.output(h)[:, : self.params.vocab_size].float()
+
+    def _cuda_graphs(self) -> Optional[DecodeGraphs]:
+        """The CUDA graphs of the decode step, or None: they need CUDA, the Triton kernels (the decode attention
+        kernel reads no history-length-shaped tensor), a dense model (MoE routes by value on the host) and a
+        communicator whose collectives a graph can hold (NCCL, or one rank)."""
+        o, p = self.options, self.params
+        if (not o.cuda_graphs or self.device.type != "cuda" or not hasattr(self.ops, "decode_attention")
+                or p.num_experts or not getattr(self.comm, "captures_cuda_graphs", False)):
+            return None
+        max_pages = -(-p.max_position_embeddings // ref.PAGE_SIZE) if o.cache_mode == 1 else None
+        return DecodeGraphs(self._run, self.head_dim // 2, max_pages, self.device)
 
     def _compile_decode(self, num_params: int):
         """torch.compile of the decode step, or None (see EngineOptions.compile)."""
@@ -452,9 +495,11 @@ def _mark_dynamic(tokens: torch.Tensor, plan: StepPlan, cache: KVCache) -> None:
     """The dims of a decode step that vary from step to step (batch, history length, cache rows): one graph
     serves them all. The rest (heads, head_dim, layers) stay static, so the kernels are specialised to them."""
     mark, d = torch._dynamo.maybe_mark_dynamic, plan.decode
-    for t in (tokens, plan.slots, plan.cos, plan.sin, d.kv_slots, d.cachestarts, d.kvlens):
+    for t in (tokens, plan.slots, plan.cos, plan.sin, d.cachestarts, d.kvlens):
         mark(t, 0)
-    mark(d.kv_slots, 1)
+    if d.kv_slots is not None:  # (None for kernels that walk the cache themselves)
+        mark(d.kv_slots, 0)
+        mark(d.kv_slots, 1)
     if d.cachestarts.dim() == 2:
         mark(d.cachestarts, 1)
     if d.mask is not None:

@@ -31,12 +31,17 @@ from runner.kernels.reference import PAGE_SIZE, Rotary
 
 @dataclass
 class DecodeAttention:
-    """The leading `kv_slots.shape[0]` query rows each decode one token of their sequence."""
-    kv_slots: torch.Tensor                 # [Bd, N] int64: cache rows of each history (new token included),
-                                           # padded by repeating its last row
+    """The leading `batch` query rows each decode one token of their sequence."""
+    kv_slots: Optional[torch.Tensor]       # [Bd, N] int64: cache rows of each history (new token included),
+                                           # padded by repeating its last row; None when only kernels that walk
+                                           # the cache themselves read the plan (a CUDA graph's static inputs)
     mask: Optional[torch.Tensor]           # [Bd, 1, 1, N] bool, True where a key is seen; None: all N are
     cachestarts: torch.Tensor              # [Bd] or [Bd, MaxP]: what kernels that walk the cache themselves read
     kvlens: torch.Tensor                   # [Bd] int64
+
+    @property
+    def batch(self) -> int:
+        return self.kvlens.shape[0]
 
 
 @dataclass
@@ -48,6 +53,10 @@ class PrefillGroup:
     kv_slots: Optional[torch.Tensor]       # [n, N] cache rows of the history + new tokens; None: a fresh
                                            # prompt attends over its own new keys (no cache read)
     mask: Optional[torch.Tensor]           # [n, 1, seqlen, N] bool; None: plain causal
+    plain_causal: bool = True              # fresh prompts attending causally over their own new keys, no window
+                                           # (kv_slots and mask None): the one case that needs neither
+    cachestarts: Optional[torch.Tensor] = None   # [n] or [n, MaxP], and
+    kvlens: Optional[torch.Tensor] = None        # [n]: what kernels that walk the cache themselves read
 
 
 @dataclass
@@ -104,13 +113,16 @@ def _window_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor, kvlen: torch.Tensor,
 
 def make_plan(seqlens: Sequence[int], start_pos: Sequence[int], caches: Sequence[CacheOf], num_decoding: int,
               *, paged: bool, rotary: Rotary, device: torch.device, sliding_window: Optional[int] = None,
-              fused_kvcache: bool = True, read_cache_in_prefill: bool = False,
+              fused_kvcache: bool = True, read_cache_in_prefill: bool = False, gather_rows: bool = True,
               attn_mask: Optional[torch.Tensor] = None) -> StepPlan:
     """The plan of a step over B packed sequences: sequence b has seqlens[b] new tokens from position
     start_pos[b], its cache at caches[b]; the first num_decoding sequences decode one token each.
 
     `read_cache_in_prefill`: fresh prompts attend over their keys as stored in the cache (an int8 cache:
     the same quantised keys that later steps see) instead of the new keys themselves.
+    `gather_rows`: build the cache rows and masks that attention over gathered K/V reads (kv_slots, mask); off
+    for kernels that walk the cache themselves from cachestarts and kvlens (Triton), which saves the host the
+    work and the device a [B, N] copy per step.
     """
     B = len(seqlens)
     if not 0 <= num_decoding <= B or any(n != 1 for n in seqlens[:num_decoding]):
@@ -142,7 +154,10 @@ def make_plan(seqlens: Sequence[int], start_pos: Sequence[int], caches: Sequence
                                torch.cat((zero, torch.cumsum(kvlens, 0))), start_t,
                                attn_mask if attn_mask is not None and attn_mask.numel() else None)
     else:
-        if num_decoding:
+        if num_decoding and not gather_rows:
+            dl = kvlens[:num_decoding]
+            decode = DecodeAttention(None, None, cache[:num_decoding].to(**to), dl.to(**to))
+        elif num_decoding:
             dl = kvlens[:num_decoding]
             n_max = int(dl.max())
             kv_pos = torch.minimum(torch.arange(n_max)[None, :], (dl - 1)[:, None])   # [Bd, N], last row repeated
@@ -163,16 +178,19 @@ def make_plan(seqlens: Sequence[int], start_pos: Sequence[int], caches: Sequence
                     n += 1
             group = slice(b, b + n)
             kv_slots = mask = None
-            if p0 > 0 or read_cache_in_prefill:
+            windowed = bool(sliding_window and S > sliding_window)
+            plain = p0 == 0 and not read_cache_in_prefill and not windowed
+            if gather_rows and (p0 > 0 or read_cache_in_prefill):
                 N = int(kvlens[b])
                 kv_pos = torch.arange(N)[None, :].expand(n, N)
                 kv_slots = _rows(cache[group], kv_pos, paged).to(**to)
-            if p0 > 0 or (sliding_window and S > sliding_window):
+            if gather_rows and (p0 > 0 or windowed):
                 q_pos = start_t[group, None] + torch.arange(S)[None, :]
                 N = int(kvlens[b])
                 mask = _window_mask(q_pos, torch.arange(N)[None, :].expand(n, N), kvlens[group],
                                     sliding_window).to(**to)
-            prefill.append(PrefillGroup(row, n, S, kv_slots, mask))
+            prefill.append(PrefillGroup(row, n, S, kv_slots, mask, plain, cache[group].to(**to),
+                                        kvlens[group].to(**to)))
             row += n * S
             b += n
     return StepPlan(slots.to(**to), cos.to(**to), sin.to(**to), None if last is None else last.to(**to),

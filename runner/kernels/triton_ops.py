@@ -2,121 +2,111 @@
 
 Each op has the reference's signature and meaning:
 
-- skip_rms_norm: residual add and RMSNorm in one pass over each row.
-- apply_rotary: rotates q or k of packed tokens in place (interleaved pairs), strided, so q and k
-  are rotated where the fused qkv GEMM left them.
+- skip_rms_norm: residual add and RMSNorm in one pass over each row; the warps grow with the row width
+  (about 16 elements per thread), so wide rows do not spill.
+- rotary_kv_store: one launch per layer rotates q and k in place (interleaved pairs, loaded as contiguous
+  pairs) and writes the rotated k and v into the cache, quantised to int8 (groups of 8, one scale per
+  group) when the cache is; any cache layout, offset or paged, with the cache's own strides. apply_rotary
+  and kv_store are the same kernel with the cache store, or the rotation, switched off.
 - swiglu: silu(gate) * up in one pass.
-- kv_store: quantise (int8, groups of 8, float16 scales) and store K/V rows into any cache layout,
-  offset or paged, with the cache's own strides.
-- decode_attention: one query token per sequence against its cached keys/values (int8 or float,
-  offset or paged, GQA, sliding window), flash-decoding style: the keys are cut into splits that
-  run in parallel, each keeping a running max / sum, and the splits are merged at the end.
+- decode_attention: one query token per sequence against its cached keys/values. One program per
+  (sequence, KV head, split) takes the whole query group of that KV head (padded to 16 rows for `tl.dot`),
+  so each key/value row is read once per KV head, not once per query head. The split count comes from the
+  SM count and the batch size only (:func:`decode_splits`), never from the history lengths, so a captured
+  CUDA graph stays valid as sequences grow; each program finds its key range from the sequence's length on
+  the device. The splits are merged by a second Triton kernel (none when there is one split).
+- prefill_attention: flash attention of n sequences of S new tokens each over their keys in the cache
+  (causal, offset by each sequence's start, optional sliding window, int8 or float, offset or paged): for
+  continued chunks and other prefill that reads the cache. Fresh prompts of one length attend with torch's
+  SDPA (`attend`, flash attention on GPU, causal without a mask).
 
-They run on CUDA, and on CPU under the Triton interpreter (TRITON_INTERPRET=1, set before Triton is
-imported), which is how CI tests them. Prefill attention stays torch SDPA (flash attention on GPU).
+Every int8 scale is loaded once per group of 8 values. Offsets that can pass 2^31 (cache row x row stride,
+token x token stride) are computed in 64 bits. Rows whose cache slot is negative are not written and
+sequences of length 0 attend to nothing (output 0): that is how a batch is padded to a CUDA graph's bucket.
+
+Each wrapper takes `launch`, the function that launches a kernel (by default: launch it). The ahead-of-time
+compile checks (`runner.kernels.aot`) pass one that records the launch instead, so they compile exactly the
+specialisations the wrappers pick. On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1,
+set before Triton is imported), which is how CI tests them.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP, cache_view
-from runner.kernels.torch_ops import attend, kv_load  # noqa: F401  (prefill attention: torch SDPA)
+from runner.kernels.torch_ops import attend, kv_load  # noqa: F401  (fresh prompts: torch SDPA)
+
+DEFAULT_SM_COUNT = 16   # what decode_splits assumes off CUDA (the interpreter, ahead-of-time compiles)
+MAX_SPLITS = 32
+LOG2E = 1.4426950408889634
+
+
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    kernel[grid](*args, **kwargs)
+
+
+Launch = Callable[..., None]
 
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (DEFAULT_SM_COUNT off CUDA)."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 # --- skip RMSNorm -------------------------------------------------------------------------------
+def norm_warps(block: int) -> int:
+    """Warps for a row of `block` elements: about 16 elements per thread, 1 to 16 warps."""
+    return max(1, min(16, block // 512))
+
+
 @triton.jit
 def _skip_rms_norm_kernel(x_ptr, skip_ptr, w_ptr, y_ptr, r_ptr, D, eps, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64) * D
     offs = tl.arange(0, BLOCK)
     m = offs < D
-    xf = tl.load(x_ptr + row * D + offs, mask=m, other=0.0).to(tl.float32)
+    xf = tl.load(x_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
     if HAS_SKIP:  # the residual is rounded to the input dtype, as the reference's x + skip
-        r = (xf + tl.load(skip_ptr + row * D + offs, mask=m, other=0.0).to(tl.float32)).to(r_ptr.dtype.element_ty)
-        tl.store(r_ptr + row * D + offs, r, mask=m)
+        r = (xf + tl.load(skip_ptr + row + offs, mask=m, other=0.0).to(tl.float32)).to(r_ptr.dtype.element_ty)
+        tl.store(r_ptr + row + offs, r, mask=m)
         xf = r.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
     y = (xf * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * D + offs, (w * y).to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + row + offs, (w * y).to(y_ptr.dtype.element_ty), mask=m)
 
 
-def skip_rms_norm(x: torch.Tensor, skip: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
+def skip_rms_norm(x: torch.Tensor, skip: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+                  launch: Launch = _launch):
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
     y = torch.empty_like(x2)
+    block = _pow2(D)
     if skip is None:
         r = x
-        _skip_rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, x2, D, eps, HAS_SKIP=False, BLOCK=_pow2(D))
+        launch(_skip_rms_norm_kernel, (x2.shape[0],), x2, x2, weight, y, x2, D, eps, HAS_SKIP=False, BLOCK=block,
+               num_warps=norm_warps(block))
     else:
         s2 = skip.reshape(-1, D).contiguous()
         r2 = torch.empty_like(x2)
-        _skip_rms_norm_kernel[(x2.shape[0],)](x2, s2, weight, y, r2, D, eps, HAS_SKIP=True, BLOCK=_pow2(D))
+        launch(_skip_rms_norm_kernel, (x2.shape[0],), x2, s2, weight, y, r2, D, eps, HAS_SKIP=True, BLOCK=block,
+               num_warps=norm_warps(block))
         r = r2.view(x.shape)
     return y.view(x.shape), r
 
 
-# --- rotary ---------------------------------------------------------------------------------------
-@triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_t, stride_h, HALF, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    j = tl.arange(0, BLOCK)
-    m = j < HALF
-    base = x_ptr + t * stride_t + h * stride_h
-    a = tl.load(base + 2 * j, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(base + 2 * j + 1, mask=m, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + t * HALF + j, mask=m, other=0.0)
-    s = tl.load(sin_ptr + t * HALF + j, mask=m, other=0.0)
-    tl.store(base + 2 * j, (a * c - b * s).to(x_ptr.dtype.element_ty), mask=m)
-    tl.store(base + 2 * j + 1, (a * s + b * c).to(x_ptr.dtype.element_ty), mask=m)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """In place on x [T, heads, D] (any token / head strides, contiguous last dim); returns x."""
-    T, nh, D = x.shape
-    if x.stride(-1) != 1:
-        raise ValueError("apply_rotary needs a contiguous last dim")
-    if T:
-        _rotary_kernel[(T, nh)](x, cos.contiguous(), sin.contiguous(), x.stride(0), x.stride(1), D // 2,
-                                BLOCK=_pow2(D // 2))
-    return x
-
-
-# --- SwiGLU ---------------------------------------------------------------------------------------
-@triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, o_ptr, F, stride_g, stride_u, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = col < F
-    g = tl.load(g_ptr + row * stride_g + col, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + col, mask=m, other=0.0).to(tl.float32)
-    tl.store(o_ptr + row * F + col, (g * tl.sigmoid(g) * u).to(o_ptr.dtype.element_ty), mask=m)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gate, up [rows, F] (e.g. the two halves of a fused gate/up GEMM output: row strides allowed)."""
-    F_ = gate.shape[-1]
-    g2, u2 = gate.reshape(-1, F_), up.reshape(-1, F_)
-    if g2.stride(-1) != 1 or u2.stride(-1) != 1:
-        g2, u2 = g2.contiguous(), u2.contiguous()
-    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
-    block = min(_pow2(F_), 1024)
-    if g2.shape[0]:
-        _swiglu_kernel[(g2.shape[0], triton.cdiv(F_, block))](g2, u2, out, F_, g2.stride(0), u2.stride(0), BLOCK=block)
-    return out.view(gate.shape)
-
-
-# --- KV cache store -------------------------------------------------------------------------------
+# --- rotary + KV cache store ----------------------------------------------------------------------
 @triton.jit
 def _round_half_even(x):
     r = tl.floor(x + 0.5)
@@ -126,125 +116,394 @@ def _round_half_even(x):
 
 
 @triton.jit
-def _kv_store_kernel(x_ptr, slots_ptr, c_ptr, s_ptr, stride_xt, stride_xh, c_t, c_h, s_t, s_h, D,
-                     QUANT: tl.constexpr, BLOCK_G: tl.constexpr, GROUP: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slots_ptr + t)
-    g = tl.arange(0, BLOCK_G)
-    d = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # (BLOCK_G, GROUP)
-    m = d < D
-    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=m, other=0.0).to(tl.float32)
-    dst = c_ptr + slot * c_t + h * c_h + d
+def _rotate(x, cos_ptr, sin_ptr, t, HALF, BLOCK: tl.constexpr):
+    """x (BLOCK, 2): pairs (a, b) of one head at token t -> (a cos - b sin, a sin + b cos), float32."""
+    j = tl.arange(0, BLOCK)
+    c = tl.load(cos_ptr + t * HALF + j, mask=j < HALF, other=0.0)
+    s = tl.load(sin_ptr + t * HALF + j, mask=j < HALF, other=0.0)
+    a, b = tl.split(x.to(tl.float32))
+    return tl.join(a * c - b * s, a * s + b * c)
+
+
+@triton.jit
+def _store_row(c_ptr, s_ptr, slot, head, x, c_t, c_h, s_t, s_h, D,
+               QUANT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """Writes one head's row x (BLOCK, 2) into cache row `slot` (int8: quantised per group of GROUP values,
+    one float16 scale per group); nothing when slot < 0."""
+    D = tl.where(slot >= 0, D, 0)  # (a mask `& (slot >= 0)` trips the interpreter on the scalar)
     if QUANT:
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 127.0, 1e-5)  # (BLOCK_G,)
-        q = _round_half_even(x / scale[:, None])
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        tl.store(dst, q.to(tl.int8), mask=m)
-        tl.store(s_ptr + slot * s_t + h * s_h + g, scale.to(tl.float16), mask=g * GROUP < D)
+        NG: tl.constexpr = 2 * BLOCK // GROUP
+        g = tl.reshape(x.to(tl.float32), (NG, GROUP))                       # (NG, GROUP): element gi * GROUP + e
+        scale = tl.maximum(tl.max(tl.abs(g), axis=1) / 127.0, 1e-5)        # (NG,)
+        q = tl.minimum(tl.maximum(_round_half_even(g / scale[:, None]), -127.0), 127.0)
+        gi = tl.arange(0, NG)
+        d = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        tl.store(c_ptr + slot * c_t + head * c_h + d, q.to(tl.int8), mask=d < D)
+        tl.store(s_ptr + slot * s_t + head * s_h + gi, scale.to(tl.float16), mask=gi * GROUP < D)
     else:
-        tl.store(dst, x.to(c_ptr.dtype.element_ty), mask=m)
+        d = 2 * tl.arange(0, BLOCK)[:, None] + tl.arange(0, 2)[None, :]
+        tl.store(c_ptr + slot * c_t + head * c_h + d, x.to(c_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _rotary_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                      sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, c_t, c_h, s_t, s_h, NQ, HALF,
+                      ROTATE: tl.constexpr, STORE: tl.constexpr, QUANT: tl.constexpr,
+                      BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """Program (t, h): h < NQ rotates query head h of token t in place; h >= NQ takes KV head h - NQ:
+    rotates k in place (ROTATE) and writes k and v into the cache (STORE)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = 2 * tl.arange(0, BLOCK)[:, None] + tl.arange(0, 2)[None, :]     # (BLOCK, 2): element 2j + p of a head
+    m = d < 2 * HALF
+    if h < NQ:
+        qp = q_ptr + t * sq_t + h * sq_h + d
+        tl.store(qp, _rotate(tl.load(qp, mask=m, other=0.0), cos_ptr, sin_ptr, t, HALF, BLOCK)
+                 .to(q_ptr.dtype.element_ty), mask=m)
+    else:
+        kh = (h - NQ).to(tl.int64)
+        kp = k_ptr + t * sk_t + kh * sk_h + d
+        k = tl.load(kp, mask=m, other=0.0)
+        if ROTATE:
+            k = _rotate(k, cos_ptr, sin_ptr, t, HALF, BLOCK).to(k_ptr.dtype.element_ty)
+            tl.store(kp, k, mask=m)
+        if STORE:
+            slot = tl.load(slots_ptr + t)
+            v = tl.load(v_ptr + t * sv_t + kh * sv_h + d, mask=m, other=0.0)
+            _store_row(kc_ptr, ks_ptr, slot, kh, k, c_t, c_h, s_t, s_h, 2 * HALF, QUANT, BLOCK, GROUP)
+            _store_row(vc_ptr, vs_ptr, slot, kh, v, c_t, c_h, s_t, s_h, 2 * HALF, QUANT, BLOCK, GROUP)
+
+
+def _rotary_kv(q, k, v, cos, sin, cache, scale, layout, layer, slots, rotate: bool, launch: Launch) -> None:
+    """The one kernel behind rotary_kv_store, apply_rotary (cache None) and kv_store (rotate False)."""
+    heads = [t for t in (q, k, v) if t is not None]
+    T, D = heads[0].shape[0], heads[0].shape[2]
+    if any(t.stride(-1) != 1 for t in heads):
+        raise ValueError("the rotary / cache-store kernel needs contiguous head_dim rows")
+    if T == 0:
+        return
+    nq, nkv = (q.shape[1] if q is not None else 0), (k.shape[1] if k is not None else 0)
+    store = cache is not None
+    block = _pow2(D // 2)
+    if scale is not None:
+        block = max(block, QUANT_GROUP // 2)
+    if store:
+        view = cache_view(cache, layout)[layer]                          # (2, MaxT, KV, D)
+        sview = cache_view(scale, layout)[layer] if scale is not None else view
+        kc, vc, ks, vs = view[0], view[1], sview[0], sview[1]
+        c_t, c_h, s_t, s_h = view.stride(1), view.stride(2), sview.stride(1), sview.stride(2)
+        slots = slots.contiguous()
+    else:
+        kc = vc = ks = vs = slots = heads[0]
+        c_t = c_h = s_t = s_h = 0
+    q_, k_, v_ = (t if t is not None else heads[0] for t in (q, k, v))
+    if rotate:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    else:
+        cos = sin = heads[0]
+    launch(_rotary_kv_kernel, (T, nq + nkv), q_, k_, v_, cos, sin, slots, kc, vc, ks, vs,
+           q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1), c_t, c_h, s_t, s_h,
+           nq, D // 2, ROTATE=rotate, STORE=store, QUANT=scale is not None, BLOCK=block, GROUP=QUANT_GROUP,
+           num_warps=1 if block <= 64 else 2)
+
+
+def rotary_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int, slots: torch.Tensor,
+                    launch: Launch = _launch) -> None:
+    """reference.apply_rotary on q [T, H, D] and k [T, KV, D] (in place), then reference.kv_store of the rotated
+    k and v [T, KV, D] into rows `slots` of layer `layer`: one launch. Any token / head strides (the views of a
+    fused qkv GEMM output); rows with a negative slot are rotated but not stored."""
+    _rotary_kv(q, k, v, cos, sin, cache, scale, layout, layer, slots, True, launch)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, launch: Launch = _launch) -> torch.Tensor:
+    """In place on x [T, heads, D] (any token / head strides, contiguous last dim); returns x."""
+    _rotary_kv(x, None, None, cos, sin, None, None, 0, 0, None, True, launch)
+    return x
 
 
 def kv_store(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
-             k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    view = cache_view(cache, layout)[layer]  # (2, MaxT, KV, D)
-    T, KV, D = k.shape
-    if T == 0:
-        return
-    slots = slots.contiguous()
-    sview = cache_view(scale, layout)[layer] if scale is not None else None
-    group = QUANT_GROUP if scale is not None else _pow2(D)
-    for i, x in enumerate((k, v)):
-        c, s = view[i], (sview[i] if sview is not None else view[i])
-        if c.stride(-1) != 1 or x.stride(-1) != 1:
-            raise ValueError("kv_store needs contiguous head_dim rows")
-        _kv_store_kernel[(T, KV)](x, slots, c, s, x.stride(0), x.stride(1), c.stride(0), c.stride(1),
-                                  s.stride(0), s.stride(1), D, QUANT=scale is not None,
-                                  BLOCK_G=_pow2(triton.cdiv(D, group)), GROUP=group)
+             k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, launch: Launch = _launch) -> None:
+    _rotary_kv(None, k, v, None, None, cache, scale, layout, layer, slots, False, launch)
 
 
-# --- decode attention (flash decoding) ------------------------------------------------------------
+# --- SwiGLU ---------------------------------------------------------------------------------------
 @triton.jit
-def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_ptr,
-                        acc_ptr, m_ptr, l_ptr,
-                        stride_qb, stride_qh, c_t, c_h, s_t, s_h, stride_sb,
-                        sm_scale, window, GQA, H, D, SPLIT_LEN, NUM_SPLITS,
-                        PAGED: tl.constexpr, QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    sp = tl.program_id(2)
-    kvlen = tl.load(kvlens_ptr + b)
-    kvh = h // GQA
+def _swiglu_kernel(g_ptr, u_ptr, o_ptr, F, stride_g, stride_u, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = col < F
+    g = tl.load(g_ptr + row * stride_g + col, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + col, mask=m, other=0.0).to(tl.float32)
+    tl.store(o_ptr + row * F + col, (g * tl.sigmoid(g) * u).to(o_ptr.dtype.element_ty), mask=m)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, launch: Launch = _launch) -> torch.Tensor:
+    """gate, up [rows, F] (e.g. the two halves of a fused gate/up GEMM output: row strides allowed)."""
+    F_ = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, F_), up.reshape(-1, F_)
+    if g2.stride(-1) != 1 or u2.stride(-1) != 1:
+        g2, u2 = g2.contiguous(), u2.contiguous()
+    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    block = min(_pow2(F_), 1024)
+    if g2.shape[0]:
+        launch(_swiglu_kernel, (g2.shape[0], triton.cdiv(F_, block)), g2, u2, out, F_, g2.stride(0), u2.stride(0),
+               BLOCK=block, num_warps=4)
+    return out.view(gate.shape)
+
+
+# --- attention over the cache ---------------------------------------------------------------------
+def exact_dot(dtype: torch.dtype) -> bool:
+    """Whether tl.dot runs on float32 copies of its operands, exactly (ieee): for float32 tensors (no tf32), and
+    for bfloat16 under the interpreter, whose tl.dot multiplies the raw bits of bfloat16 values (the copies are
+    exact, so the products are those of a GPU's bfloat16 tensor cores, accumulated in float32 as there)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def dot_acc(a, b, EXACT: tl.constexpr):
+    """a @ b accumulated in float32 (see exact_dot)."""
+    if EXACT:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _cache_rows(starts_ptr, b, j, valid, stride_sb, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """Cache rows (int64) of key positions j [N] of sequence b (offset: start + j; paged: page start + j % PAGE)."""
+    if PAGED:
+        rows = tl.load(starts_ptr + b * stride_sb + j // PAGE, mask=valid, other=0) + j % PAGE
+    else:
+        rows = tl.load(starts_ptr + b) + j
+    return rows
+
+
+@triton.jit
+def _kv_tile(c_ptr, s_ptr, slot, head, valid, c_t, c_h, s_t, s_h, D, out_ty: tl.constexpr, QUANT: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
+    """Rows `slot` [BLOCK_N] of KV head `head` -> (BLOCK_N, BLOCK_D) in out_ty (int8: q * scale, one scale per
+    group of GROUP values, as reference.dequantize_int8)."""
     d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=dm, other=0.0).to(tl.float32)
-    start = sp * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, kvlen)
+    m = valid[:, None] & (d < D)[None, :]
+    x = tl.load(c_ptr + slot[:, None] * c_t + head * c_h + d[None, :], mask=m, other=0)
+    if QUANT:
+        NG: tl.constexpr = BLOCK_D // GROUP
+        gi = tl.arange(0, NG)
+        sc = tl.load(s_ptr + slot[:, None] * s_t + head * s_h + gi[None, :],
+                     mask=valid[:, None] & (gi * GROUP < D)[None, :], other=0.0).to(tl.float32)    # (BLOCK_N, NG)
+        x = tl.reshape(tl.reshape(x.to(tl.float32), (BLOCK_N, NG, GROUP)) * sc[:, :, None], (BLOCK_N, BLOCK_D))
+    return x.to(out_ty)
+
+
+@triton.jit
+def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_ptr, out_ptr, part_ptr,
+                        stride_qb, stride_qh, c_t, c_h, s_t, s_h, stride_sb, qk_scale, window, G, H, D, NUM_SPLITS,
+                        PAGED: tl.constexpr, QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+                        EXACT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PAGE: tl.constexpr, GROUP: tl.constexpr):
+    """Program (b, kvh, sp): the G query heads of KV head kvh of sequence b against split sp of its keys."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
+    kvlen = tl.load(kvlens_ptr + b).to(tl.int32)
     lo = 0
-    if HAS_WINDOW:
-        lo = kvlen - window  # the query sits at kvlen - 1 and sees keys j > kvlen - 1 - window
-    m_i = tl.full((), float("-inf"), tl.float32)
-    l_i = tl.full((), 0.0, tl.float32)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
+    if HAS_WINDOW:  # the query sits at kvlen - 1 and sees keys j > kvlen - 1 - window
+        lo = tl.maximum(kvlen - window, 0)
+    per = tl.cdiv(tl.cdiv(kvlen - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N  # keys per split, whole blocks
+    start = lo + sp * per
+    end = tl.minimum(start + per, kvlen)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * G + g
+    qm = (g < G)[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qm, other=0.0)  # (BG, BD)
+    ty = q_ptr.dtype.element_ty
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     for n0 in range(start, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         inside = j < end
-        valid = inside & (j >= lo)
-        if PAGED:
-            slot = tl.load(starts_ptr + b * stride_sb + j // PAGE, mask=inside, other=0) + j % PAGE
-        else:
-            slot = tl.load(starts_ptr + b) + j
-        mask2 = valid[:, None] & dm[None, :]
-        kk = tl.load(k_ptr + slot[:, None] * c_t + kvh * c_h + d[None, :], mask=mask2, other=0.0).to(tl.float32)
-        vv = tl.load(v_ptr + slot[:, None] * c_t + kvh * c_h + d[None, :], mask=mask2, other=0.0).to(tl.float32)
-        if QUANT:
-            sidx = slot[:, None] * s_t + kvh * s_h + (d // GROUP)[None, :]
-            kk = kk * tl.load(ks_ptr + sidx, mask=mask2, other=0.0).to(tl.float32)
-            vv = vv * tl.load(vs_ptr + sidx, mask=mask2, other=0.0).to(tl.float32)
-        s = tl.sum(q[None, :] * kk, axis=1) * sm_scale
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * vv, axis=0)
+        slot = _cache_rows(starts_ptr, b, j, inside, stride_sb, PAGED, PAGE)
+        k = _kv_tile(k_ptr, ks_ptr, slot, kvh, inside, c_t, c_h, s_t, s_h, D, ty, QUANT, BLOCK_N, BLOCK_D, GROUP)
+        v = _kv_tile(v_ptr, vs_ptr, slot, kvh, inside, c_t, c_h, s_t, s_h, D, ty, QUANT, BLOCK_N, BLOCK_D, GROUP)
+        s = dot_acc(q, tl.trans(k), EXACT)
+        s = tl.where(inside[None, :], s * qk_scale, float("-inf"))        # (BG, BN), log2 units
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))                       # finite: every block has a key
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + dot_acc(p.to(ty), v, EXACT)
         m_i = m_new
-    row = (b * H + h) * NUM_SPLITS + sp
-    tl.store(acc_ptr + row * D + d, acc, mask=dm)
-    tl.store(m_ptr + row, m_i)
-    tl.store(l_ptr + row, l_i)
+    if SPLIT:  # partials [B, H, NUM_SPLITS, D + 2]: acc, then the running max (log2) and sum
+        row = ((b * H + heads) * NUM_SPLITS + sp) * (D + 2)
+        tl.store(part_ptr + row[:, None] + d[None, :], acc, mask=qm)
+        tl.store(part_ptr + row + D, m_i, mask=g < G)
+        tl.store(part_ptr + row + D + 1, l_i, mask=g < G)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]             # l == 0: no keys (a padding row)
+        tl.store(out_ptr + (b * H + heads[:, None]) * D + d[None, :], out.to(ty), mask=qm)
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, out_ptr, H, D, NUM_SPLITS, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (b, h): out[b, h] = sum_s acc_s 2^(m_s - m) / sum_s l_s 2^(m_s - m), m = max_s m_s."""
+    bh = tl.program_id(0).to(tl.int64) * H + tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    sm = s < NUM_SPLITS
+    base = (bh * NUM_SPLITS + s) * (D + 2)
+    m = tl.load(part_ptr + base + D, mask=sm, other=float("-inf"))
+    lsum = tl.load(part_ptr + base + D + 1, mask=sm, other=0.0)
+    mx = tl.max(m, axis=0)
+    w = tl.math.exp2(m - tl.where(mx == float("-inf"), 0.0, mx))        # empty splits weigh 0
+    acc = tl.load(part_ptr + base[:, None] + d[None, :], mask=sm[:, None] & (d < D)[None, :], other=0.0)
+    den = tl.sum(lsum * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(den == 0.0, 1.0, den)
+    tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def decode_splits(batch: int, kv_heads: int, sms: int) -> int:
+    """Key splits per (sequence, KV head) of decode attention: enough programs for two per SM, at most
+    MAX_SPLITS. A function of the batch size (a CUDA graph's bucket) and the device only."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * sms, max(batch * kv_heads, 1))))
+
+
+def decode_blocks(head_dim: int, quantized: bool) -> tuple[int, int, int]:
+    """(BLOCK_G, BLOCK_N, BLOCK_D) of decode attention: the query group padded to 16 rows (tl.dot's least),
+    64 keys per step (32 from head_dim 128 with an int8 cache, whose dequantised tiles are float32 for a while,
+    and above head_dim 128: more spills registers), head_dim padded to a power of two (at least 16)."""
+    block_d = max(16, _pow2(head_dim))
+    return 16, 64 if block_d < 128 or (block_d == 128 and not quantized) else 32, block_d
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
                      cachestarts: torch.Tensor, kvlens: torch.Tensor, cache_mode: int,
-                     sliding_window: Optional[int] = None, max_kvlen: Optional[int] = None,
-                     split_len: Optional[int] = None, block_n: int = 32) -> torch.Tensor:
+                     sliding_window: Optional[int] = None, num_splits: Optional[int] = None,
+                     launch: Launch = _launch) -> torch.Tensor:
     """q [B, H, D]: one new token per sequence, already in the cache at position kvlens[b] - 1.
-    Returns [B, H, D] in q's dtype; the math of reference.attention_packed for decoding sequences."""
+    Returns [B, H, D] in q's dtype; the math of reference.attention_packed for decoding sequences. No host
+    sync and no shape that depends on the history lengths (capturable in a CUDA graph)."""
     B, H, D = q.shape
+    if q.stride(-1) != 1:
+        raise ValueError("decode_attention needs a contiguous head_dim")
     view = cache_view(cache, layout)[layer]          # (2, MaxT, KV, D)
     KV = view.shape[2]
-    max_kv = int(max_kvlen if max_kvlen is not None else kvlens.max())
-    if split_len is None:  # enough programs to fill the GPU, each with a few blocks of keys
-        target = max(1, 256 // max(B * H, 1))
-        split_len = max(block_n, triton.cdiv(triton.cdiv(max_kv, target), block_n) * block_n)
-    splits = triton.cdiv(max(max_kv, 1), split_len)
-    acc = torch.empty(B * H * splits, D, dtype=torch.float32, device=q.device)
-    m = torch.empty(B * H * splits, dtype=torch.float32, device=q.device)
-    lsum = torch.empty_like(m)
+    if num_splits is None:
+        num_splits = decode_splits(B, KV, sm_count(q.device))
+    block_g, block_n, block_d = decode_blocks(D, scale is not None)
+    G = H // KV
+    if G > block_g:
+        block_g = _pow2(G)
+    out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    split = num_splits > 1
+    part = torch.empty(B * H * num_splits * (D + 2) if split else 1, dtype=torch.float32, device=q.device)
     sview = cache_view(scale, layout)[layer] if scale is not None else view
     starts = cachestarts.contiguous()
-    _decode_attn_kernel[(B, H, splits)](
-        q, view[0], view[1], sview[0], sview[1], starts, kvlens.contiguous(), acc, m, lsum,
-        q.stride(0), q.stride(1), view.stride(1), view.stride(2), sview.stride(1), sview.stride(2),
-        starts.stride(0) if starts.dim() == 2 else 0, 1.0 / math.sqrt(D), int(sliding_window or 0), H // KV, H, D,
-        split_len, splits, PAGED=cache_mode == 1, QUANT=scale is not None, HAS_WINDOW=bool(sliding_window),
-        BLOCK_N=block_n, BLOCK_D=_pow2(D), PAGE=PAGE_SIZE, GROUP=QUANT_GROUP)
-    m, lsum, acc = m.view(B, H, splits), lsum.view(B, H, splits), acc.view(B, H, splits, D)
-    mx = m.amax(-1, keepdim=True)                    # merge the splits: rescale each to the common max
-    w = torch.where(m == float("-inf"), torch.zeros_like(m), torch.exp(m - mx))
-    out = (acc * w[..., None]).sum(2) / (lsum * w).sum(-1, keepdim=True)
-    return out.to(q.dtype)
+    launch(_decode_attn_kernel, (B, KV, num_splits), q, view[0], view[1], sview[0], sview[1], starts,
+           kvlens.contiguous(), out, part, q.stride(0), q.stride(1), view.stride(1), view.stride(2), sview.stride(1),
+           sview.stride(2), starts.stride(0) if starts.dim() == 2 else 0, LOG2E / math.sqrt(D),
+           int(sliding_window or 0), G, H, D, num_splits, PAGED=cache_mode == 1, QUANT=scale is not None,
+           HAS_WINDOW=bool(sliding_window), SPLIT=split, EXACT=exact_dot(q.dtype), BLOCK_G=block_g,
+           BLOCK_N=block_n, BLOCK_D=block_d, PAGE=PAGE_SIZE, GROUP=QUANT_GROUP, num_warps=4, num_stages=3)
+    if split:
+        launch(_merge_splits_kernel, (B, H), part, out, H, D, num_splits, BLOCK_S=_pow2(num_splits),
+               BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2)
+    return out
+
+
+@triton.jit
+def _prefill_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_ptr, out_ptr,
+                         stride_qt, stride_qh, c_t, c_h, s_t, s_h, stride_sb, qk_scale, window, S, G, H, D,
+                         PAGED: tl.constexpr, QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr, EXACT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                         GROUP: tl.constexpr):
+    """Program (blk, b, kvh): rows blk * BLOCK_M .. of the (token, query head of kvh) pairs of sequence b,
+    row r = token r // G, head kvh * G + r % G; the tokens sit at positions kvlen - S ...; flash attention
+    over the keys each may see."""
+    blk = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    kvh = tl.program_id(2).to(tl.int64)
+    kvlen = tl.load(kvlens_ptr + b).to(tl.int32)
+    p0 = kvlen - S                                                      # position of the first new token
+    r = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = r < S * G
+    i = r // G
+    pos = p0 + i
+    heads = kvh * G + r % G
+    tok = b * S + i
+    d = tl.arange(0, BLOCK_D)
+    qm = rm[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qm, other=0.0)
+    ty = q_ptr.dtype.element_ty
+    hi = tl.minimum(p0 + (tl.minimum(blk * BLOCK_M + BLOCK_M, S * G) - 1) // G + 1, kvlen)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(p0 + (blk * BLOCK_M) // G - window + 1, 0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        inside = j < hi
+        slot = _cache_rows(starts_ptr, b, j, inside, stride_sb, PAGED, PAGE)
+        k = _kv_tile(k_ptr, ks_ptr, slot, kvh, inside, c_t, c_h, s_t, s_h, D, ty, QUANT, BLOCK_N, BLOCK_D, GROUP)
+        v = _kv_tile(v_ptr, vs_ptr, slot, kvh, inside, c_t, c_h, s_t, s_h, D, ty, QUANT, BLOCK_N, BLOCK_D, GROUP)
+        s = dot_acc(q, tl.trans(k), EXACT)
+        seen = inside[None, :] & (j[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            seen = seen & (j[None, :] > pos[:, None] - window)
+        s = tl.where(seen, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # a row that has seen no key yet
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + dot_acc(p.to(ty), v, EXACT)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (tok[:, None] * H + heads[:, None]) * D + d[None, :], out.to(ty), mask=qm)
+
+
+def prefill_blocks(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) of prefill attention."""
+    block_d = max(16, _pow2(head_dim))
+    if block_d <= 64:
+        return 64, 64, block_d, 4
+    if block_d <= 128:
+        return 64, 64, block_d, 8
+    return 64, 32, block_d, 8
+
+
+def prefill_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
+                      cachestarts: torch.Tensor, kvlens: torch.Tensor, cache_mode: int, seqlen: int,
+                      sliding_window: Optional[int] = None, launch: Launch = _launch) -> torch.Tensor:
+    """q [n * seqlen, H, D]: seqlen new tokens of each of n sequences (already in the cache, the last at
+    kvlens[b] - 1), each attending causally over its keys in the cache (and within the sliding window).
+    Returns [n * seqlen, H, D] in q's dtype: reference.attention_packed for these sequences."""
+    T, H, D = q.shape
+    if q.stride(-1) != 1:
+        raise ValueError("prefill_attention needs a contiguous head_dim")
+    n = kvlens.shape[0]
+    if n * seqlen != T:
+        raise ValueError(f"prefill_attention: {T} query rows for {n} sequences of {seqlen} tokens")
+    view = cache_view(cache, layout)[layer]
+    KV = view.shape[2]
+    G = H // KV
+    block_m, block_n, block_d, warps = prefill_blocks(D)
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    sview = cache_view(scale, layout)[layer] if scale is not None else view
+    starts = cachestarts.contiguous()
+    launch(_prefill_attn_kernel, (triton.cdiv(seqlen * G, block_m), n, KV), q, view[0], view[1], sview[0], sview[1],
+           starts, kvlens.contiguous(), out, q.stride(0), q.stride(1), view.stride(1), view.stride(2),
+           sview.stride(1), sview.stride(2), starts.stride(0) if starts.dim() == 2 else 0, LOG2E / math.sqrt(D),
+           int(sliding_window or 0), seqlen, G, H, D, PAGED=cache_mode == 1, QUANT=scale is not None,
+           HAS_WINDOW=bool(sliding_window), EXACT=exact_dot(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
+           BLOCK_D=block_d, PAGE=PAGE_SIZE, GROUP=QUANT_GROUP, num_warps=warps, num_stages=2)
+    return out

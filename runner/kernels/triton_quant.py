@@ -15,13 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.kernels.triton_ops import dot_acc, exact_dot
+
 
 @triton.jit
-def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, G, INT4: tl.constexpr, FP32: tl.constexpr,
+def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, G, INT4: tl.constexpr, EXACT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)   # row x K, row x N can pass 2^31 (a large
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)   # vocabulary x hidden)
     mm, mn = rm < M, rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if not INT4:
@@ -39,18 +41,20 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, G, INT4: tl.conste
             w = (q.to(tl.float32) - 8.0) * s[:, None]
         else:
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0).to(tl.float32)
-        if FP32:  # float32 activations: exact products, no tf32
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        acc += dot_acc(x, tl.trans(w.to(x.dtype)), EXACT)  # float32 activations: exact products, no tf32
     if not INT4:
         acc = acc * scale[None, :]
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
 
-def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, method: str, group_size: int = 0
-                 ) -> torch.Tensor:
-    """x [M, K] @ dequant(qweight, scale)^T -> [M, N] in x's dtype."""
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    kernel[grid](*args, **kwargs)
+
+
+def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, method: str, group_size: int = 0,
+                 launch=_launch) -> torch.Tensor:
+    """x [M, K] @ dequant(qweight, scale)^T -> [M, N] in x's dtype. `launch` launches the kernel (see
+    runner.kernels.triton_ops: the ahead-of-time compile checks record the launch instead)."""
     x = x.contiguous()
     M, K = x.shape
     N = qweight.shape[0]
@@ -62,9 +66,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, me
     block_m = 16 if M <= 16 else 64
     block_n = 64
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _quant_matmul_kernel[grid](x, qweight.contiguous(), scale.contiguous(), y, M, N, K, max(group_size, 1),
-                               INT4=int4, FP32=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
-                               BLOCK_K=block_k)
+    launch(_quant_matmul_kernel, grid, x, qweight.contiguous(), scale.contiguous(), y, M, N, K, max(group_size, 1),
+           INT4=int4, EXACT=exact_dot(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return y
 
 

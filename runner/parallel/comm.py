@@ -107,6 +107,7 @@ class Watchdog:
 
 class SingleComm:
     rank, world_size = 0, 1
+    captures_cuda_graphs = True  # nothing to communicate: a CUDA graph of the step holds no collective
 
     def guard(self, what: str):
         return nullcontext()
@@ -144,6 +145,7 @@ def _cat_gathered(flat: torch.Tensor, world: int, t: torch.Tensor, dim: int) -> 
 
 class MpiComm:
     """mpi4py on CPU tensors: in-place Allreduce, Allgather, Bcast."""
+    captures_cuda_graphs = False
 
     def __init__(self, env: LaunchEnv, timeout_s: float = DEFAULT_TIMEOUT_S):
         MPI = mpi()
@@ -209,6 +211,7 @@ class TorchComm:
         self.dist, self.device = dist, device
         self.rank, self.world_size = env.rank, env.world_size
         backend = "nccl" if device.type == "cuda" else "gloo"
+        self.captures_cuda_graphs = backend == "nccl"  # NCCL collectives run inside a CUDA graph; gloo's do not
         kwargs = dict(backend=backend, rank=env.rank, world_size=env.world_size, timeout=PROCESS_GROUP_TIMEOUT)
         if env.launcher == "mpi":  # mpirun sets no MASTER_ADDR: rank 0 publishes a reachable address
             kwargs["init_method"] = _mpi_rendezvous()

@@ -1,0 +1,251 @@
+"""Ahead-of-time compiles of the Triton kernels for NVIDIA GPUs, on a machine without one.
+
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` runs Triton's whole pipeline down to
+ptxas (which ships in the triton wheel) with no driver, which catches what the interpreter cannot: code that
+does not compile for a real GPU, and register spills. The specialisations compiled are the engine's own:
+each op's wrapper is called on meta tensors shaped as the engine's tensors are (models with head_dim 64 and
+128, float16 and bfloat16, every cache layout, offset and paged, float and int8 caches, decode and prefill
+batches), with a `launch` that records the kernel, its arguments and the block sizes / warps the wrapper
+picked instead of launching; each recorded launch is specialised exactly as a launch on a GPU would be
+(Triton's own argument binder: types, 16-byte alignment and divisibility of the integers) and compiled for
+each target.
+
+    python -m runner.kernels.aot [--arch 80,90] [--json FILE]
+
+prints one line per distinct compile (kernel, registers, spill bytes, what it serves) and exits 1 if a
+kernel spills or a Triton kernel of runner.kernels.triton_ops / triton_quant was not compiled. Must run
+without TRITON_INTERPRET (under the interpreter the kernels are not compilable objects). tests/test_triton_aot.py
+runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import JITFunction, KernelInterface, create_function_from_signature
+
+from runner.engine.cache import new_cache
+from runner.kernels import triton_ops, triton_quant
+
+META = torch.device("meta")
+H100_SMS = 132            # the split count of decode attention follows the SM count (triton_ops.decode_splits)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The per-rank shapes of a model the engine runs."""
+    name: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: int = 32
+    window: Optional[int] = None
+
+
+MODELS = (
+    ModelShape("llama-2-7b", 4096, 32, 32, 128, 11008),
+    ModelShape("llama-3-8b", 4096, 32, 8, 128, 14336),
+    ModelShape("llama-3.2-1b", 2048, 32, 8, 64, 8192, layers=16),
+    ModelShape("mistral-7b-window", 4096, 32, 8, 128, 14336, window=4096),
+)
+WIDE_NORMS = (8192, 16384)   # hidden sizes of 70B / 405B models: the norm's warps grow with the width
+DTYPES = (torch.float16, torch.bfloat16)
+BF16_MODELS = ("llama-3-8b", "llama-3.2-1b")  # bfloat16 on one model per head_dim (keeps CI's compile time down)
+CACHE_ROWS = 65536
+
+
+@dataclass
+class Launch:
+    kernel: Any
+    grid: tuple
+    args: tuple
+    kwargs: dict
+    labels: list = field(default_factory=list)
+
+
+def record(op, *args, **kwargs) -> list[Launch]:
+    """The kernel launches `op(*args, **kwargs)` makes, recorded instead of launched."""
+    out: list[Launch] = []
+    op(*args, **kwargs, launch=lambda kernel, grid, *a, **kw: out.append(Launch(kernel, grid, a, kw)))
+    return out
+
+
+def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
+    """Every launch the engine's Triton ops make over the given models and dtypes, labelled."""
+    found: list[Launch] = []
+
+    def add(label: str, op, *args, **kwargs):
+        for ln in record(op, *args, **kwargs):
+            ln.labels.append(label)
+            found.append(ln)
+
+    for dt in dtypes:
+        name = str(dt).replace("torch.", "")
+        for width in WIDE_NORMS:
+            x = torch.empty(4, width, dtype=dt, device=META)
+            add(f"norm {width} {name}", triton_ops.skip_rms_norm, x, x, x[0], 1e-5)
+        for m in models:
+            if dt == torch.bfloat16 and m.name not in BF16_MODELS:
+                continue
+            H, KV, D = m.heads, m.kv_heads, m.head_dim
+            tag = f"{m.name} {name}"
+            for T in (1, 512):      # decode and prefill rows
+                x = torch.empty(T, m.hidden, dtype=dt, device=META)
+                add(f"{tag} norm", triton_ops.skip_rms_norm, x, x, x[0], 1e-5)
+                add(f"{tag} norm (no residual)", triton_ops.skip_rms_norm, x, None, x[0], 1e-5)
+                gate_up = torch.empty(T, 2 * m.intermediate, dtype=dt, device=META)
+                add(f"{tag} swiglu", triton_ops.swiglu, *gate_up.chunk(2, dim=-1))
+                for method, group in (("int8", 0), ("int4", 128), ("int4", 16)):
+                    qw = torch.empty(m.hidden, m.hidden // (2 if method == "int4" else 1), device=META,
+                                     dtype=torch.uint8 if method == "int4" else torch.int8)
+                    scale = torch.empty((m.hidden, m.hidden // group) if group else (m.hidden,), device=META)
+                    add(f"{tag} {method} g{group} linear, {T} rows", triton_quant.quant_matmul, x, qw, scale,
+                        method, group)
+            slots = torch.empty(512, dtype=torch.int64, device=META)
+            cos = torch.empty(512, D // 2, dtype=torch.float32, device=META)
+            qkv = torch.empty(512, (H + 2 * KV) * D, dtype=dt, device=META)
+            q, k, v = (t.view(512, -1, D) for t in qkv.split([H * D, KV * D, KV * D], dim=-1))
+            add(f"{tag} rotary", triton_ops.apply_rotary, q, cos, cos)
+            for layout in range(4):
+                for quant in (False, True):
+                    cache, scale = new_cache(layout, m.layers, CACHE_ROWS, KV, D, dt, META, quant)
+                    ctag = f"{tag} layout {layout}{' int8' if quant else ''}"
+                    add(f"{ctag} rotary+store", triton_ops.rotary_kv_store, q, k, v, cos, cos, cache, scale, layout,
+                        3, slots)
+                    add(f"{ctag} store", triton_ops.kv_store, cache, scale, layout, 3, k, v, slots)
+                    for mode in (0, 1):
+                        mtag = f"{ctag} {'paged' if mode else 'offset'}"
+                        for B in (1, 64):
+                            starts = torch.empty((B, 32) if mode else (B,), dtype=torch.int64, device=META)
+                            kvlens = torch.empty(B, dtype=torch.int64, device=META)
+                            qd = torch.empty(B, (H + 2 * KV) * D, dtype=dt, device=META)[:, : H * D].view(B, H, D)
+                            add(f"{mtag} decode B={B}", triton_ops.decode_attention, qd, cache, scale, layout, 3,
+                                starts, kvlens, mode, m.window, num_splits=triton_ops.decode_splits(B, KV, H100_SMS))
+                        starts = torch.empty((2, 32) if mode else (2,), dtype=torch.int64, device=META)
+                        add(f"{mtag} prefill", triton_ops.prefill_attention, q, cache, scale, layout, 3, starts,
+                            torch.empty(2, dtype=torch.int64, device=META), mode, 256, m.window)
+    return found
+
+
+def all_kernels() -> list[str]:
+    """Names of the Triton kernels (not the jit helpers they call) in triton_ops and triton_quant."""
+    return sorted(name for mod in (triton_ops, triton_quant) for name, v in vars(mod).items()
+                  if isinstance(v, KernelInterface) and name.endswith("_kernel"))
+
+
+def specialise(launch: Launch, target: GPUTarget):
+    """(signature, constexprs, attrs, options) of `launch` on `target`, as JITFunction.run works them out."""
+    kernel = launch.kernel
+    if not isinstance(kernel, JITFunction):
+        raise RuntimeError(f"{kernel} is not a JITFunction: run the ahead-of-time compiles without TRITON_INTERPRET")
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, spec, opts = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, dict(launch.kwargs), bound, spec, opts)
+    return signature, constexprs, attrs, options
+
+
+@dataclass
+class Compiled:
+    kernel: str
+    arch: int
+    num_warps: int
+    constexprs: dict
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    seconds: float
+    labels: list
+
+
+_USED = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def compile_for(launch: Launch, arch: int, signature, constexprs, attrs, options) -> Compiled:
+    """Compiles one specialisation for sm_<arch>; registers and spills from ptxas's own report."""
+    target = GPUTarget("cuda", arch, 32)
+    log = io.StringIO()
+    t0 = time.perf_counter()
+    with triton.knobs.nvidia.scope(), triton.knobs.compilation.scope(), contextlib.redirect_stdout(log):
+        triton.knobs.nvidia.dump_ptxas_log = True      # ptxas -v's report, printed after each compile
+        triton.knobs.compilation.always_compile = True  # never a cache hit (it would skip ptxas and its report)
+        ck = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
+                            options=options.__dict__)
+    seconds = time.perf_counter() - t0
+    text = log.getvalue()
+    used, spill = _USED.search(text), _SPILL.search(text)
+    if not ck.asm.get("cubin") or used is None or spill is None:
+        raise RuntimeError(f"{launch.kernel.__name__} for sm_{arch}: no cubin or no ptxas report:\n{text[-2000:]}")
+    names = launch.kernel.arg_names
+    return Compiled(launch.kernel.__name__, arch, ck.metadata.num_warps,
+                    {names[k[0]]: v for k, v in constexprs.items() if isinstance(v, (int, bool))},
+                    int(used.group(1)), int(spill.group(1)), int(spill.group(2)), seconds, list(launch.labels))
+
+
+def compile_all(launches: list[Launch], archs) -> list[Compiled]:
+    """Each distinct specialisation among `launches`, compiled once per arch."""
+    results = []
+    for arch in archs:
+        seen: dict = {}
+        for ln in launches:
+            signature, constexprs, attrs, options = specialise(ln, GPUTarget("cuda", arch, 32))
+            key = (ln.kernel.__name__, json.dumps(signature, sort_keys=True), repr(sorted(constexprs.items())),
+                   repr(sorted(attrs.items())), repr(sorted(options.__dict__.items())))
+            if key in seen:
+                seen[key].labels.extend(ln.labels)
+                continue
+            seen[key] = res = compile_for(ln, arch, signature, constexprs, attrs, options)
+            results.append(res)
+    return results
+
+
+def main(arch: str = "80,90", json_out: Optional[str] = None, canary: bool = False) -> int:
+    """Compiles every engine specialisation for each arch; `canary` adds one deliberately spilling compile
+    (a 16384-wide norm row on one warp) to show that spills are detected."""
+    archs = [int(a) for a in str(arch).split(",") if a.strip()]
+    launches = engine_launches()
+    results = compile_all(launches, archs)
+    extra = []
+    if canary:
+        x = torch.empty(1, 16384, dtype=torch.float16, device=META)
+        ln = record(triton_ops.skip_rms_norm, x, x, x[0], 1e-5)[0]
+        ln.kwargs["num_warps"] = 1
+        ln.labels.append("canary: 16384-wide row on one warp")
+        extra = compile_all([ln], archs[-1:])
+    for r in results + extra:
+        consts = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in r.constexprs.items())
+        print(f"sm_{r.arch} {r.kernel:<24} warps {r.num_warps:>2} regs {r.registers:>3} spill {r.spill_stores}/"
+              f"{r.spill_loads} {r.seconds:5.2f}s [{consts}] {r.labels[0]} (+{len(r.labels) - 1})")
+    missing = sorted(set(all_kernels()) - {r.kernel for r in results})
+    spilled = [r for r in results if r.spill_stores or r.spill_loads]
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({"kernels": all_kernels(), "missing": missing, "results": [vars(r) for r in results],
+                       "canary": [vars(r) for r in extra]}, f, indent=1)
+    print(f"{len(results)} compiles, {sum(r.seconds for r in results):.1f}s; missing: {missing or 'none'}; "
+          f"spilling: {[(r.kernel, r.arch, r.labels[0]) for r in spilled] or 'none'}")
+    return 1 if missing or spilled else 0
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="80,90", help="compute capabilities, e.g. 80,90")
+    ap.add_argument("--json", dest="json_out", help="write the results to this JSON file")
+    ap.add_argument("--canary", action="store_true", help="also compile a deliberately spilling kernel")
+    sys.exit(main(**vars(ap.parse_args())))

@@ -1,0 +1,99 @@
+"""Ahead-of-time compiles of every Triton kernel for sm_80 and sm_90, without a GPU (runner.kernels.aot).
+
+The engine's real specialisations (head_dim 64 and 128, float16 and bfloat16, every cache layout, offset and
+paged, float and int8 caches, decode with and without split-K, prefill, sliding windows, int8 / int4 linears),
+as the ops' wrappers pick their block sizes and warps, are compiled down to cubins by Triton and ptxas (which
+ships in the triton wheel): what the interpreter cannot check. Each architecture compiles in its own process
+(without TRITON_INTERPRET, which conftest sets for this one), both at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHS = (80, 90)
+
+
+@pytest.fixture(scope="module")
+def aot(tmp_path_factory):
+    """{arch: the JSON of `python -m runner.kernels.aot --arch A`} (sm_90 also compiles the spilling canary)."""
+    tmp = tmp_path_factory.mktemp("aot")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs = {}
+    for arch in ARCHS:
+        cmd = [sys.executable, "-m", "runner.kernels.aot", "--arch", str(arch), "--json", str(tmp / f"{arch}.json")]
+        if arch == 90:
+            cmd.append("--canary")
+        env_a = dict(env, TRITON_CACHE_DIR=str(tmp / f"cache{arch}"))  # fresh: nothing cached across runs
+        procs[arch] = subprocess.Popen(cmd, cwd=ROOT, env=env_a, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True)
+    out = {}
+    for arch, p in procs.items():
+        log, _ = p.communicate(timeout=900)
+        path = tmp / f"{arch}.json"
+        assert path.is_file(), f"sm_{arch}: the ahead-of-time compile failed:\n{log[-4000:]}"
+        out[arch] = dict(json.loads(path.read_text()), log=log)
+    return out
+
+
+def _kernel_names():
+    from triton.runtime.jit import KernelInterface
+
+    from runner.kernels import triton_ops, triton_quant
+    return {name for mod in (triton_ops, triton_quant) for name, v in vars(mod).items()
+            if isinstance(v, KernelInterface) and name.endswith("_kernel")}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_aot_compiles_every_triton_kernel(aot, arch):
+    names = _kernel_names()
+    assert names >= {"_skip_rms_norm_kernel", "_rotary_kv_kernel", "_swiglu_kernel", "_decode_attn_kernel",
+                     "_merge_splits_kernel", "_prefill_attn_kernel", "_quant_matmul_kernel"}
+    got = {r["kernel"] for r in aot[arch]["results"]}
+    assert got == names, f"not compiled for sm_{arch}: {sorted(names - got)}"
+    assert all(r["arch"] == arch for r in aot[arch]["results"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_aot_no_register_spills(aot, arch):
+    spilled = [(r["kernel"], r["labels"][0], r["spill_stores"], r["spill_loads"]) for r in aot[arch]["results"]
+               if r["spill_stores"] or r["spill_loads"]]
+    assert not spilled, f"sm_{arch} register spills:\n{aot[arch]['log'][-4000:]}"
+    assert all(0 < r["registers"] <= 255 for r in aot[arch]["results"])
+
+
+def test_aot_spill_report_is_real(aot):
+    """ptxas's report is what is parsed: the canary (a 16384-wide norm row forced onto one warp) spills."""
+    canary = aot[90]["canary"]
+    assert len(canary) == 1 and canary[0]["spill_stores"] > 0 and canary[0]["spill_loads"] > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_aot_covers_the_engine_specialisations(aot, arch):
+    results = aot[arch]["results"]
+    labels = " | ".join(lab for r in results for lab in r["labels"])
+    for needed in ("float16", "bfloat16", "int8", "paged", "offset", "decode B=1", "decode B=64", "prefill",
+                   "rotary+store", "swiglu", "norm 16384", "int4 g128", "mistral-7b-window"):
+        assert needed in labels, needed
+    for layout in range(4):
+        assert f"layout {layout}" in labels
+    by_kernel: dict = {}
+    for r in results:
+        for k, v in r["constexprs"].items():
+            by_kernel.setdefault((r["kernel"], k), set()).add(v)
+    for kernel in ("_decode_attn_kernel", "_prefill_attn_kernel"):
+        assert by_kernel[(kernel, "BLOCK_D")] == {64, 128}          # head dims 64 and 128
+        assert by_kernel[(kernel, "QUANT")] == {False, True}
+        assert by_kernel[(kernel, "PAGED")] == {False, True}
+        assert by_kernel[(kernel, "HAS_WINDOW")] == {False, True}
+    assert by_kernel[("_decode_attn_kernel", "SPLIT")] == {False, True}
+    assert by_kernel[("_rotary_kv_kernel", "QUANT")] == {False, True}
+    assert by_kernel[("_skip_rms_norm_kernel", "BLOCK")] >= {2048, 4096, 8192, 16384}
