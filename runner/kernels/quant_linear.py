@@ -184,16 +184,21 @@ class QuantLinear(torch.nn.Module):
 
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float().contiguous()
-        if x.shape[0] > CPU_KERNEL_MAX_ROWS:  # prefill: dequantise once, then the float GEMM
-            w = unpack_blocks(self.method, self.qweight, self.out_features, self.layout)  # (N, K)
-            w = w * self.scale[:, None] if self.method == "int8" else \
-                (w.view(self.out_features, -1, self.group_size) * self.scale.t()[: self.out_features, :, None]
-                 ).view(self.out_features, -1)
-            return F.linear(xf, w).to(x.dtype)
         ops = torch.ops.pmx_cpu  # loaded by pick_kernel (cpu_ops) before this layer was made
+        if x.shape[0] > CPU_KERNEL_MAX_ROWS:  # prefill: dequantise once, then the float GEMM (linear_f32)
+            return ops.linear_f32(xf, self._float_blocks(), self.out_features).to(x.dtype)
         y = ops.linear_int8(xf, self.qweight, self.scale, self.out_features) if self.method == "int8" else \
             ops.linear_int4(xf, self.qweight, self.scale, self.group_size, self.out_features)
         return y.to(x.dtype)
+
+    def _float_blocks(self) -> torch.Tensor:
+        """The dequantised weight in the float kernel's blocks [N/64, K, 64] (int8: straight from its own blocks)."""
+        if self.method == "int8":
+            nb = self.qweight.shape[0]
+            return self.qweight.float().mul_(pad_rows(self.scale, nb * CPU_BLOCK).view(nb, 1, CPU_BLOCK))
+        w = unpack_blocks(self.method, self.qweight, self.out_features, self.layout)                  # (N, K)
+        w = w.view(self.out_features, -1, self.group_size) * self.scale.t()[: self.out_features, :, None]
+        return pack_blocks(w.view(self.out_features, -1))
 
     def _aten(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float().contiguous()
