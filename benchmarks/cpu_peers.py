@@ -379,7 +379,7 @@ def main(shape: str = "base", rounds: int = 5, threads: int = 2, decode_tokens: 
                   file=sys.stderr, flush=True)
     load_end = os.getloadavg()[0]
     med = {s: {m: statistics.median(x[m] for x in raw[s]) for m in METRICS} for s in ready if s not in skipped}
-    th = {s: (raw[s][0].get("threads", threads) if s != "pmx2" else f"2x{raw[s][0].get('threads')}")
+    th = {s: (raw[s][0].get("threads", threads) if not s.startswith("pmx2") else f"2x{raw[s][0].get('threads')}")
           for s in med}
 
     p = SHAPES[shape]
