@@ -145,3 +145,29 @@ def test_bad_step_inputs_are_refused(make_hf, tmp_path):
     with pytest.raises(PmxError, match="decode one token"):
         m.forward(torch.tensor([5, 6]), torch.empty(0), torch.tensor([0, 2]), torch.tensor([0, 2]), torch.tensor([0]),
                   torch.tensor([1]), torch.tensor([0]), torch.tensor([2]), torch.tensor([2]), kv)
+
+
+@pytest.mark.parametrize("start,window", [([7], None), ([4, 4, 4], None), ([9, 2, 30], None), ([40, 3], 16),
+                                          ([20], 8)])
+def test_lean_decode_plan_is_the_general_plan(start, window):
+    """A step where every sequence decodes from an offset cache is planned straight from the ints; it must be
+    exactly the plan the general path makes (every field, dtype and shape)."""
+    from runner.engine.plan import make_plan
+    from runner.kernels.reference import Rotary
+    rotary = Rotary(16, 10000.0, None, 4096, torch.device("cpu"))
+    caches = [100 * i + 5 for i in range(len(start))]
+    args = ([1] * len(start), start, caches, len(start))
+    kw = dict(paged=False, rotary=rotary, device=torch.device("cpu"), sliding_window=window)
+    lean, general = make_plan(*args, **kw), make_plan(*args, **kw, lean=False)
+
+    def same(a, b, name):
+        if a is None or b is None:
+            assert a is None and b is None, name
+        else:
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+
+    for f in ("slots", "cos", "sin", "last"):
+        same(getattr(lean, f), getattr(general, f), f)
+    for f in ("kv_slots", "mask", "cachestarts", "kvlens"):
+        same(getattr(lean.decode, f), getattr(general.decode, f), f)
+    assert lean.prefill == general.prefill == () and lean.packed is general.packed is None and lean.decode_only

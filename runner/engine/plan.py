@@ -114,7 +114,7 @@ def _window_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor, kvlen: torch.Tensor,
 def make_plan(seqlens: Sequence[int], start_pos: Sequence[int], caches: Sequence[CacheOf], num_decoding: int,
               *, paged: bool, rotary: Rotary, device: torch.device, sliding_window: Optional[int] = None,
               fused_kvcache: bool = True, read_cache_in_prefill: bool = False, gather_rows: bool = True,
-              attn_mask: Optional[torch.Tensor] = None) -> StepPlan:
+              attn_mask: Optional[torch.Tensor] = None, lean: bool = True) -> StepPlan:
     """The plan of a step over B packed sequences: sequence b has seqlens[b] new tokens from position
     start_pos[b], its cache at caches[b]; the first num_decoding sequences decode one token each.
 
@@ -123,11 +123,16 @@ def make_plan(seqlens: Sequence[int], start_pos: Sequence[int], caches: Sequence
     `gather_rows`: build the cache rows and masks that attention over gathered K/V reads (kv_slots, mask); off
     for kernels that walk the cache themselves from cachestarts and kvlens (Triton), which saves the host the
     work and the device a [B, N] copy per step.
+    `lean`: a step where every sequence decodes one token from an offset cache is planned straight from the
+    ints (:func:`_decode_plan`: the same plan with a third of the torch calls; the host plans right after a
+    step that streamed the weights through its caches, where each call costs several times more).
     """
     B = len(seqlens)
     if not 0 <= num_decoding <= B or any(n != 1 for n in seqlens[:num_decoding]):
         raise ValueError(f"the first {num_decoding} sequences must decode one token each, got lengths "
                          f"{list(seqlens[:num_decoding])}")
+    if lean and num_decoding == B and not paged and fused_kvcache and gather_rows:
+        return _decode_plan([int(p) for p in start_pos], [int(c) for c in caches], rotary, device, sliding_window)
     cache = _cache_tensor(caches, paged)                                              # [B] or [B, MaxP]
     seqlen_t, start_t = torch.tensor(list(seqlens)), torch.tensor(list(start_pos))
     T = int(sum(seqlens))
@@ -195,6 +200,26 @@ def make_plan(seqlens: Sequence[int], start_pos: Sequence[int], caches: Sequence
             b += n
     return StepPlan(slots.to(**to), cos.to(**to), sin.to(**to), None if last is None else last.to(**to),
                     decode, tuple(prefill), packed)
+
+
+def _decode_plan(start: list, caches: list, rotary: Rotary, device: torch.device,
+                 sliding_window: Optional[int]) -> StepPlan:
+    """make_plan's plan of a step where every sequence decodes one token from an offset cache, from the ints."""
+    kvl = [p + 1 for p in start]
+    n_max = max(kvl)
+    cache_t, kvlens = torch.tensor(caches), torch.tensor(kvl)
+    cos, sin = rotary.cos_sin(torch.tensor(start))
+    if len(start) == 1:
+        kv_slots = torch.arange(caches[0], caches[0] + n_max)[None, :]
+    else:
+        kv_slots = cache_t[:, None] + torch.minimum(torch.arange(n_max)[None, :], (kvlens - 1)[:, None])
+    mask = None
+    if min(kvl) != n_max or (sliding_window and n_max > sliding_window):
+        mask = _window_mask((kvlens - 1)[:, None], torch.arange(n_max)[None, :].expand(len(kvl), n_max), kvlens,
+                            sliding_window)
+    dev = (lambda t: t) if device.type == "cpu" else (lambda t: t.to(device, non_blocking=True))  # noqa: E731
+    return StepPlan(dev(torch.tensor([c + p for c, p in zip(caches, start)])), dev(cos), dev(sin), None,
+                    DecodeAttention(dev(kv_slots), None if mask is None else dev(mask), dev(cache_t), dev(kvlens)))
 
 
 def plan_from_inputs(seqstarts: torch.Tensor, kvstarts: torch.Tensor, cachestarts: torch.Tensor,
