@@ -234,5 +234,6 @@ def test_quantized_dump_and_replay(tiny, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     res = mpirun(2, root / "scripts" / "benchmark.sh", 3,
                  env={"MODEL_PATH": str(tmp_path / "int8_2"), "TEST_DATA_DIR": str(tmp_path / "dump"),
-                      "OUTPUT_DIR": str(tmp_path / "replay"), "MIN_PROFILING_SECONDS": "0.1"})
+                      "OUTPUT_DIR": str(tmp_path / "replay"), "MIN_PROFILING_SECONDS": "0.1",
+                      "PYTHON": sys.executable})
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]

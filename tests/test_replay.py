@@ -95,7 +95,8 @@ def test_demo_dumps_every_input_of_the_chosen_steps(stories):
 @pytest.mark.parametrize("step", [0, 1, 39])
 def test_benchmark_sh_replays_each_rank_bit_exactly(stories, tmp_path, step):
     env = {"MODEL_PATH": str(stories / "pmx_2"), "TEST_DATA_DIR": str(stories / "dump2"),
-           "OUTPUT_DIR": str(tmp_path / "out"), "MIN_PROFILING_SECONDS": "0.05", "WARMUP_ITERATIONS": "1"}
+           "OUTPUT_DIR": str(tmp_path / "out"), "MIN_PROFILING_SECONDS": "0.05", "WARMUP_ITERATIONS": "1",
+           "PYTHON": sys.executable}  # the interpreter under test, in any checkout
     res = mpirun(2, ROOT / "scripts" / "benchmark.sh", step, env=env)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     rows = [ln.split() for ln in res.stdout.splitlines() if ln.strip().startswith(("0 ", "1 "))]
