@@ -177,6 +177,19 @@ def test_linear_picks_this_projects_kernel_on_cpu():
         Linear(w, kernel="mkl")
 
 
+def test_linear_falls_back_to_onednn_without_the_extension(monkeypatch):
+    """Where this project's CPU extension cannot be built (no compiler), float32 layers run on oneDNN."""
+    import runner.kernels.linear as linear_mod
+    monkeypatch.setattr(linear_mod, "cpu_ops", lambda: None)
+    w, x = torch.randn(1024, 1024), torch.randn(3, 1024)
+    lin = Linear(w)
+    assert lin.kernel == ("onednn" if torch.backends.mkldnn.is_available() else "plain")
+    ref = torch.nn.functional.linear(x, w)
+    assert (lin(x) - ref).abs().max() <= 1e-5 * ref.abs().max()
+    with pytest.raises(RuntimeError, match="needs this project's CPU extension"):
+        Linear(w, kernel="pmx")
+
+
 def test_linear_keeps_plain_weight_for_half_precision_and_small_weights():
     w = torch.randn(1024, 1024, dtype=torch.bfloat16)
     assert Linear(w).packed is None and Linear(w).weight is w
