@@ -26,8 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from runner.kernels.cpu_ext import CPU_BLOCK, pad_rows, cpu_ops, pack_blocks
-from runner.kernels.cpu_ext import unpack_blocks as unpack_f32_blocks
+from runner.kernels.cpu_ext import CPU_BLOCK, cpu_ops, pack_blocks, pad_rows
 from runner.kernels.linear import Linear
 from runner.pmx.quant import QuantScheme, dequantize, unpack_int4
 
@@ -108,19 +107,15 @@ def pack_int4_blocks(qweight: torch.Tensor, scale: torch.Tensor, layout: int = 0
     return packed.contiguous(), pad_rows(scale.float(), nb * CPU_BLOCK).t().contiguous()
 
 
-def unpack_blocks(method: str, packed: torch.Tensor, n: int, layout: int = 0) -> torch.Tensor:
-    """The stored layout's integers as floats [N, K] from the CPU blocks (int8 values, or int4 nibbles - 8)."""
-    if method == "int8":
-        return unpack_f32_blocks(packed, n).float()                                   # (N, K)
+def int4_nibble_blocks(packed: torch.Tensor, layout: int = 0) -> torch.Tensor:
+    """The nibbles (0..15) of int4 CPU blocks in channel order: [N/64, K, 64] uint8, for either layout."""
     if layout == 1:
         lo, hi, e = _bf16_layout_map()
         nb, half = packed.shape[:2]
         blocks = packed.new_empty(nb, half, 2, CPU_BLOCK)
         blocks[:, :, e, lo], blocks[:, :, e, hi] = packed & 0xF, packed >> 4
-        nib = blocks.flatten(1, 2)                                                    # (nb, K, 64)
-    else:
-        nib = torch.cat((packed & 0xF, packed >> 4), dim=-1)                        # (nb, K, 64)
-    return nib.transpose(1, 2).reshape(-1, nib.shape[1])[:n].float() - 8
+        return blocks.flatten(1, 2)
+    return torch.cat((packed & 0xF, packed >> 4), dim=-1)
 
 
 def pack_int4_aten(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,13 +187,15 @@ class QuantLinear(torch.nn.Module):
         return y.to(x.dtype)
 
     def _float_blocks(self) -> torch.Tensor:
-        """The dequantised weight in the float kernel's blocks [N/64, K, 64] (int8: straight from its own blocks)."""
+        """The dequantised weight in the float kernel's blocks [N/64, K, 64], made from the int8 / int4 blocks
+        as they are (padding channels have scale 0)."""
+        nb = self.qweight.shape[0]
         if self.method == "int8":
-            nb = self.qweight.shape[0]
             return self.qweight.float().mul_(pad_rows(self.scale, nb * CPU_BLOCK).view(nb, 1, CPU_BLOCK))
-        w = unpack_blocks(self.method, self.qweight, self.out_features, self.layout)                  # (N, K)
-        w = w.view(self.out_features, -1, self.group_size) * self.scale.t()[: self.out_features, :, None]
-        return pack_blocks(w.view(self.out_features, -1))
+        nib = int4_nibble_blocks(self.qweight, self.layout)                               # (nb, K, 64)
+        s = self.scale.view(-1, nb, CPU_BLOCK).transpose(0, 1)[:, :, None, :]           # (nb, K/G, 1, 64)
+        w = (nib.float() - 8).view(nb, -1, self.group_size, CPU_BLOCK) * s
+        return w.view(nb, -1, CPU_BLOCK)
 
     def _aten(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float().contiguous()
