@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -84,15 +86,15 @@ def test_int8_cache_close_to_transformers(make_hf, tmp_path):
         assert rel_err(got, ref) > 0  # it really is quantised
 
 
-def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun"):
-    out = tmp_path / f"logits-{launcher}-{n}.pt"
+def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun", env=None):
+    out = tmp_path / f"logits-{launcher}-{n}-{uuid.uuid4().hex[:8]}.pt"
     worker = [str(ROOT / "tests" / "tp_worker.py"), str(pmx), str(out), json.dumps(options),
               json.dumps({"prompts": prompts, "conts": conts})]
     if launcher == "mpirun":
         cmd = [str(ROOT / "scripts" / "mpirun.sh"), "-np", str(n), sys.executable, *worker]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), *worker]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out, weights_only=True)
 

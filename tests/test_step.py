@@ -79,7 +79,8 @@ def test_compiled_engines_never_share_graphs(make_hf, tmp_path):
 
 
 def test_compiled_decode_step_tensor_parallel(make_hf, tmp_path):
-    """TP=2 under mpirun: the MPI all-reduce / all-gather ops inside the compiled graph; logits as TP=1's."""
+    """TP=2 under mpirun: the shared-memory all-reduce / all-gather ops inside the compiled graph, and mpi4py's
+    (PMX_SHM_COMM=0); logits as TP=1's, and the same bits both ways (a + b on 2 ranks)."""
     src, model = make_hf("llama_gqa_odd")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
     reshard(str(tmp_path / "pmx"), str(tmp_path / "pmx2"), 2, progress=False)
@@ -87,6 +88,9 @@ def test_compiled_decode_step_tensor_parallel(make_hf, tmp_path):
     tp1 = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", compile="off"), prompts, conts))
     got = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"compile": "on", "cache_layout": 1}], prompts, conts)[0]
     assert rel_err(got, tp1) < 1e-5
+    over_mpi = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"compile": "on", "cache_layout": 1}], prompts, conts,
+                      env={"PMX_SHM_COMM": "0"})[0]
+    assert torch.equal(over_mpi, got)
 
 
 def test_compile_auto_is_off_for_small_models(make_hf, tmp_path):

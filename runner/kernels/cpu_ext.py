@@ -1,5 +1,6 @@
-"""This project's C++ CPU kernels (runner/kernels/cpu_linear.cpp, ops `torch.ops.pmx_cpu.*`): float32, int8 and
-int4 linears on weights repacked into blocks of 64 output channels, k-major.
+"""This project's C++ CPU kernels (ops `torch.ops.pmx_cpu.*`): float32, int8 and int4 linears on weights repacked
+into blocks of 64 output channels, k-major (runner/kernels/cpu_linear.cpp), and the collectives of ranks on one
+machine through shared memory (runner/kernels/cpu_comm.cpp).
 
 The extension is built on first use for this machine (-march=native, OpenMP as torch) and cached by torch under
 ~/.cache/torch_extensions (once per machine, ~20 s); where it cannot be built (no compiler or ninja) the callers
@@ -22,7 +23,7 @@ def cpu_ops():
     """torch.ops.pmx_cpu, built and loaded on first call; None where it cannot be built."""
     from torch.utils.cpp_extension import load
     try:
-        load(name="pmx_cpu", sources=[str(Path(__file__).with_name("cpu_linear.cpp"))],
+        load(name="pmx_cpu", sources=[str(Path(__file__).with_name(f)) for f in ("cpu_linear.cpp", "cpu_comm.cpp")],
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
              verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler / ninja: the slower oneDNN / aten kernels still work
@@ -32,6 +33,9 @@ def cpu_ops():
     torch.library.register_fake("pmx_cpu::linear_f32")(lambda x, w, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::linear_int8")(lambda x, w, s, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::linear_int4")(lambda x, w, s, g, n: x.new_empty(x.shape[0], n))
+    torch.library.register_fake("pmx_cpu::shm_all_reduce_")(lambda t, ws, rank, world, timeout: None)
+    torch.library.register_fake("pmx_cpu::shm_all_gather")(lambda t, ws, rank, world, timeout:
+                                                           t.new_empty(world * t.numel()))
     return torch.ops.pmx_cpu
 
 

@@ -1,0 +1,100 @@
+"""The shared-memory collectives of runner/kernels/cpu_comm.cpp on N ranks, against sums and gathers made locally.
+
+Under mpirun:
+
+Every rank can make every rank's input (seeded by rank), so each rank checks its result exactly: all_reduce is the
+sum in rank order 0..N-1 (float32; half types summed in float32 and rounded once), all_gather the inputs cat
+rank-major. A workspace with small slots makes the larger tensors go in several chunks, and the collectives are
+mixed, many times over, so both parities of the workspace are reused. Then rank 0 waits for a collective that
+rank 1 never joins and must get the deadline error, while another thread of it keeps running. Prints `rank R: ok` per rank.
+Under torchrun: the CPU communicator (gloo) shares memory too, and its all-reduce and all-gather are exact.
+Usage: mpirun -np N python tests/comm_worker.py | torchrun --nproc_per_node N tests/comm_worker.py
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from runner.kernels.cpu_ext import cpu_ops
+from runner.parallel.comm import MpiComm, SharedMemory, TorchComm
+from runner.parallel.launch import detect, mpi
+
+SLOT = 4096  # bytes per rank and parity: 1024 float32
+
+
+def data(rank: int, step: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def under_torchrun() -> None:
+    env = detect()
+    comm = TorchComm(env, torch.device("cpu"))
+    assert comm.shared_memory, "the ranks of one machine do not share memory"
+    for step in range(6):
+        mine = data(env.rank, step, 3000, torch.float32)
+        acc = data(0, step, 3000, torch.float32)
+        for r in range(1, env.world_size):
+            acc = acc + data(r, step, 3000, torch.float32)
+        assert torch.equal(comm.all_reduce_(mine.clone()), acc), f"all_reduce step {step}"
+        got = comm.all_gather(mine.view(3, 1000), dim=-1)
+        assert torch.equal(got, torch.cat([data(r, step, 3000, torch.float32).view(3, 1000)
+                                           for r in range(env.world_size)], dim=-1)), f"all_gather step {step}"
+    print(f"rank {env.rank}: ok", flush=True)
+    comm.close()
+
+
+def main() -> None:
+    if detect().launcher == "torchrun":
+        return under_torchrun()
+    MPI = mpi()
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    assert MpiComm(detect()).shared_memory, "the ranks of one machine do not share memory"
+    assert not MpiComm(detect(), environ={"PMX_SHM_COMM": "0"}).shared_memory
+    shm = SharedMemory.open(rank, world, lambda obj: comm.bcast(obj, root=0),
+                            lambda flag: comm.allreduce(bool(flag), op=MPI.LAND), True, 10.0, slot_bytes=SLOT)
+    ws, ops = shm.workspace, cpu_ops()
+    sizes = (1, 768, 1024, 1025, 5000)  # inside one slot, exactly one, just over, several chunks
+    for step in range(40):
+        n = sizes[step % len(sizes)]
+        dtype = (torch.float32, torch.bfloat16, torch.float16)[step % 3]
+        mine = data(rank, step, n, dtype)
+        if step % 2 == 0:
+            t = mine.clone()
+            ops.shm_all_reduce_(t, ws, rank, world, 10.0)
+            acc = data(0, step, n, dtype).float()
+            for r in range(1, world):
+                acc = acc + data(r, step, n, dtype).float()
+            assert torch.equal(t, acc.to(dtype)), f"all_reduce step {step}: max diff {(t.float() - acc).abs().max()}"
+        else:
+            out = ops.shm_all_gather(mine, ws, rank, world, 10.0)
+            want = torch.cat([data(r, step, n, dtype) for r in range(world)])
+            assert torch.equal(out, want), f"all_gather step {step}"
+    ids = ops.shm_all_gather(torch.arange(3, dtype=torch.int64) + 10 * rank, ws, rank, world, 10.0)
+    assert ids.tolist() == [10 * r + i for r in range(world) for i in range(3)], ids
+    comm.Barrier()
+    if rank == 0:  # rank 1 never joins this one; meanwhile another Python thread must run (the wait frees the GIL)
+        ticks, stop = [], threading.Event()
+        ticker = threading.Thread(target=lambda: [ticks.append(1) or time.sleep(0.01) for _ in iter(stop.is_set, True)])
+        ticker.start()
+        t0 = time.monotonic()
+        try:
+            ops.shm_all_reduce_(torch.ones(8), ws, rank, world, 0.5)
+            raise AssertionError("a collective without its peers returned")
+        except RuntimeError as e:
+            assert "all_reduce did not complete within 0.5s" in str(e) and "waited for rank 1" in str(e), e
+        finally:
+            stop.set()
+            ticker.join()
+        assert time.monotonic() - t0 < 5
+        assert len(ticks) > 10, f"another thread ran {len(ticks)} times while the collective waited: GIL held"
+    comm.Barrier()
+    print(f"rank {rank}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
