@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from model_zoo.decoder import unpermute_rotary
 from runner.kernels import reference as ref
-from runner.kernels.cpu_ext import cpu_ops
+from runner.kernels.cpu_ext import cpu_ops, pack_blocks, unpack_blocks
 from runner.kernels.linear import Linear
 from runner.parallel.comm import SingleComm
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
@@ -206,3 +207,34 @@ def test_row_parallel_sums_partials_then_adds_bias_once():
     torch.testing.assert_close(partial[0] + partial[1] + b, x @ w.T + b)
     parts[0](x[:, :4])
     assert parts[0].comm.calls == 1
+
+
+def _vma_flags(addr: int) -> dict:
+    """The /proc/self/smaps fields of the mapping holding `addr`."""
+    fields, inside = {}, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside:
+            fields[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    return fields
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux /proc needed")
+def test_packed_weights_sit_in_memory_advised_for_huge_pages():
+    """A 3 MB weight is packed into a mapping of its own with MADV_HUGEPAGE (smaps: THPeligible 1, unless the
+    kernel has THP off); strided inputs are copied right; small tensors stay ordinary contiguous copies."""
+    from runner.kernels.cpu_ext import HUGE_PAGE_MIN_BYTES, huge_page_copy
+    w = torch.randn(1024, 768)
+    packed = pack_blocks(w)
+    assert torch.equal(unpack_blocks(packed, 1024), w)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert _vma_flags(packed.data_ptr()).get("THPeligible") == "1"
+    t = torch.randn(HUGE_PAGE_MIN_BYTES // 4, 3)[:, 1:]  # strided, large
+    h = huge_page_copy(t)
+    assert h.is_contiguous() and torch.equal(h, t)
+    small = torch.randn(8, 4).t()
+    assert torch.equal(huge_page_copy(small), small) and huge_page_copy(small).is_contiguous()

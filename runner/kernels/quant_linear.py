@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from runner.kernels.cpu_ext import CPU_BLOCK, cpu_ops, pack_blocks, pad_rows
+from runner.kernels.cpu_ext import CPU_BLOCK, cpu_ops, huge_page_copy, pack_blocks, pad_rows
 from runner.kernels.linear import Linear
 from runner.pmx.quant import QuantScheme, dequantize, unpack_int4
 
@@ -104,7 +104,7 @@ def pack_int4_blocks(qweight: torch.Tensor, scale: torch.Tensor, layout: int = 0
     else:
         half = CPU_BLOCK // 2
         packed = blocks[..., :half] | (blocks[..., half:] << 4)
-    return packed.contiguous(), pad_rows(scale.float(), nb * CPU_BLOCK).t().contiguous()
+    return huge_page_copy(packed), pad_rows(scale.float(), nb * CPU_BLOCK).t().contiguous()
 
 
 def int4_nibble_blocks(packed: torch.Tensor, layout: int = 0) -> torch.Tensor:
