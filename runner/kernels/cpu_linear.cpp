@@ -354,7 +354,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int64_t blocks = w.size(0), groups = K / G, lds = blocks * NB;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == groups && scale.size(1) == lds &&
                   scale.is_contiguous(), "int4: scale must be contiguous float32 [K/G, N/64*64]");
-  at::Tensor xsum = at::zeros({M, groups}, x.options());  // sum of x over each group, for the -8 offset
+  at::Tensor xsum = at::empty({M, groups}, x.options());  // sum of x over each group, for the -8 offset
   const float* xp = x.data_ptr<float>();
   float* xs = xsum.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
