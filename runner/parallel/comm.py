@@ -2,11 +2,12 @@
 
 - :class:`SingleComm`: one rank, no communication at all.
 - :class:`MpiComm`: CPU tensors under mpirun. Ranks on one machine all-reduce and all-gather through a
-  shared-memory workspace (runner/kernels/cpu_comm.cpp: ~1 us for a decode step's 768 floats here, against
-  ~30 us for mpi4py's Allreduce called from the compiled step, and milliseconds for gloo); otherwise, or with
-  PMX_SHM_COMM=0, with mpi4py's Allreduce / Allgather.
+  shared-memory workspace (:class:`SharedMemory`, runner/kernels/cpu_comm.cpp: ~3 us for a decode step's 768
+  floats here, against ~30 us for mpi4py's Allreduce called from the compiled step, and milliseconds for gloo);
+  otherwise, or with PMX_SHM_COMM=0, with mpi4py's Allreduce / Allgather.
 - :class:`TorchComm`: torch.distributed, NCCL on CUDA (under mpirun its rendezvous address is
-  broadcast with mpi4py) or gloo on CPU under torchrun.
+  broadcast with mpi4py) or gloo on CPU under torchrun, whose all-reduce and all-gather also go through
+  shared memory where the ranks share a machine.
 
 Every collective runs under a watchdog: if it does not finish within the collective timeout (a peer
 hangs), this rank prints which collective timed out and ends the job (runner.parallel.job). The
@@ -37,7 +38,7 @@ from runner.parallel.launch import LaunchEnv, mpi
 
 DEFAULT_TIMEOUT_S = 30.0
 TIMEOUT_ENV = "PMX_COLLECTIVE_TIMEOUT"
-SHM_ENV = "PMX_SHM_COMM"       # 0: MpiComm never uses shared memory (always mpi4py)
+SHM_ENV = "PMX_SHM_COMM"       # 0: the CPU communicators never use shared memory (mpi4py / gloo only)
 SHM_SLOT_BYTES = 4 << 20       # per rank and parity: larger collectives go in chunks of this size
 PROCESS_GROUP_TIMEOUT = timedelta(days=1)  # torch.distributed's own deadline; the watchdog enforces ours
 
