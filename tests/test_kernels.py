@@ -231,6 +231,7 @@ def test_packed_weights_sit_in_memory_advised_for_huge_pages():
     packed = pack_blocks(w)
     assert torch.equal(unpack_blocks(packed, 1024), w)
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    assert packed.data_ptr() % (2 << 20) == 0  # starts on a huge page: its whole 2 MiB chunks can be huge pages
     if thp.exists() and "[never]" not in thp.read_text():
         assert _vma_flags(packed.data_ptr()).get("THPeligible") == "1"
     t = torch.randn(HUGE_PAGE_MIN_BYTES // 4, 3)[:, 1:]  # strided, large

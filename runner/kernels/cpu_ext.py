@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 CPU_BLOCK = 64  # output channels per block of the packed weights
-HUGE_PAGE_MIN_BYTES = 2 << 20  # weights from one 2 MiB page up go in memory advised for transparent huge pages
+HUGE_PAGE = 2 << 20            # bytes of a transparent huge page (x86-64, arm64 with 4K pages)
+HUGE_PAGE_MIN_BYTES = HUGE_PAGE  # weights from one huge page up go in memory advised for transparent huge pages
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,10 +53,13 @@ def huge_page_copy(t: torch.Tensor, min_bytes: Optional[int] = None) -> torch.Te
     min_bytes = HUGE_PAGE_MIN_BYTES if min_bytes is None else min_bytes
     if t.device.type != "cpu" or nbytes < min_bytes or not hasattr(mmap, "MADV_HUGEPAGE"):
         return t.contiguous()
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # 2 MiB more than needed, so the tensor can start on a 2 MiB boundary: every whole 2 MiB of it can then be a
+    # huge page (the slack is never touched, so it takes no memory)
+    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mm.madvise(mmap.MADV_HUGEPAGE)
-    out = torch.frombuffer(mm, dtype=t.dtype, count=t.numel()).view(t.shape)  # the tensor keeps `mm` alive
-    return out.copy_(t)
+    raw = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps `mm` alive
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start: start + nbytes].view(t.dtype).view(t.shape).copy_(t)
 
 
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
