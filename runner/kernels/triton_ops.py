@@ -271,6 +271,20 @@ def dot_acc(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, ty, EXACT: tl.constexpr):
+    """One key block of flash attention: scores s (rows, BN) in log2 units (-inf where masked) and values v
+    (BN, BD) folded into the running max m_i, sum l_i and output acc of each row. A row that has seen no key
+    yet (max still -inf) stays at l = 0, acc = 0."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot_acc(p.to(ty), v, EXACT)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _cache_rows(starts_ptr, b, j, valid, stride_sb, PAGED: tl.constexpr, PAGE: tl.constexpr):
     """Cache rows (int64) of key positions j [N] of sequence b (offset: start + j; paged: page start + j % PAGE)."""
     if PAGED:
@@ -331,12 +345,7 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_
         v = _kv_tile(v_ptr, vs_ptr, slot, kvh, inside, c_t, c_h, s_t, s_h, D, ty, QUANT, BLOCK_N, BLOCK_D, GROUP)
         s = dot_acc(q, tl.trans(k), EXACT)
         s = tl.where(inside[None, :], s * qk_scale, float("-inf"))        # (BG, BN), log2 units
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))                       # finite: every block has a key
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + dot_acc(p.to(ty), v, EXACT)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, ty, EXACT)
     if SPLIT:  # partials [B, H, NUM_SPLITS, D + 2]: acc, then the running max (log2) and sum
         row = ((b * H + heads) * NUM_SPLITS + sp) * (D + 2)
         tl.store(part_ptr + row[:, None] + d[None, :], acc, mask=qm)
@@ -458,13 +467,7 @@ def _prefill_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens
         if HAS_WINDOW:
             seen = seen & (j[None, :] > pos[:, None] - window)
         s = tl.where(seen, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # a row that has seen no key yet
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + dot_acc(p.to(ty), v, EXACT)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, ty, EXACT)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (tok[:, None] * H + heads[:, None]) * D + d[None, :], out.to(ty), mask=qm)
 
