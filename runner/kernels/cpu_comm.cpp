@@ -152,12 +152,6 @@ at::Tensor shm_all_gather(const at::Tensor& t, const at::Tensor& ws, int64_t ran
   return out;
 }
 
-// Every rank waits for every other (the collectives' own wait, with nothing moved).
-void shm_barrier(const at::Tensor& ws, int64_t rank, int64_t world, double timeout_s) {
-  const Workspace w(ws, rank, world);
-  arrive_and_wait(w, __atomic_load_n(w.counter(w.rank), __ATOMIC_RELAXED) + 1, timeout_s, "barrier");
-}
-
 int64_t shm_header_bytes() { return HEADER; }
 
 }  // namespace
@@ -165,7 +159,6 @@ int64_t shm_header_bytes() { return HEADER; }
 TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
   m.def("shm_all_reduce_(Tensor(a!) t, Tensor ws, int rank, int world, float timeout_s) -> ()");
   m.def("shm_all_gather(Tensor t, Tensor ws, int rank, int world, float timeout_s) -> Tensor");
-  m.def("shm_barrier(Tensor ws, int rank, int world, float timeout_s) -> ()", &shm_barrier);
   m.def("shm_header_bytes() -> int", &shm_header_bytes);
 }
 
