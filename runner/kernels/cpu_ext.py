@@ -13,7 +13,6 @@ import functools
 import mmap
 import sys
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -43,15 +42,14 @@ def cpu_ops():
     return torch.ops.pmx_cpu
 
 
-def huge_page_copy(t: torch.Tensor, min_bytes: Optional[int] = None) -> torch.Tensor:
-    """A contiguous copy of the CPU tensor `t`, from `min_bytes` up in a private mapping of its own advised for
+def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of the CPU tensor `t`, from HUGE_PAGE_MIN_BYTES up in a private mapping of its own advised for
     transparent huge pages (madvise MADV_HUGEPAGE; torch's allocator asks for none unless THP_MEM_ALLOC_ENABLE
     is set before it starts). A decode step streams every weight once: with 2 MiB pages the walk over 438 MB
     of the 134M model's weights takes 4-6% less time on the project's CPU (benchmarks/RESULTS.md, "Session 5").
     Where the kernel grants no huge page (THP off) this is an ordinary copy."""
     nbytes = t.numel() * t.element_size()
-    min_bytes = HUGE_PAGE_MIN_BYTES if min_bytes is None else min_bytes
-    if t.device.type != "cpu" or nbytes < min_bytes or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if t.device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return t.contiguous()
     # 2 MiB more than needed, so the tensor can start on a 2 MiB boundary: every whole 2 MiB of it can then be a
     # huge page (the slack is never touched, so it takes no memory)
