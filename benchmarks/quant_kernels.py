@@ -58,7 +58,7 @@ def _weights(kind: str, k: int, n: int, count: int):
             q, s = quantize_int8(w)
             out.append((pack_blocks(q), s, n))
         elif kind == "int4_pmx":
-            out.append((*pack_int4_blocks(*quantize_int4(w, GROUP), int(cpu_ops().int4_layout())), n))
+            out.append((*pack_int4_blocks(*quantize_int4(w, GROUP), int(cpu_ops().int4_layout(GROUP))), n))
     return out
 
 

@@ -79,28 +79,19 @@ def reference_linear(x: torch.Tensor, w: QuantWeight, bias: Optional[torch.Tenso
 
 # -- CPU --------------------------------------------------------------------------------------------
 
-def _bf16_layout_map() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int4 layout 1 (cpu_linear.cpp, AVX512-BF16): for byte b of a 64-byte row (a pair of k), the channels of its
-    low and high nibbles and which k of the pair (the order vpunpck{l,h}bw puts them in)."""
-    b = torch.arange(CPU_BLOCK)
-    r, lane = b % 16, b // 16
-    q, upper = r % 8, (r >= 8).long()
-    ch = 4 * lane + q // 2
-    return 16 * upper + ch, 32 + 16 * upper + ch, q % 2
-
-
 def pack_int4_blocks(qweight: torch.Tensor, scale: torch.Tensor, layout: int = 0
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored int4 ([N, K/2] bytes, scales [N, K/G]) -> (packed blocks of 64 channels, scales [K/G, N/64*64]).
     layout 0: [N/64, K, 32], channel j of a block in the low nibble of byte j, channel j + 32 in the high one;
-    layout 1: [N/64, K/2, 64], see _bf16_layout_map."""
+    layout 1 (AVX512-VNNI): [N/64, K/2, 64], row 2 q + h holds at byte 4 c + t channel 32 h + c (low nibble) and
+    32 h + 16 + c (high nibble) of k = 4 q + t, for c < 16, t < 4 (cpu_linear.cpp, block_int4_vnni)."""
     nb = -(-qweight.shape[0] // CPU_BLOCK)
     nib = pad_rows(unpack_int4(qweight), nb * CPU_BLOCK)                             # (Np, K)
     blocks = nib.view(nb, CPU_BLOCK, -1).transpose(1, 2)                             # (nb, K, 64)
     if layout == 1:
-        lo, hi, e = _bf16_layout_map()
-        pairs = blocks.unflatten(1, (-1, 2))                                          # (nb, K/2, 2, 64)
-        packed = pairs[:, :, e, lo] | (pairs[:, :, e, hi] << 4)                       # (nb, K/2, 64)
+        v = blocks.unflatten(1, (-1, 4)).unflatten(3, (2, 2, 16))                     # (nb, K/4, t, h, u, c)
+        v = v.permute(0, 1, 3, 5, 2, 4)                                               # (nb, K/4, h, c, t, u)
+        packed = (v[..., 0] | (v[..., 1] << 4)).reshape(nb, -1, CPU_BLOCK)
     else:
         half = CPU_BLOCK // 2
         packed = blocks[..., :half] | (blocks[..., half:] << 4)
@@ -109,13 +100,12 @@ def pack_int4_blocks(qweight: torch.Tensor, scale: torch.Tensor, layout: int = 0
 
 def int4_nibble_blocks(packed: torch.Tensor, layout: int = 0) -> torch.Tensor:
     """The nibbles (0..15) of int4 CPU blocks in channel order: [N/64, K, 64] uint8, for either layout."""
+    nib = torch.stack((packed & 0xF, packed >> 4), dim=-1)                           # (.., 2) = low, high
     if layout == 1:
-        lo, hi, e = _bf16_layout_map()
-        nb, half = packed.shape[:2]
-        blocks = packed.new_empty(nb, half, 2, CPU_BLOCK)
-        blocks[:, :, e, lo], blocks[:, :, e, hi] = packed & 0xF, packed >> 4
-        return blocks.flatten(1, 2)
-    return torch.cat((packed & 0xF, packed >> 4), dim=-1)
+        nb = packed.shape[0]
+        v = nib.view(nb, -1, 2, 16, 4, 2)                                             # (nb, K/4, h, c, t, u)
+        return v.permute(0, 1, 4, 2, 5, 3).reshape(nb, -1, CPU_BLOCK)
+    return nib.transpose(-1, -2).flatten(-2)
 
 
 def pack_int4_aten(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +151,8 @@ class QuantLinear(torch.nn.Module):
         self.kernel = kernel or pick_kernel(weight)
         self.register_buffer("bias", bias, persistent=False)
         q, s = weight.qweight, weight.scale
-        self.layout = int(torch.ops.pmx_cpu.int4_layout()) if self.kernel == "cpu" else 0
+        self.layout = int(torch.ops.pmx_cpu.int4_layout(self.group_size)) \
+            if self.kernel == "cpu" and self.method == "int4" else 0
         if self.kernel == "cpu":
             q, s = (pack_blocks(q), s.float().contiguous()) if self.method == "int8" else \
                 pack_int4_blocks(q, s, self.layout)
