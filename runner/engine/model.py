@@ -159,9 +159,10 @@ class Attention(nn.Module):
     """Self-attention of one layer over the step's packed tokens, reading and writing the KV cache."""
 
     def __init__(self, layer: int, qkv: list, wo, q_norm, k_norm, heads: int, kv_heads: int, head_dim: int,
-                 eps: float, sliding_window: Optional[int], options: EngineOptions, ops):
+                 eps: float, sliding_window: Optional[int], options: EngineOptions, ops, rows_in_place: bool = False):
         super().__init__()
         self.layer, self.heads, self.kv_heads, self.head_dim = layer, heads, kv_heads, head_dim
+        self.rows_in_place = rows_in_place  # decode reads the history rows in place (ops.decode_attention_rows)
         self.qkv, self.wo = nn.ModuleList(qkv), wo
         self.register_buffer("q_norm", q_norm, persistent=False)
         self.register_buffer("k_norm", k_norm, persistent=False)
@@ -226,6 +227,9 @@ class Attention(nn.Module):
         if hasattr(self.ops, "decode_attention"):  # a kernel that walks the cache itself
             out = self.ops.decode_attention(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
                                             d.kvlens, self.options.cache_mode, self.window)
+        elif self.rows_in_place:  # a kernel that reads the history rows where they lie in the cache
+            out = self.ops.decode_attention_rows(q, cache.data, cache.layout, self.layer, d.kv_slots, d.kvlens,
+                                                 self.window)
         else:
             k, v = cache.gather(self.layer, d.kv_slots, q.dtype)                  # (Bd, N, KV, D)
             k, v = self._repeat_kv(k.transpose(1, 2), v.transpose(1, 2), 1)       # (Bd, KV, N, D)
@@ -333,6 +337,8 @@ class Transformer(nn.Module):
         num_params = sum(t.numel() for t in w.values())
         self.ops = ops = pick_kernels(o.kernels, self.device)
         self._gathers = not hasattr(ops, "decode_attention")  # attention over gathered K/V (else kernels walk the cache)
+        rows_in_place = hasattr(ops, "reads_rows_in_place") and ops.reads_rows_in_place(self.device, self.dtype,
+                                                                                        o.quantized_cache)
         self.rotary = ref.Rotary(p.head_dim, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
         self.tok_embeddings = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
         column, row = partial(ColumnParallelLinear, comm=comm), partial(RowParallelLinear, comm=comm)
@@ -356,7 +362,7 @@ class Transformer(nn.Module):
                 i, linears(column, *take([f"{a}.wq", f"{a}.wk", f"{a}.wv"], p.qkv_bias), o.fused_qkv),
                 linears(row, *take([f"{a}.wo"], p.o_bias))[0], w.pop(f"{a}.q_norm.weight", None),
                 w.pop(f"{a}.k_norm.weight", None), self.heads, self.kv_heads, self.head_dim, p.norm_eps,
-                p.sliding_window, o, ops)
+                p.sliding_window, o, ops, rows_in_place)
             if p.num_experts:  # each expert cut like a dense MLP; the MoE block all-reduces once, not per expert
                 w1, w3, w2 = (weight(f"{m}.{x}") for x in ("w1", "w3", "w2"))  # [E, F/n, D], [E, D, F/n]
                 ffn = MoE(w.pop(f"{m}.gate.weight"), [

@@ -1,6 +1,7 @@
 """This project's C++ CPU kernels (ops `torch.ops.pmx_cpu.*`): float32, int8 and int4 linears on weights repacked
-into blocks of 64 output channels, k-major (runner/kernels/cpu_linear.cpp), and the collectives of ranks on one
-machine through shared memory (runner/kernels/cpu_comm.cpp).
+into blocks of 64 output channels, k-major (runner/kernels/cpu_linear.cpp), decode attention read in place from
+the KV cache (runner/kernels/cpu_attention.cpp), and the collectives of ranks on one machine through shared memory
+(runner/kernels/cpu_comm.cpp).
 
 The extension is built on first use for this machine (-march=native, OpenMP as torch) and cached by torch under
 ~/.cache/torch_extensions (once per machine, ~20 s); where it cannot be built (no compiler or ninja) the callers
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+SOURCES = ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_comm.cpp")
 CPU_BLOCK = 64  # output channels per block of the packed weights
 HUGE_PAGE = 2 << 20            # bytes of a transparent huge page (x86-64, arm64 with 4K pages)
 HUGE_PAGE_MIN_BYTES = HUGE_PAGE  # weights from one huge page up go in memory advised for transparent huge pages
@@ -26,7 +28,7 @@ def cpu_ops():
     """torch.ops.pmx_cpu, built and loaded on first call; None where it cannot be built."""
     from torch.utils.cpp_extension import load
     try:
-        load(name="pmx_cpu", sources=[str(Path(__file__).with_name(f)) for f in ("cpu_linear.cpp", "cpu_comm.cpp")],
+        load(name="pmx_cpu", sources=[str(Path(__file__).with_name(f)) for f in SOURCES],
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
              verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler / ninja: the slower oneDNN / aten kernels still work
@@ -36,6 +38,8 @@ def cpu_ops():
     torch.library.register_fake("pmx_cpu::linear_f32")(lambda x, w, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::linear_int8")(lambda x, w, s, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::linear_int4")(lambda x, w, s, g, n: x.new_empty(x.shape[0], n))
+    torch.library.register_fake("pmx_cpu::decode_attention")(lambda q, k, v, rows, kvlens, window, scale:
+                                                             torch.empty_like(q))
     torch.library.register_fake("pmx_cpu::shm_all_reduce_")(lambda t, ws, rank, world, timeout: None)
     torch.library.register_fake("pmx_cpu::shm_all_gather")(lambda t, ws, rank, world, timeout:
                                                            t.new_empty(world * t.numel()))

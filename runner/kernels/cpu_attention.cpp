@@ -1,0 +1,213 @@
+// Decode attention for CPU: one query token per sequence against its history, read in place from the KV cache.
+//
+// out[b, h] = softmax_n(q[b, h] . k[rows[b, n], h / G] * scale) v[rows[b, n], h / G] over the keys a sequence sees:
+// n in [max(0, kvlens[b] - window), kvlens[b]) (window <= 0: all). rows[b] holds the cache row of each position of
+// the sequence's history (rows past kvlens[b] are never read), so offset and paged caches alike come in as rows,
+// and k, v are strided [MaxT, KV, D] views of one layer of the cache in any layout (head_dim contiguous).
+// Nothing is gathered or allocated per layer besides the output: a task is one (sequence, KV head) pair, which
+// reads each of its key and value rows once for all G = H / KV query heads of the group (GQA), into a score
+// buffer of G x N floats, then an exact softmax (vectorised exp) and the weighted sum of the value rows.
+// float32 throughout, as the torch path it replaces (torch_ops.attend): the tests compare the two.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+inline v16f loadv(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void storev(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// e^x for 16 lanes, x <= 0 (scores minus their max): 2^n 2^f with f in [-0.5, 0.5], a degree 6 polynomial of f ln 2
+// (relative error < 2e-7); below -87 the result is 0, as expf's underflow.
+inline v16f exp_neg(v16f x) {
+  const v16f lo = v16f{} - 87.0f;
+  x = x < lo ? lo : x;
+  const v16f t = x * 1.44269504088896341f;                      // x log2(e)
+  const v16f n = (t + 12582912.0f) - 12582912.0f;              // round to nearest (1.5 2^23: |t| < 2^22)
+  const v16f r = (t - n) * 0.693147180559945309f;               // in [-0.347, 0.347]
+  v16f p = v16f{} + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;  // 2^n as float bits (n >= -126)
+  v16f s;
+  std::memcpy(&s, &e, sizeof(s));
+  v16f y = p * s;
+  return x <= lo ? v16f{} : y;
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  v16f acc = v16f{};
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) acc += loadv(a + i) * loadv(b + i);
+  float s = 0;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  for (; i < D; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t D) {  // y += a x
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) storev(y + i, loadv(y + i) + a * loadv(x + i));
+  for (; i < D; ++i) y[i] += a * x[i];
+}
+
+// s[0..n) -> exp(s - max) in place; *mx = max, *sum = sum of the exponentials.
+inline void softmax_part(float* s, int64_t n, float* mx_out, float* sum_out) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+  v16f sum = v16f{};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16f e = exp_neg(loadv(s + i) - mx);
+    storev(s + i, e);
+    sum += e;
+  }
+  float total = 0;
+  for (int j = 0; j < 16; ++j) total += sum[j];
+  if (i < n) {  // the tail through a padded 16-lane buffer
+    float tmp[16];
+    for (int j = 0; j < 16; ++j) tmp[j] = i + j < n ? s[i + j] - mx : -100.0f;
+    const v16f e = exp_neg(loadv(tmp));
+    for (int64_t j = 0; i + j < n; ++j) {
+      s[i + j] = e[j];
+      total += e[j];
+    }
+  }
+  *mx_out = mx;
+  *sum_out = total;
+}
+
+// Cache rows are far apart (a token's row of one layer, in layouts 0 and 1, is one of 2 L per token), so the hardware
+// prefetchers do not see the next one coming: its lines are prefetched PF_ROWS rows ahead.
+constexpr int64_t PF_ROWS = 4;  // 2, 4 and 8 measured alike; none: 2x slower at 512 rows
+
+inline void prefetch_row(const float* row, int64_t KV, int64_t head_stride, int64_t D) {
+  for (int64_t h = 0; h < KV; ++h)
+    for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char*)(row + h * head_stride + i), _MM_HINT_T0);
+}
+
+// Rows per part of a sequence's history: a sequence is cut into parts of at least this many rows (and at most
+// `threads` parts per sequence) that run in parallel, each with its own softmax statistics, merged at the end.
+constexpr int64_t MIN_PART_ROWS = 32;
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
+                            const at::Tensor& kvlens, int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, H, D]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && k.size(2) == D && k.stride(2) == 1 && v.stride(2) == 1,
+              "k and v must be float32 [MaxT, KV, D] with head_dim contiguous");
+  const int64_t KV = k.size(1);
+  TORCH_CHECK(KV > 0 && H % KV == 0, "query heads (", H, ") must be a multiple of the KV heads (", KV, ")");
+  const int64_t G = H / KV;
+  TORCH_CHECK(rows.dim() == 2 && rows.size(0) == B && rows.scalar_type() == at::kLong && rows.stride(1) == 1,
+              "rows must be int64 [B, N] with contiguous rows");
+  TORCH_CHECK(kvlens.dim() == 1 && kvlens.size(0) == B && kvlens.scalar_type() == at::kLong, "kvlens must be int64 [B]");
+  const int64_t N = rows.size(1), maxt = k.size(0), rs = rows.stride(0);
+  at::Tensor kl = kvlens.contiguous();
+  const int64_t* lens = kl.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= N, "kvlens[", b, "] = ", lens[b], " must be in [1, ", N, "]");
+    for (int64_t j = 0; j < lens[b]; ++j)
+      TORCH_CHECK(rp[b * rs + j] >= 0 && rp[b * rs + j] < maxt, "cache row ", rp[b * rs + j], " of sequence ", b,
+                  " is outside the cache's ", maxt, " rows");
+  }
+  // parts: each sequence's seen rows [lo, len) cut into `parts` pieces
+  const int64_t threads = at::get_num_threads();
+  int64_t parts = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+    parts = std::max(parts, std::min(threads, (lens[b] - lo) / MIN_PART_ROWS));
+  }
+  if (B >= threads) parts = 1;
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  std::vector<float> part_out(parts > 1 ? B * parts * H * D : 0), part_max(B * parts * H), part_sum(B * parts * H);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t kt = k.stride(0), kh = k.stride(1), vt = v.stride(0), vh = v.stride(1);
+  const float sc = (float)scale;
+  at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / parts, p = t % parts, len = lens[b];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0, seen = len - lo;
+      const int64_t j0 = lo + seen * p / parts, j1 = lo + seen * (p + 1) / parts, n = j1 - j0;
+      float* o = parts > 1 ? part_out.data() + t * H * D : op + b * H * D;
+      std::fill(o, o + H * D, 0.0f);
+      if (n == 0) {
+        std::fill(part_max.begin() + t * H, part_max.begin() + (t + 1) * H, -std::numeric_limits<float>::infinity());
+        std::fill(part_sum.begin() + t * H, part_sum.begin() + (t + 1) * H, 0.0f);
+        continue;
+      }
+      const int64_t* r = rp + b * rs + j0;
+      const float* qb = qp + b * H * D;
+      s.resize(H * n);
+      for (int64_t j = 0; j < n; ++j) {  // row by row: all heads of a row are next to each other in the cache
+        if (j + PF_ROWS < n) prefetch_row(kp + r[j + PF_ROWS] * kt, KV, kh, D);
+        for (int64_t h = 0; h < H; ++h) s[h * n + j] = dot(qb + h * D, kp + r[j] * kt + (h / G) * kh, D) * sc;
+      }
+      for (int64_t h = 0; h < H; ++h) softmax_part(s.data() + h * n, n, &part_max[t * H + h], &part_sum[t * H + h]);
+      for (int64_t j = 0; j < n; ++j) {
+        if (j + PF_ROWS < n) prefetch_row(vp + r[j + PF_ROWS] * vt, KV, vh, D);
+        for (int64_t h = 0; h < H; ++h) axpy(o + h * D, s[h * n + j], vp + r[j] * vt + (h / G) * vh, D);
+      }
+      if (parts == 1)
+        for (int64_t h = 0; h < H; ++h) {
+          const float inv = 1.0f / part_sum[t * H + h];
+          for (int64_t i = 0; i < D; ++i) o[h * D + i] *= inv;
+        }
+    }
+  });
+  if (parts > 1)  // merge the parts of each sequence and head: rescale each to the common max
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        float mx = -std::numeric_limits<float>::infinity(), total = 0;
+        for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, part_max[(b * parts + p) * H + h]);
+        float* o = op + (b * H + h) * D;
+        std::fill(o, o + D, 0.0f);
+        for (int64_t p = 0; p < parts; ++p) {
+          const int64_t t = b * parts + p;
+          if (part_sum[t * H + h] == 0) continue;
+          const float w = std::exp(part_max[t * H + h] - mx);
+          total += w * part_sum[t * H + h];
+          axpy(o, w, part_out.data() + (t * H + h) * D, D);
+        }
+        const float inv = 1.0f / total;
+        for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+      }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor kvlens, int window, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
