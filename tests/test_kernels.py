@@ -284,3 +284,22 @@ def test_cpu_decode_attention_refuses_bad_rows_and_lengths():
         torch_ops.decode_attention_rows(q, cache, 0, 0, torch.tensor([[0, 16]]), torch.tensor([2]), None)
     with pytest.raises(RuntimeError, match=r"kvlens\[0\] = 3 must be in \[1, 2\]"):
         torch_ops.decode_attention_rows(q, cache, 0, 0, torch.tensor([[0, 1]]), torch.tensor([3]), None)
+
+
+@needs_ext
+@pytest.mark.parametrize("shape", [(512, 1024), (1, 768), (3, 5, 100), (7, 13)])
+def test_cpu_skip_rms_norm_and_swiglu_match_the_spec(shape):
+    """The eager CPU kernels of torch_ops (one pass each, cpu_step.cpp) against the reference: every row, widths with
+    a tail past 16 lanes, with and without a residual; SwiGLU on the strided halves of a fused gate/up output."""
+    from runner.kernels import torch_ops
+    x, skip, w = torch.randn(shape), torch.randn(shape), torch.randn(shape[-1])
+    for s in (None, skip):
+        y, r = torch_ops.skip_rms_norm(x, s, w, 1e-5)
+        y0, r0 = ref.skip_rms_norm(x, s, w, 1e-5)
+        assert torch.equal(r, r0) and (s is not None or r is x)
+        assert (y - y0).abs().max() <= 2e-6 * y0.abs().max()
+    fused = torch.randn(*shape[:-1], 2 * shape[-1]) * 6                # gate | up, as the fused GEMM leaves them
+    gate, up = fused.split(shape[-1], dim=-1)
+    want = ref.swiglu(gate, up)
+    assert (torch_ops.swiglu(gate, up) - want).abs().max() <= 1e-6 * want.abs().max()
+    assert torch.equal(torch_ops.swiglu(gate.double(), up.double()), ref.swiglu(gate.double(), up.double()))

@@ -1,6 +1,6 @@
 """This project's C++ CPU kernels (ops `torch.ops.pmx_cpu.*`): float32, int8 and int4 linears on weights repacked
 into blocks of 64 output channels, k-major (runner/kernels/cpu_linear.cpp), decode attention read in place from
-the KV cache (runner/kernels/cpu_attention.cpp), and the collectives of ranks on one machine through shared memory
+the KV cache and fused residual + RMSNorm and SwiGLU (runner/kernels/cpu_step.cpp), and the collectives of ranks on one machine through shared memory
 (runner/kernels/cpu_comm.cpp).
 
 The extension is built on first use for this machine (-march=native, OpenMP as torch) and cached by torch under
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_comm.cpp")
+SOURCES = ("cpu_linear.cpp", "cpu_step.cpp", "cpu_comm.cpp")
 CPU_BLOCK = 64  # output channels per block of the packed weights
 HUGE_PAGE = 2 << 20            # bytes of a transparent huge page (x86-64, arm64 with 4K pages)
 HUGE_PAGE_MIN_BYTES = HUGE_PAGE  # weights from one huge page up go in memory advised for transparent huge pages

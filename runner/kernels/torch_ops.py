@@ -11,8 +11,10 @@ tests check them:
 - attend: decode as two batched GEMVs per KV head group; prefill with torch's scaled_dot_product_attention
   (flash attention on CPU); GQA without repeating K/V.
 - decode_attention_rows: decode attention that reads the history rows where they lie in a float32 cache (this
-  project's C++ kernel, runner/kernels/cpu_attention.cpp), for engines where :func:`reads_rows_in_place` says
+  project's C++ kernel, runner/kernels/cpu_step.cpp), for engines where :func:`reads_rows_in_place` says
   it runs; elsewhere the engine gathers the rows (kv_load) and calls attend.
+- skip_rms_norm, swiglu: eagerly (the prefill and mixed steps) on float32 CPU tensors, one pass each in C++
+  (cpu_step.cpp) instead of torch's five and two; under torch.compile the spec's arithmetic, which inductor fuses.
 """
 
 from __future__ import annotations
@@ -25,7 +27,28 @@ import torch.nn.functional as F
 
 from runner.kernels import reference as ref
 from runner.kernels.cpu_ext import cpu_ops
-from runner.kernels.reference import cache_view, rms_norm, skip_rms_norm, swiglu  # noqa: F401  (same as the spec)
+from runner.kernels.reference import cache_view, rms_norm  # noqa: F401  (same as the spec)
+
+
+def _cpu_kernel_takes(*ts: Optional[torch.Tensor]) -> bool:
+    """Eager, float32 CPU tensors, and this project's CPU kernels built."""
+    return (not torch.compiler.is_compiling() and all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32)
+                                                      for t in ts) and cpu_ops() is not None)
+
+
+def skip_rms_norm(x: torch.Tensor, skip: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
+    """Residual add fused with RMSNorm (see reference.skip_rms_norm): returns (rms_norm(x + skip), x + skip)."""
+    if not (_cpu_kernel_takes(x, skip, weight) and x.is_contiguous() and (skip is None or skip.is_contiguous())):
+        return ref.skip_rms_norm(x, skip, weight, eps)
+    y, r = torch.ops.pmx_cpu.skip_rms_norm(x, skip, weight.contiguous(), eps)
+    return y, (x if skip is None else r)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (see reference.swiglu)."""
+    if not (_cpu_kernel_takes(gate, up) and gate.shape == up.shape and gate.stride(-1) == 1 and up.stride(-1) == 1):
+        return ref.swiglu(gate, up)
+    return torch.ops.pmx_cpu.swiglu(gate, up)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

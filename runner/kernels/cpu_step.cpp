@@ -1,5 +1,10 @@
-// Decode attention for CPU: one query token per sequence against its history, read in place from the KV cache.
+// The non-GEMM ops of a step on CPU, in C++ where torch's would take several passes over memory:
+// - decode_attention: one query token per sequence against its history, read in place from the KV cache;
+// - skip_rms_norm: the residual add and RMSNorm in one pass over each row (the eager prefill step; the compiled
+//   decode step has inductor fuse them);
+// - swiglu: silu(gate) * up in one pass.
 //
+// Decode attention.
 // out[b, h] = softmax_n(q[b, h] . k[rows[b, n], h / G] * scale) v[rows[b, n], h / G] over the keys a sequence sees:
 // n in [max(0, kvlens[b] - window), kvlens[b]) (window <= 0: all). rows[b] holds the cache row of each position of
 // the sequence's history (rows past kvlens[b] are never read), so offset and paged caches alike come in as rows,
@@ -12,11 +17,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
 #include <algorithm>
+#include <tuple>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -204,10 +211,103 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// e^x for any x: exp_neg(-|x|), inverted for x > 0 (silu only needs e^-|g|).
+inline v16f sigmoid(v16f g) {
+  const v16f a = g < 0 ? -g : g;
+  const v16f e = exp_neg(-a);               // e^-|g| in (0, 1]
+  const v16f one = v16f{} + 1.0f;
+  return g >= 0 ? one / (one + e) : e / (one + e);
+}
+
+std::tuple<at::Tensor, at::Tensor> skip_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& skip,
+                                                 const at::Tensor& weight, double eps) {
+  const int64_t D = weight.numel(), M = D ? x.numel() / D : 0;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(-1) == D && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kFloat, "skip_rms_norm: contiguous float32 x [.., D] and weight [D]");
+  const bool has_skip = skip.has_value() && skip->defined();
+  if (has_skip)
+    TORCH_CHECK(skip->sizes() == x.sizes() && skip->scalar_type() == at::kFloat && skip->is_contiguous(),
+                "skip_rms_norm: the residual must be contiguous float32 of x's shape");
+  at::Tensor r = has_skip ? at::empty_like(x) : at::empty({0}, x.options()), y = at::empty_like(x);  // r: x + skip
+  const float* xp = x.data_ptr<float>();
+  const float* sp = has_skip ? skip->data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* rp = r.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* a = xp + m * D;
+      float* o = rp + m * D;
+      v16f ss = v16f{};
+      float tail = 0;
+      int64_t i = 0;
+      for (; i + 16 <= D; i += 16) {
+        v16f v = loadv(a + i);
+        if (sp) {
+          v += loadv(sp + m * D + i);
+          storev(o + i, v);
+        }
+        ss += v * v;
+      }
+      for (; i < D; ++i) {
+        const float v = sp ? a[i] + sp[m * D + i] : a[i];
+        if (sp) o[i] = v;
+        tail += v * v;
+      }
+      for (int j = 0; j < 16; ++j) tail += ss[j];
+      const float inv = 1.0f / std::sqrt(tail / D + (float)eps);
+      const float* src = sp ? o : a;
+      float* out = yp + m * D;
+      for (i = 0; i + 16 <= D; i += 16) storev(out + i, loadv(wp + i) * (loadv(src + i) * inv));
+      for (; i < D; ++i) out[i] = wp[i] * (src[i] * inv);
+    }
+  });
+  return {y, r};
+}
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.sizes() == up.sizes() &&
+                  gate.dim() >= 1 && gate.stride(-1) == 1 && up.stride(-1) == 1,
+              "swiglu: float32 gate and up of one shape, last dim contiguous");
+  const int64_t D = gate.size(-1), M = D ? gate.numel() / D : 0;
+  const at::Tensor g2 = gate.reshape({M, D}), u2 = up.reshape({M, D});  // views where the rows are strided alike
+  at::Tensor out = at::empty({M, D}, gate.options());
+  const float* gp = g2.data_ptr<float>();
+  const float* upp = u2.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t gs = g2.stride(0), us = u2.stride(0);
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* g = gp + m * gs;
+      const float* u = upp + m * us;
+      float* o = op + m * D;
+      int64_t i = 0;
+      for (; i + 16 <= D; i += 16) {
+        const v16f gv = loadv(g + i);
+        storev(o + i, gv * sigmoid(gv) * loadv(u + i));
+      }
+      if (i < D) {
+        float gt[16] = {}, ut[16] = {};
+        std::memcpy(gt, g + i, (D - i) * sizeof(float));
+        std::memcpy(ut, u + i, (D - i) * sizeof(float));
+        const v16f gv = loadv(gt), r = gv * sigmoid(gv) * loadv(ut);
+        for (int64_t j = 0; i + j < D; ++j) o[i + j] = r[j];
+      }
+    }
+  });
+  return out.view(gate.sizes());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor kvlens, int window, float scale) -> Tensor");
+  m.def("skip_rms_norm(Tensor x, Tensor? skip, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("skip_rms_norm", &skip_rms_norm);
+  m.impl("swiglu", &swiglu);
+}
