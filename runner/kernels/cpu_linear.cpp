@@ -416,12 +416,88 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return out;
 }
 
+// Prefill on quantised weights (many rows of x): each block of 64 channels is dequantised once per call into a
+// float32 buffer of its own (K x 64, in L2) and multiplied by every row with the float32 GEMM tiles above; no
+// dequantised copy of the whole weight is made. method 8: int8 blocks [N/64, K, 64], scale [N]; method 4: int4
+// blocks of int4_layout(group_size), scale [K/G, N/64*64].
+at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t method,
+                          int64_t group_size, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  TORCH_CHECK(method == 8 || method == 4, "linear_dequant: method must be 8 or 4, got ", method);
+  const int64_t M = x.size(0), K = x.size(1), G = group_size, blocks = w.size(0);
+  const int64_t layout = method == 4 ? int4_layout(G) : 0;
+  if (method == 8) {
+    check(x, w, N, NB);
+    TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat && scale.numel() == N);
+  } else {
+    TORCH_CHECK(G > 0 && G % 2 == 0 && K % G == 0, "int4: K (", K, ") must be a multiple of the even group size ", G);
+    const int64_t rows_per_k = layout == 1 ? 2 : 1;
+    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == K / rows_per_k &&
+                    w.size(2) == NB * rows_per_k / 2 && blocks * NB >= N && (blocks - 1) * NB < N,
+                "int4: packed weight must be contiguous uint8 [N/64, K/", rows_per_k, ", ", NB * rows_per_k / 2, "]");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == K / G &&
+                    scale.size(1) == blocks * NB && scale.is_contiguous(), "int4: scale must be float32 [K/G, N/64*64]");
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t lds = blocks * NB;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(K * NB);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
+      float* d = buf.data();
+      if (method == 8) {
+        const int8_t* wb = w.data_ptr<int8_t>() + b * K * NB;
+        float s[NB] = {};
+        for (int64_t j = 0; j < ncols; ++j) s[j] = sp[n0 + j];
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t j = 0; j < NB; ++j) d[k * NB + j] = wb[k * NB + j] * s[j];
+      } else if (layout == 0) {  // row k: byte j = channel j (low nibble), j + 32 (high)
+        const uint8_t* wb = w.data_ptr<uint8_t>() + b * K * (NB / 2);
+        for (int64_t k = 0; k < K; ++k) {
+          const float* s = sp + (k / G) * lds + n0;
+          for (int64_t j = 0; j < NB / 2; ++j) {
+            const uint8_t v = wb[k * (NB / 2) + j];
+            d[k * NB + j] = ((v & 15) - 8) * s[j];
+            d[k * NB + j + NB / 2] = ((v >> 4) - 8) * s[j + NB / 2];
+          }
+        }
+      } else {  // layout 1: row 2 q + h, byte 4 c + t = channels 32 h + c (low), 32 h + 16 + c (high) of k = 4 q + t
+        const uint8_t* wb = w.data_ptr<uint8_t>() + b * (K / 2) * NB;
+        for (int64_t r = 0; r < K / 2; ++r) {
+          const int64_t q = r / 2, h = r % 2;
+          for (int64_t c = 0; c < 16; ++c)
+            for (int64_t t = 0; t < 4; ++t) {
+              const int64_t k = 4 * q + t, ch = 32 * h + c;
+              const uint8_t v = wb[r * NB + 4 * c + t];
+              const float* s = sp + (k / G) * lds + n0;
+              d[k * NB + ch] = ((v & 15) - 8) * s[ch];
+              d[k * NB + ch + 16] = ((v >> 4) - 8) * s[ch + 16];
+            }
+        }
+      }
+      for (int64_t k0 = 0; k0 < K; k0 += KC_F32) {
+        const int64_t k1 = std::min(K, k0 + KC_F32);
+        rows_of(M, [&](int64_t m0, int64_t mr) {
+#define PMX_CALL(R) block_f32<R>(xp + m0 * K, K, d, k0, k1, op + m0 * N + n0, N, ncols, k0 > 0)
+          PMX_DISPATCH_MR(mr, PMX_CALL)
+#undef PMX_CALL
+        });
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pmx_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor w, int n) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");
+  m.def("linear_dequant(Tensor x, Tensor w, Tensor scale, int method, int group_size, int n) -> Tensor");
   m.def("int4_layout(int group_size) -> int", &int4_layout);
 }
 
@@ -429,4 +505,5 @@ TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) {
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
+  m.impl("linear_dequant", &linear_dequant);
 }

@@ -10,7 +10,8 @@ tests/test_quant.py: the format, convert, split and merge):
   torch's own weight-only CPU ops (`aten._weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, what
   gpt-fast uses) measured 12-110x slower at M=1 on this project's CPU (benchmarks/RESULTS.md, "Weight-only
   kernels"); they are the fallback (`aten`) where the extension cannot be built. Above CPU_KERNEL_MAX_ROWS
-  rows (prefill) the weight is dequantised once per call and the float GEMM runs, which is faster there.
+  rows (prefill) each block of 64 channels is dequantised once per call into a buffer of its own and the float
+  GEMM's tiles run on it (`linear_dequant`), which is faster there.
 - CUDA (`triton`): Triton W8A16 / W4A16 (runner/kernels/triton_quant.py), dequantising in registers.
 - `--kernels reference`, or a shape no kernel takes: the spec, dequantising on every call.
 
@@ -30,7 +31,7 @@ from runner.kernels.cpu_ext import CPU_BLOCK, cpu_ops, huge_page_copy, pack_bloc
 from runner.kernels.linear import Linear
 from runner.pmx.quant import QuantScheme, dequantize, unpack_int4
 
-CPU_KERNEL_MAX_ROWS = 32  # above this many rows of x, dequantise + float GEMM beats the streaming kernel
+CPU_KERNEL_MAX_ROWS = 32  # above this many rows of x, dequantise per block + float GEMM beats the streaming kernel
 INT4_ATEN_GROUPS = (32, 64, 128, 256)  # the group sizes aten._weight_int4pack_mm_for_cpu takes (N % 16 == 0 too)
 
 
@@ -98,16 +99,6 @@ def pack_int4_blocks(qweight: torch.Tensor, scale: torch.Tensor, layout: int = 0
     return huge_page_copy(packed), pad_rows(scale.float(), nb * CPU_BLOCK).t().contiguous()
 
 
-def int4_nibble_blocks(packed: torch.Tensor, layout: int = 0) -> torch.Tensor:
-    """The nibbles (0..15) of int4 CPU blocks in channel order: [N/64, K, 64] uint8, for either layout."""
-    nib = torch.stack((packed & 0xF, packed >> 4), dim=-1)                           # (.., 2) = low, high
-    if layout == 1:
-        nb = packed.shape[0]
-        v = nib.view(nb, -1, 2, 16, 4, 2)                                             # (nb, K/4, h, c, t, u)
-        return v.permute(0, 1, 4, 2, 5, 3).reshape(nb, -1, CPU_BLOCK)
-    return nib.transpose(-1, -2).flatten(-2)
-
-
 def pack_int4_aten(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored int4 -> aten._weight_int4pack_mm_for_cpu's (weight, scales_and_zeros [K/G, N, 2]). Symmetric:
     W = (nibble - 8) * scale, so every zero (the kernel's additive offset) is 0."""
@@ -171,22 +162,12 @@ class QuantLinear(torch.nn.Module):
     def _cpu(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float().contiguous()
         ops = torch.ops.pmx_cpu  # loaded by pick_kernel (cpu_ops) before this layer was made
-        if x.shape[0] > CPU_KERNEL_MAX_ROWS:  # prefill: dequantise once, then the float GEMM (linear_f32)
-            return ops.linear_f32(xf, self._float_blocks(), self.out_features).to(x.dtype)
+        if x.shape[0] > CPU_KERNEL_MAX_ROWS:  # prefill: each block dequantised once, then the float GEMM tiles
+            return ops.linear_dequant(xf, self.qweight, self.scale, 8 if self.method == "int8" else 4,
+                                      self.group_size, self.out_features).to(x.dtype)
         y = ops.linear_int8(xf, self.qweight, self.scale, self.out_features) if self.method == "int8" else \
             ops.linear_int4(xf, self.qweight, self.scale, self.group_size, self.out_features)
         return y.to(x.dtype)
-
-    def _float_blocks(self) -> torch.Tensor:
-        """The dequantised weight in the float kernel's blocks [N/64, K, 64], made from the int8 / int4 blocks
-        as they are (padding channels have scale 0)."""
-        nb = self.qweight.shape[0]
-        if self.method == "int8":
-            return self.qweight.float().mul_(pad_rows(self.scale, nb * CPU_BLOCK).view(nb, 1, CPU_BLOCK))
-        nib = int4_nibble_blocks(self.qweight, self.layout)                               # (nb, K, 64)
-        s = self.scale.view(-1, nb, CPU_BLOCK).transpose(0, 1)[:, :, None, :]           # (nb, K/G, 1, 64)
-        w = (nib.float() - 8).view(nb, -1, self.group_size, CPU_BLOCK) * s
-        return w.view(nb, -1, CPU_BLOCK)
 
     def _aten(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float().contiguous()
