@@ -21,6 +21,12 @@ load average at start and end. About 2 minutes a round for base on 2 cores, plus
     python benchmarks/cpu_peers.py [--shape base|gqa] [--rounds 5] [--threads 2] [--decode_tokens 32]
         [--systems pmx1,pmx2,transformers,ct2,llama.cpp] [--engine_options '{"prepack": false}']
         [--json_path out/cpu_peers_SHAPE.json] [--workdir ~/.cache/pmx-runner/peers] [--llama_cpp DIR] [--install True]
+    python benchmarks/cpu_peers.py paired [--shape base|gqa] [--pmx pmx1|pmx1-int8|pmx1-int4]
+        [--peer llama.cpp|llama.cpp-q8_0|llama.cpp-q4_0] [--pairs 12] [--tokens 64]
+
+`paired` measures batch-1 decode of pmx-runner TP=1 and llama.cpp in alternating slices of a few seconds and
+reports the median of the per-pair ratios: on a box whose memory bandwidth swings between rounds, this
+resolves differences of a few percent that round medians cannot.
 
 One shape per invocation (base: dim 768, 12 layers, 12 heads MHA, intermediate 2048, vocab 32000;
 gqa: dim 1024, 10 layers, 16 heads / 4 KV heads, intermediate 2816, vocab 32000); run it twice for
@@ -58,6 +64,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import fire
@@ -185,13 +192,18 @@ def _worker_round(cmd_head: list, system: str, model: Path, a: dict, env_threads
     return run
 
 
-def _prepare_pmx(n: int, a: dict, quant: str | None = None):
+def _pmx_model(n: int, a: dict, quant: str | None = None) -> Path:
     from runner.pmx.convert import convert
     from runner.pmx.quant import scheme_from_flags
     pmx = a["work"] / (f"pmx{n}-{quant}" if quant else f"pmx{n}")
     if not (pmx / "pmx_params.json").exists():
         convert(str(a["hf"]), str(pmx), num_shards=n, overwrite=True, progress=False,
                 quant=scheme_from_flags(quant, quantize_output=True))
+    return pmx
+
+
+def _prepare_pmx(n: int, a: dict, quant: str | None = None):
+    pmx = _pmx_model(n, a, quant)
     head = [REPO / "scripts" / "mpirun.sh", "-np", n] if n > 1 else []
     return _worker_round(head, "pmx", pmx, a, max(1, a["threads"] // n))
 
@@ -271,7 +283,8 @@ def _sentencepiece_model(path: Path) -> None:
     path.write_bytes(buf.getvalue())
 
 
-def _prepare_llama_cpp(a: dict, quant: str | None = None):
+def _llama_cpp_model(a: dict, quant: str | None = None) -> tuple[Path, Path]:
+    """(llama.cpp's bin dir, the GGUF): built, converted and quantised once, then cached."""
     src = _llama_cpp_source()
     bindir = _llama_cpp_bin(src, a["llama_cpp"], ("llama-quantize",) if quant else ())
     gguf = a["work"] / "model-f32.gguf"
@@ -295,11 +308,13 @@ def _prepare_llama_cpp(a: dict, quant: str | None = None):
                  "llama-quantize")
             qgguf.with_suffix(".tmp").rename(qgguf)
         gguf = qgguf
-    t, n = str(a["threads"]), str(a["decode_tokens"])
+    return bindir, gguf
 
-    def bench(*args) -> dict:
-        return json.loads(_run([bindir / "llama-bench", "-m", gguf, "-t", t, "-r", "1", "-o", "json", *args],
-                               "llama-bench").stdout)[0]
+
+def _prepare_llama_cpp(a: dict, quant: str | None = None):
+    bindir, gguf = _llama_cpp_model(a, quant)
+    t, n = str(a["threads"]), str(a["decode_tokens"])
+    bench = partial(_llama_bench, bindir, gguf, t)
 
     def run() -> dict:
         tg = bench("-p", "0", "-n", n, "-d", str(PROMPT))
@@ -312,6 +327,11 @@ def _prepare_llama_cpp(a: dict, quant: str | None = None):
         return {"decode_b1": tg["avg_ts"], "decode_b16": bb["speed_tg"], "prefill_512": pp["avg_ts"],
                 "threads": tg["n_threads"]}
     return run
+
+
+def _llama_bench(bindir: Path, gguf: Path, threads: str, *args) -> dict:
+    return json.loads(_run([bindir / "llama-bench", "-m", gguf, "-t", threads, "-r", "1", "-o", "json", *args],
+                           "llama-bench").stdout)[0]
 
 
 def _versions(a: dict) -> dict:
@@ -409,6 +429,66 @@ def main(shape: str = "base", rounds: int = 5, threads: int = 2, decode_tokens: 
     print(f"\nraw numbers: {path}")
 
 
+def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pairs: int = 12, tokens: int = 64,
+           threads: int = 2, engine_options="{}", workdir: str = str(CACHE / "peers"), llama_cpp: str | None = None
+           ) -> None:
+    """Batch-1 decode of pmx-runner TP=1 against llama.cpp in alternating slices, a few seconds each: on a box
+    whose bandwidth swings from minute to minute, the median of per-pair ratios resolves what round medians
+    cannot. `pmx`: pmx1, pmx1-int8 or pmx1-int4; `peer`: llama.cpp, llama.cpp-q8_0 or llama.cpp-q4_0. Each slice
+    makes `tokens` tokens after an 8-token prompt (pmx-runner: generate(n + 1) - generate(1), in this process;
+    llama.cpp: llama-bench -n tokens -d 8 -r 1).
+
+        python benchmarks/cpu_peers.py paired [--shape base|gqa] [--pmx pmx1-int4] [--peer llama.cpp-q4_0]
+            [--pairs 12] [--tokens 64]
+    """
+    import torch
+    from runner.engine.generator import Generator
+    from runner.engine.model import EngineOptions
+    from runner.engine.session import open_session
+    from runner.pmx.random_model import make_random_model
+    quant = pmx.split("-", 1)[1] if "-" in pmx else None
+    if shape not in SHAPES or pmx not in ("pmx1", "pmx1-int8", "pmx1-int4") or \
+            peer not in ("llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0"):
+        raise SystemExit("paired: --shape base|gqa, --pmx pmx1|pmx1-int8|pmx1-int4, "
+                         "--peer llama.cpp|llama.cpp-q8_0|llama.cpp-q4_0")
+    work = Path(workdir).expanduser() / shape
+    if not (work / "hf" / "config.json").exists():
+        make_random_model(str(work / "hf"), **SHAPES[shape], overwrite=True)
+    a = dict(work=work, hf=work / "hf", threads=threads, llama_cpp=llama_cpp or os.environ.get("PMX_LLAMA_CPP"))
+    try:
+        bindir, gguf = _llama_cpp_model(a, peer.split("-", 1)[1] if "-" in peer else None)
+    except Skip as e:
+        raise SystemExit(f"paired: {LABELS[peer]} is not available: {e}") from None
+    torch.set_num_threads(threads)
+    sess = open_session(str(_pmx_model(1, a, quant)), options=EngineOptions(**_engine_options(engine_options)))
+    prompts = _prompts(1, PROMPT)
+    generate = lambda n: Generator(sess.model).generate(prompts, n)  # noqa: E731
+    generate(4)
+
+    def pmx_rate() -> float:
+        t0 = time.perf_counter()
+        generate(1)
+        t1 = time.perf_counter()
+        generate(tokens + 1)
+        return tokens / (time.perf_counter() - t1 - (t1 - t0))
+
+    def peer_rate() -> float:
+        return _llama_bench(bindir, gguf, str(threads), "-p", "0", "-n", str(tokens), "-d", str(PROMPT))["avg_ts"]
+
+    ours, theirs = [], []
+    for i in range(pairs):  # alternate who goes first
+        x, y = (pmx_rate(), peer_rate()) if i % 2 == 0 else reversed((peer_rate(), pmx_rate()))
+        ours.append(x)
+        theirs.append(y)
+        print(f"pair {i + 1}/{pairs}: {LABELS[pmx]} {x:.1f}, {LABELS[peer]} {y:.1f} tok/s, ratio {x / y:.3f}",
+              file=sys.stderr, flush=True)
+    sess.close()
+    ratios = [x / y for x, y in zip(ours, theirs)]
+    print(f"shape {shape}, batch 1, {tokens} tokens a slice, {pairs} pairs: {LABELS[pmx]} {statistics.median(ours):.1f}"
+          f" tok/s, {LABELS[peer]} {statistics.median(theirs):.1f} tok/s (medians); ratio median "
+          f"{statistics.median(ratios):.3f}, geometric mean {statistics.geometric_mean(ratios):.3f}")
+
+
 def _cpu_name() -> str:
     try:
         return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
@@ -417,4 +497,5 @@ def _cpu_name() -> str:
 
 
 if __name__ == "__main__":
-    fire.Fire({"main": main, "worker": worker} if len(sys.argv) > 1 and sys.argv[1] == "worker" else main)
+    commands = {"main": main, "worker": worker, "paired": paired}
+    fire.Fire(commands if len(sys.argv) > 1 and sys.argv[1] in ("worker", "paired") else main)
