@@ -247,18 +247,22 @@ needs_ext = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels cannot
 # (B, H, KV, D, N, window): MHA and GQA, head_dim with a tail past 16 lanes, one row, a sliding window inside and
 # outside the history; one sequence with a long history is cut into parts that run in parallel and are merged
 @needs_ext
+@pytest.mark.parametrize("int8", [False, True], ids=["f32_cache", "int8_cache"])
 @pytest.mark.parametrize("layout", range(4))
 @pytest.mark.parametrize("case", [(1, 12, 12, 64, 65, 0), (3, 16, 4, 64, 300, 0), (2, 8, 2, 72, 37, 16),
                                   (4, 4, 4, 128, 1, 0), (1, 6, 3, 64, 300, 100), (1, 8, 2, 64, 300, 0),
                                   (1, 4, 1, 32, 20, 64)])
-def test_cpu_decode_attention_matches_attend_over_gathered_rows(layout, case):
+def test_cpu_decode_attention_matches_attend_over_gathered_rows(layout, case, int8):
     """The CPU kernel that reads history rows in place (torch_ops.decode_attention_rows) against gathering them and
     the torch attention (torch_ops.kv_load + attend with the plan's mask): scattered rows, lengths that differ per
-    sequence, row tables padded with rows that must never be read."""
+    sequence, row tables padded with rows that must never be read; float32 and int8 caches."""
     from runner.kernels import torch_ops
     B, H, KV, D, N, window = case
     g = torch.Generator().manual_seed(layout)
     cache = torch.randn(ref.cache_shape(layout, 3, 512, KV, D), generator=g)
+    scale = None
+    if int8:
+        cache, scale = ref.quantize_int8(cache)
     q = torch.randn(B, H, D, generator=g)
     lens = torch.randint(1, N + 1, (B,), generator=g)
     lens[0] = N
@@ -267,10 +271,11 @@ def test_cpu_decode_attention_matches_attend_over_gathered_rows(layout, case):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(4)  # up to 4 parts per sequence, whatever the machine has
-        got = torch_ops.decode_attention_rows(q, cache, layout, 1, rows.masked_fill(past, 10**9), lens, window or None)
+        got = torch_ops.decode_attention_rows(q, cache, scale, layout, 1, rows.masked_fill(past, 10**9), lens,
+                                              window or None)
     finally:
         torch.set_num_threads(threads)
-    k, v = torch_ops.kv_load(cache, None, layout, 1, rows, torch.float32)                  # (B, N, KV, D)
+    k, v = torch_ops.kv_load(cache, scale, layout, 1, rows, torch.float32)                # (B, N, KV, D)
     seen = ~past & (torch.arange(N)[None] >= lens[:, None] - window if window else True)
     want = torch_ops.attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), seen[:, None, None], False)[:, :, 0]
     assert (got - want).abs().max() <= 2e-6 * want.abs().max()
@@ -281,9 +286,9 @@ def test_cpu_decode_attention_refuses_bad_rows_and_lengths():
     from runner.kernels import torch_ops
     cache, q = torch.zeros(ref.cache_shape(0, 2, 16, 2, 16)), torch.zeros(1, 2, 16)
     with pytest.raises(RuntimeError, match="cache row 16 of sequence 0 is outside the cache's 16 rows"):
-        torch_ops.decode_attention_rows(q, cache, 0, 0, torch.tensor([[0, 16]]), torch.tensor([2]), None)
+        torch_ops.decode_attention_rows(q, cache, None, 0, 0, torch.tensor([[0, 16]]), torch.tensor([2]), None)
     with pytest.raises(RuntimeError, match=r"kvlens\[0\] = 3 must be in \[1, 2\]"):
-        torch_ops.decode_attention_rows(q, cache, 0, 0, torch.tensor([[0, 1]]), torch.tensor([3]), None)
+        torch_ops.decode_attention_rows(q, cache, None, 0, 0, torch.tensor([[0, 1]]), torch.tensor([3]), None)
 
 
 @needs_ext

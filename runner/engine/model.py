@@ -228,8 +228,8 @@ class Attention(nn.Module):
             out = self.ops.decode_attention(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
                                             d.kvlens, self.options.cache_mode, self.window)
         elif self.rows_in_place:  # a kernel that reads the history rows where they lie in the cache
-            out = self.ops.decode_attention_rows(q, cache.data, cache.layout, self.layer, d.kv_slots, d.kvlens,
-                                                 self.window)
+            out = self.ops.decode_attention_rows(q, cache.data, cache.scale, cache.layout, self.layer, d.kv_slots,
+                                                 d.kvlens, self.window)
         else:
             k, v = cache.gather(self.layer, d.kv_slots, q.dtype)                  # (Bd, N, KV, D)
             k, v = self._repeat_kv(k.transpose(1, 2), v.transpose(1, 2), 1)       # (Bd, KV, N, D)
@@ -337,8 +337,7 @@ class Transformer(nn.Module):
         num_params = sum(t.numel() for t in w.values())
         self.ops = ops = pick_kernels(o.kernels, self.device)
         self._gathers = not hasattr(ops, "decode_attention")  # attention over gathered K/V (else kernels walk the cache)
-        rows_in_place = hasattr(ops, "reads_rows_in_place") and ops.reads_rows_in_place(self.device, self.dtype,
-                                                                                        o.quantized_cache)
+        rows_in_place = hasattr(ops, "reads_rows_in_place") and ops.reads_rows_in_place(self.device, self.dtype)
         self.rotary = ref.Rotary(p.head_dim, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
         self.tok_embeddings = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
         column, row = partial(ColumnParallelLinear, comm=comm), partial(RowParallelLinear, comm=comm)

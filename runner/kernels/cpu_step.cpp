@@ -8,11 +8,14 @@
 // out[b, h] = softmax_n(q[b, h] . k[rows[b, n], h / G] * scale) v[rows[b, n], h / G] over the keys a sequence sees:
 // n in [max(0, kvlens[b] - window), kvlens[b]) (window <= 0: all). rows[b] holds the cache row of each position of
 // the sequence's history (rows past kvlens[b] are never read), so offset and paged caches alike come in as rows,
-// and k, v are strided [MaxT, KV, D] views of one layer of the cache in any layout (head_dim contiguous).
-// Nothing is gathered or allocated per layer besides the output: a task is one (sequence, KV head) pair, which
-// reads each of its key and value rows once for all G = H / KV query heads of the group (GQA), into a score
-// buffer of G x N floats, then an exact softmax (vectorised exp) and the weighted sum of the value rows.
-// float32 throughout, as the torch path it replaces (torch_ops.attend): the tests compare the two.
+// and k, v are strided [MaxT, KV, D] views of one layer of the cache in any layout (head_dim contiguous), float32
+// or int8 with float16 scales per group of 8 (dequantised a row at a time, as reference.dequantize_int8).
+// Nothing is gathered: a task is one sequence (or one part of a long history, when there are fewer sequences than
+// threads), which walks its rows in order, all heads of a row at once (they are adjacent in the cache; each K/V
+// row read once for the G = H / KV query heads of its group), with the rows a few ahead prefetched; scores into a
+// buffer of H x N floats, an exact softmax (vectorised exp), then the weighted sum of the value rows. Parts of one
+// history are merged by their softmax statistics (max, sum). float32 throughout, as the torch path it replaces
+// (torch_ops.attend): the tests compare the two.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -111,22 +114,68 @@ inline void softmax_part(float* s, int64_t n, float* mx_out, float* sum_out) {
 // prefetchers do not see the next one coming: its lines are prefetched PF_ROWS rows ahead.
 constexpr int64_t PF_ROWS = 4;  // 2, 4 and 8 measured alike; none: 2x slower at 512 rows
 
-inline void prefetch_row(const float* row, int64_t KV, int64_t head_stride, int64_t D) {
-  for (int64_t h = 0; h < KV; ++h)
-    for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char*)(row + h * head_stride + i), _MM_HINT_T0);
-}
+// One layer's K or V: [MaxT, KV, D], float32 (rows used in place) or int8 with float16 scales per group of 8
+// (QUANT_GROUP, reference.quantize_int8: dequantised row by row into a buffer, q * scale in float32 as the spec).
+struct CacheRows {
+  const float* f = nullptr;
+  const int8_t* q = nullptr;
+  const at::Half* s = nullptr;
+  int64_t row_stride = 0, head_stride = 0, srow_stride = 0, shead_stride = 0, KV = 0, D = 0;
+
+  CacheRows(const at::Tensor& t, const c10::optional<at::Tensor>& scale) {
+    row_stride = t.stride(0), head_stride = t.stride(1), KV = t.size(1), D = t.size(2);
+    if (t.scalar_type() == at::kFloat) {
+      f = t.data_ptr<float>();
+      return;
+    }
+    q = t.data_ptr<int8_t>();
+    s = scale->data_ptr<at::Half>();
+    srow_stride = scale->stride(0), shead_stride = scale->stride(1);
+  }
+  const float* get(int64_t row, int64_t head, float* buf) const {
+    if (f != nullptr) return f + row * row_stride + head * head_stride;
+    const int8_t* r = q + row * row_stride + head * head_stride;
+    const at::Half* sc = s + row * srow_stride + head * shead_stride;
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    for (; i + 16 <= D; i += 16) {  // 16 values, two groups of 8
+      const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(r + i))));
+      const __m512 g = _mm512_insertf32x8(_mm512_set1_ps(static_cast<float>(sc[i / 8])),
+                                          _mm256_set1_ps(static_cast<float>(sc[i / 8 + 1])), 1);
+      _mm512_storeu_ps(buf + i, _mm512_mul_ps(x, g));
+    }
+#endif
+    for (; i < D; ++i) buf[i] = static_cast<float>(r[i]) * static_cast<float>(sc[i / 8]);
+    return buf;
+  }
+  void prefetch(int64_t row) const {  // the row's lines for every head
+    const char* base = f != nullptr ? (const char*)(f + row * row_stride) : (const char*)(q + row * row_stride);
+    const int64_t elem = f != nullptr ? 4 : 1;
+    for (int64_t h = 0; h < KV; ++h)
+      for (int64_t i = 0; i < D * elem; i += 64) _mm_prefetch(base + h * head_stride * elem + i, _MM_HINT_T0);
+  }
+};
 
 // Rows per part of a sequence's history: a sequence is cut into parts of at least this many rows (and at most
 // `threads` parts per sequence) that run in parallel, each with its own softmax statistics, merged at the end.
 constexpr int64_t MIN_PART_ROWS = 32;
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
-                            const at::Tensor& kvlens, int64_t window, double scale) {
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                            const at::Tensor& rows, const at::Tensor& kvlens, int64_t window, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, H, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat && k.size(2) == D && k.stride(2) == 1 && v.stride(2) == 1,
-              "k and v must be float32 [MaxT, KV, D] with head_dim contiguous");
+  const bool quant = k_scale.has_value() && k_scale->defined();
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() &&
+                  k.scalar_type() == (quant ? at::kChar : at::kFloat) && k.size(2) == D && k.stride(2) == 1 &&
+                  v.stride(2) == 1,
+              "k and v must be float32 (or int8 with scales) [MaxT, KV, D] with head_dim contiguous");
+  if (quant)
+    TORCH_CHECK(v_scale.has_value() && D % 8 == 0 && k_scale->scalar_type() == at::kHalf &&
+                    v_scale->scalar_type() == at::kHalf && k_scale->dim() == 3 && k_scale->size(0) == k.size(0) &&
+                    k_scale->size(1) == k.size(1) && k_scale->size(2) == D / 8 && k_scale->sizes() == v_scale->sizes() &&
+                    k_scale->stride(2) == 1 && v_scale->stride(2) == 1 && k_scale->strides() == v_scale->strides(),
+                "int8 cache: k_scale and v_scale must be float16 [MaxT, KV, D/8] with the last dim contiguous");
   const int64_t KV = k.size(1);
   TORCH_CHECK(KV > 0 && H % KV == 0, "query heads (", H, ") must be a multiple of the KV heads (", KV, ")");
   const int64_t G = H / KV;
@@ -154,13 +203,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty({B, H, D}, q.options());
   std::vector<float> part_out(parts > 1 ? B * parts * H * D : 0), part_max(B * parts * H), part_sum(B * parts * H);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const CacheRows K(k, k_scale), V(v, v_scale);
   float* op = out.data_ptr<float>();
-  const int64_t kt = k.stride(0), kh = k.stride(1), vt = v.stride(0), vh = v.stride(1);
   const float sc = (float)scale;
   at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s;
+    std::vector<float> s, buf(D);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / parts, p = t % parts, len = lens[b];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0, seen = len - lo;
@@ -176,13 +223,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const float* qb = qp + b * H * D;
       s.resize(H * n);
       for (int64_t j = 0; j < n; ++j) {  // row by row: all heads of a row are next to each other in the cache
-        if (j + PF_ROWS < n) prefetch_row(kp + r[j + PF_ROWS] * kt, KV, kh, D);
-        for (int64_t h = 0; h < H; ++h) s[h * n + j] = dot(qb + h * D, kp + r[j] * kt + (h / G) * kh, D) * sc;
+        if (j + PF_ROWS < n) K.prefetch(r[j + PF_ROWS]);
+        for (int64_t kh = 0; kh < KV; ++kh) {
+          const float* kr = K.get(r[j], kh, buf.data());
+          for (int64_t h = kh * G; h < (kh + 1) * G; ++h) s[h * n + j] = dot(qb + h * D, kr, D) * sc;
+        }
       }
       for (int64_t h = 0; h < H; ++h) softmax_part(s.data() + h * n, n, &part_max[t * H + h], &part_sum[t * H + h]);
       for (int64_t j = 0; j < n; ++j) {
-        if (j + PF_ROWS < n) prefetch_row(vp + r[j + PF_ROWS] * vt, KV, vh, D);
-        for (int64_t h = 0; h < H; ++h) axpy(o + h * D, s[h * n + j], vp + r[j] * vt + (h / G) * vh, D);
+        if (j + PF_ROWS < n) V.prefetch(r[j + PF_ROWS]);
+        for (int64_t kh = 0; kh < KV; ++kh) {
+          const float* vr = V.get(r[j], kh, buf.data());
+          for (int64_t h = kh * G; h < (kh + 1) * G; ++h) axpy(o + h * D, s[h * n + j], vr, D);
+        }
       }
       if (parts == 1)
         for (int64_t h = 0; h < H; ++h) {
@@ -301,7 +354,8 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor kvlens, int window, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, Tensor rows, Tensor kvlens, "
+        "int window, float scale) -> Tensor");
   m.def("skip_rms_norm(Tensor x, Tensor? skip, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
 }

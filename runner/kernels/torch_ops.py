@@ -10,8 +10,8 @@ tests check them:
   layout (an int8 cache: quantised with the reference quantiser, dequantised by the reference).
 - attend: decode as two batched GEMVs per KV head group; prefill with torch's scaled_dot_product_attention
   (flash attention on CPU); GQA without repeating K/V.
-- decode_attention_rows: decode attention that reads the history rows where they lie in a float32 cache (this
-  project's C++ kernel, runner/kernels/cpu_step.cpp), for engines where :func:`reads_rows_in_place` says
+- decode_attention_rows: decode attention that reads the history rows where they lie in a float32 or int8 cache
+  (this project's C++ kernel, runner/kernels/cpu_step.cpp), for engines where :func:`reads_rows_in_place` says
   it runs; elsewhere the engine gathers the rows (kv_load) and calls attend.
 - skip_rms_norm, swiglu: eagerly (the prefill and mixed steps) on float32 CPU tensors, one pass each in C++
   (cpu_step.cpp) instead of torch's five and two; under torch.compile the spec's arithmetic, which inductor fuses.
@@ -123,17 +123,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
                                           enable_gqa=H != KV)
 
 
-def reads_rows_in_place(device: torch.device, dtype: torch.dtype, quantized_cache: bool) -> bool:
-    """Whether :func:`decode_attention_rows` runs for an engine of this device, dtype and cache: float32 on CPU,
-    not an int8 cache, and this project's CPU kernels built (decided once, at load: not inside a compiled step)."""
-    return device.type == "cpu" and dtype == torch.float32 and not quantized_cache and cpu_ops() is not None
+def reads_rows_in_place(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :func:`decode_attention_rows` runs for an engine of this device and dtype: float32 on CPU (float32 or
+    int8 cache), and this project's CPU kernels built (decided once, at load: not inside a compiled step)."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_ops() is not None
 
 
-def decode_attention_rows(q: torch.Tensor, cache: torch.Tensor, layout: int, layer: int, rows: torch.Tensor,
-                          kvlens: torch.Tensor, sliding_window: Optional[int]) -> torch.Tensor:
+def decode_attention_rows(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int,
+                          layer: int, rows: torch.Tensor, kvlens: torch.Tensor,
+                          sliding_window: Optional[int]) -> torch.Tensor:
     """q [B, H, D], one new token per sequence, against the first kvlens[b] of its cache rows `rows` [B, N] (the
-    last `sliding_window` of them where set), read in place from layer `layer` of a float32 cache of `layout`.
-    Returns [B, H, D]: the math of `attend` over the gathered rows, without gathering them."""
+    last `sliding_window` of them where set), read in place from layer `layer` of a cache of `layout`: float32, or
+    int8 with its float16 `scale`. Returns [B, H, D] float32: the math of `attend` over the gathered (and
+    dequantised) rows, without gathering them."""
     view = cache_view(cache, layout)[layer]                                      # (2, MaxT, KV, D), strided
-    return torch.ops.pmx_cpu.decode_attention(q.contiguous(), view[0], view[1], rows, kvlens, sliding_window or 0,
-                                             1.0 / math.sqrt(q.shape[-1]))
+    sview = cache_view(scale, layout)[layer] if scale is not None else None      # (2, MaxT, KV, D / 8)
+    return torch.ops.pmx_cpu.decode_attention(q.contiguous(), view[0], view[1],
+                                              None if sview is None else sview[0], None if sview is None else sview[1],
+                                              rows, kvlens, sliding_window or 0, 1.0 / math.sqrt(q.shape[-1]))
