@@ -135,3 +135,22 @@ def test_tensor_parallel_under_torchrun(make_hf, tmp_path):
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     got = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"cache_layout": 1}], prompts, conts, launcher="torchrun")[0]
     assert rel_err(got, hf_logits(model, prompts, conts)) < 1e-4
+
+
+def test_decode_reads_a_cache_of_another_float_dtype(make_hf, tmp_path):
+    """A float32 engine stepping on a float16 cache (ppl.pmx's forward with a cache of the caller's dtype): decode
+    reads it (gathered and cast, where the in-place CPU kernel takes float32 and int8 caches only), with the
+    same logits, to float16 rounding, as on a float32 cache."""
+    src, _ = make_hf("llama_gqa_odd")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    params, w = load_shard(tmp_path / "pmx", 0, torch.device("cpu"), torch.float32)
+    m = Transformer(params, w, SingleComm(), EngineOptions(compile="off"))
+    T = 5
+    outs = []
+    for cache in (m.new_cache(64)[0], m.new_cache(64)[0].half()):
+        m.forward(torch.arange(3, 3 + T), torch.empty(0), torch.tensor([0, T]), torch.tensor([0, T]),
+                  torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.tensor([T]), torch.tensor([T]), cache)
+        outs.append(m.forward(torch.tensor([9]), torch.empty(0), torch.tensor([0, 1]), torch.tensor([0, T + 1]),
+                              torch.tensor([0]), torch.tensor([1]), torch.tensor([T]), torch.tensor([1]),
+                              torch.tensor([T + 1]), cache))
+    assert rel_err(outs[1], outs[0]) < 1e-2
