@@ -227,7 +227,7 @@ class Attention(nn.Module):
         if hasattr(self.ops, "decode_attention"):  # a kernel that walks the cache itself
             out = self.ops.decode_attention(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
                                             d.kvlens, self.options.cache_mode, self.window)
-        elif self.rows_in_place and cache.data.dtype in (torch.float32, torch.int8):  # reads the rows in place
+        elif self.rows_in_place and cache.data.dtype in self.ops.ROWS_IN_PLACE_CACHE_DTYPES:  # rows read in place
             out = self.ops.decode_attention_rows(q, cache.data, cache.scale, cache.layout, self.layer, d.kv_slots,
                                                  d.kvlens, self.window)
         else:

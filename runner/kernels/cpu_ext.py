@@ -1,7 +1,7 @@
 """This project's C++ CPU kernels (ops `torch.ops.pmx_cpu.*`): float32, int8 and int4 linears on weights repacked
 into blocks of 64 output channels, k-major (runner/kernels/cpu_linear.cpp), decode attention read in place from
-the KV cache and fused residual + RMSNorm and SwiGLU (runner/kernels/cpu_step.cpp), and the collectives of ranks on one machine through shared memory
-(runner/kernels/cpu_comm.cpp).
+the KV cache and one-pass residual + RMSNorm and SwiGLU (runner/kernels/cpu_step.cpp), and the collectives of
+ranks on one machine through shared memory (runner/kernels/cpu_comm.cpp).
 
 The extension is built on first use for this machine (-march=native, OpenMP as torch) and cached by torch under
 ~/.cache/torch_extensions (once per machine, ~20 s); where it cannot be built (no compiler or ninja) the callers

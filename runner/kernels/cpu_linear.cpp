@@ -326,9 +326,14 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   return out;
 }
 
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t N) {
+void check_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t N) {
   check(x, w, N, NB);
-  TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat && scale.numel() == N);
+  TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat && scale.numel() == N,
+              "int8: packed weight must be int8 and scale float32 [N]");
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t N) {
+  check_int8(x, w, scale, N);
   const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -356,9 +361,9 @@ int64_t int4_layout(int64_t group_size) {
   return 0;
 }
 
-at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t group_size,
-                       int64_t N) {
-  const int64_t M = x.size(0), K = x.size(1), G = group_size;
+// Checks the arguments of an int4 kernel and returns the layout of its packed weight.
+int64_t check_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t G, int64_t N) {
+  const int64_t K = x.size(1);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   TORCH_CHECK(G > 0 && G % 2 == 0 && K % G == 0, "int4: K (", K, ") must be a multiple of the even group size ", G);
   const int64_t layout = int4_layout(G), rows_per_k = layout == 1 ? 2 : 1;  // layout 1: 2 rows of 64 bytes per 4 k
@@ -366,9 +371,17 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                   w.size(2) == NB * rows_per_k / 2 && w.size(0) * NB >= N && (w.size(0) - 1) * NB < N,
               "int4: packed weight must be contiguous uint8 [N/64, K/", rows_per_k, ", ", NB * rows_per_k / 2,
               "] (layout ", layout, ")");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == K / G &&
+                  scale.size(1) == w.size(0) * NB && scale.is_contiguous(),
+              "int4: scale must be contiguous float32 [K/G, N/64*64]");
+  return layout;
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t group_size,
+                       int64_t N) {
+  const int64_t layout = check_int4(x, w, scale, group_size, N);
+  const int64_t M = x.size(0), K = x.size(1), G = group_size;
   const int64_t blocks = w.size(0), groups = K / G, lds = blocks * NB;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == groups && scale.size(1) == lds &&
-                  scale.is_contiguous(), "int4: scale must be contiguous float32 [K/G, N/64*64]");
   at::Tensor out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -422,22 +435,10 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // blocks of int4_layout(group_size), scale [K/G, N/64*64].
 at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t method,
                           int64_t group_size, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   TORCH_CHECK(method == 8 || method == 4, "linear_dequant: method must be 8 or 4, got ", method);
+  if (method == 8) check_int8(x, w, scale, N);
+  const int64_t layout = method == 4 ? check_int4(x, w, scale, group_size, N) : 0;
   const int64_t M = x.size(0), K = x.size(1), G = group_size, blocks = w.size(0);
-  const int64_t layout = method == 4 ? int4_layout(G) : 0;
-  if (method == 8) {
-    check(x, w, N, NB);
-    TORCH_CHECK(w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat && scale.numel() == N);
-  } else {
-    TORCH_CHECK(G > 0 && G % 2 == 0 && K % G == 0, "int4: K (", K, ") must be a multiple of the even group size ", G);
-    const int64_t rows_per_k = layout == 1 ? 2 : 1;
-    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == K / rows_per_k &&
-                    w.size(2) == NB * rows_per_k / 2 && blocks * NB >= N && (blocks - 1) * NB < N,
-                "int4: packed weight must be contiguous uint8 [N/64, K/", rows_per_k, ", ", NB * rows_per_k / 2, "]");
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == K / G &&
-                    scale.size(1) == blocks * NB && scale.is_contiguous(), "int4: scale must be float32 [K/G, N/64*64]");
-  }
   at::Tensor out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();

@@ -26,11 +26,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <tuple>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -160,6 +160,9 @@ struct CacheRows {
 // `threads` parts per sequence) that run in parallel, each with its own softmax statistics, merged at the end.
 constexpr int64_t MIN_PART_ROWS = 32;
 
+// The first position a query at position len - 1 sees: all of them, or the last `window`.
+inline int64_t first_seen(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                             const at::Tensor& rows, const at::Tensor& kvlens, int64_t window, double scale) {
@@ -195,10 +198,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   // parts: each sequence's seen rows [lo, len) cut into `parts` pieces
   const int64_t threads = at::get_num_threads();
   int64_t parts = 1;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
-    parts = std::max(parts, std::min(threads, (lens[b] - lo) / MIN_PART_ROWS));
-  }
+  for (int64_t b = 0; b < B; ++b)
+    parts = std::max(parts, std::min(threads, (lens[b] - first_seen(lens[b], window)) / MIN_PART_ROWS));
   if (B >= threads) parts = 1;
   at::Tensor out = at::empty({B, H, D}, q.options());
   std::vector<float> part_out(parts > 1 ? B * parts * H * D : 0), part_max(B * parts * H), part_sum(B * parts * H);
@@ -210,7 +211,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     std::vector<float> s, buf(D);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / parts, p = t % parts, len = lens[b];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0, seen = len - lo;
+      const int64_t lo = first_seen(len, window), seen = len - lo;
       const int64_t j0 = lo + seen * p / parts, j1 = lo + seen * (p + 1) / parts, n = j1 - j0;
       float* o = parts > 1 ? part_out.data() + t * H * D : op + b * H * D;
       std::fill(o, o + H * D, 0.0f);
@@ -264,7 +265,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-// e^x for any x: exp_neg(-|x|), inverted for x > 0 (silu only needs e^-|g|).
+// 1 / (1 + e^-g) from e^-|g| (exp_neg's domain): 1 / (1 + e) for g >= 0, e / (1 + e) below.
 inline v16f sigmoid(v16f g) {
   const v16f a = g < 0 ? -g : g;
   const v16f e = exp_neg(-a);               // e^-|g| in (0, 1]

@@ -30,10 +30,14 @@ from runner.kernels.cpu_ext import cpu_ops
 from runner.kernels.reference import cache_view, rms_norm  # noqa: F401  (same as the spec)
 
 
+def _cpu_kernels_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """This project's C++ CPU kernels (built here) take float32 CPU tensors."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_ops() is not None
+
+
 def _cpu_kernel_takes(*ts: Optional[torch.Tensor]) -> bool:
-    """Eager, float32 CPU tensors, and this project's CPU kernels built."""
-    return (not torch.compiler.is_compiling() and all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32)
-                                                      for t in ts) and cpu_ops() is not None)
+    """Eager, and every tensor given one the C++ CPU kernels take."""
+    return not torch.compiler.is_compiling() and all(t is None or _cpu_kernels_for(t.device, t.dtype) for t in ts)
 
 
 def skip_rms_norm(x: torch.Tensor, skip: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
@@ -123,10 +127,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
                                           enable_gqa=H != KV)
 
 
+ROWS_IN_PLACE_CACHE_DTYPES = (torch.float32, torch.int8)  # the caches decode_attention_rows reads
+
+
 def reads_rows_in_place(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether :func:`decode_attention_rows` runs for an engine of this device and dtype: float32 on CPU (float32 or
-    int8 cache), and this project's CPU kernels built (decided once, at load: not inside a compiled step)."""
-    return device.type == "cpu" and dtype == torch.float32 and cpu_ops() is not None
+    """Whether :func:`decode_attention_rows` runs for an engine of this device and dtype, on caches of
+    ROWS_IN_PLACE_CACHE_DTYPES (decided once, at load: not inside a compiled step)."""
+    return _cpu_kernels_for(device, dtype)
 
 
 def decode_attention_rows(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int,
