@@ -282,6 +282,33 @@ def test_cpu_decode_attention_matches_attend_over_gathered_rows(layout, case, in
 
 
 @needs_ext
+@pytest.mark.parametrize("paged", [False, True], ids=["offsets", "pages"])
+@pytest.mark.parametrize("window", [0, 50])
+def test_cpu_decode_attention_reads_rows_from_offsets_and_page_starts(paged, window):
+    """Without a row table the kernel works each position's row out from the plan's cachestarts: an offset per
+    sequence, or its page starts (pages out of order, a table padded past the pages in use); the same result as the
+    row table of those positions, to the bit."""
+    from runner.kernels import torch_ops
+    P = ref.PAGE_SIZE
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randn(ref.cache_shape(0, 2, 8 * P, 2, 64), generator=g)
+    lens = torch.tensor([300, 5, 129])
+    q = torch.randn(3, 8, 64, generator=g)
+    if paged:
+        starts = torch.tensor([[5 * P, 0, 7 * P], [2 * P, 0, 0], [P, 6 * P, 0]])
+        pos = torch.arange(300)
+        table = starts.gather(1, (pos // P)[None].expand(3, -1)) + pos % P
+        rows, page_size = starts, P
+    else:
+        starts = torch.tensor([600, 0, 310])
+        table, rows, page_size = starts[:, None] + torch.arange(300), starts, 0
+    table = table.masked_fill(torch.arange(300)[None] >= lens[:, None], 0)
+    got = torch_ops.decode_attention_rows(q, cache, None, 0, 1, rows, lens, window or None, page_size)
+    want = torch_ops.decode_attention_rows(q, cache, None, 0, 1, table, lens, window or None)
+    assert torch.equal(got, want)
+
+
+@needs_ext
 def test_cpu_decode_attention_refuses_bad_rows_and_lengths():
     from runner.kernels import torch_ops
     cache, q = torch.zeros(ref.cache_shape(0, 2, 16, 2, 16)), torch.zeros(1, 2, 16)
@@ -289,6 +316,12 @@ def test_cpu_decode_attention_refuses_bad_rows_and_lengths():
         torch_ops.decode_attention_rows(q, cache, None, 0, 0, torch.tensor([[0, 16]]), torch.tensor([2]), None)
     with pytest.raises(RuntimeError, match=r"kvlens\[0\] = 3 must be in \[1, 2\]"):
         torch_ops.decode_attention_rows(q, cache, None, 0, 0, torch.tensor([[0, 1]]), torch.tensor([3]), None)
+    with pytest.raises(RuntimeError, match="cache row 16 of sequence 0 is outside"):  # offset 10 + 7 rows
+        torch_ops.decode_attention_rows(q, cache, None, 0, 0, torch.tensor([10]), torch.tensor([7]), None)
+    with pytest.raises(RuntimeError, match="cache row 16 of sequence 0 is outside"):  # 2nd page of 8 rows at 16
+        torch_ops.decode_attention_rows(q, cache, None, 0, 0, torch.tensor([[0, 16]]), torch.tensor([10]), None, 8)
+    with pytest.raises(RuntimeError, match="rows must be int64 with a contiguous last dim"):
+        torch_ops.decode_attention_rows(q, cache, None, 0, 0, torch.tensor([0]), torch.tensor([2]), None, 8)
 
 
 @needs_ext

@@ -175,3 +175,70 @@ def test_lean_decode_plan_is_the_general_plan(start, window):
     for f in ("kv_slots", "mask", "cachestarts", "kvlens"):
         same(getattr(lean.decode, f), getattr(general.decode, f), f)
     assert lean.prefill == general.prefill == () and lean.packed is general.packed is None and lean.decode_only
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["offset", "paged"])
+@pytest.mark.parametrize("start", [[7], [4, 300, 130]])
+def test_decode_buffers_plan_is_the_general_plan(paged, start):
+    """The decode step written into persistent buffers (no torch call on the host) is make_plan's plan for a kernel
+    that reads the history in place from cachestarts: every field, dtype and value; the page table padded with 0
+    to the buffers' width. The next call for the same batch size rewrites the same tensors."""
+    from runner.engine.plan import DecodeBuffers, make_plan
+    from runner.kernels.reference import PAGE_SIZE, Rotary
+    rotary = Rotary(16, 10000.0, None, 4096, torch.device("cpu"))
+    if paged:
+        caches = [[PAGE_SIZE * (3 * b + j) for j in range(s // PAGE_SIZE + 1)][::-1] for b, s in enumerate(start)]
+    else:
+        caches = [1000 * b + 5 for b in range(len(start))]
+    tokens = [11 + b for b in range(len(start))]
+    bufs = DecodeBuffers(rotary, paged, max_pages=8)
+    ids, plan = bufs.plan(tokens, start, caches)
+    want = make_plan([1] * len(start), start, caches, len(start), paged=paged, rotary=rotary,
+                     device=torch.device("cpu"), decode_rows=False)
+    assert ids.tolist() == tokens and plan.decode_only and plan.last is None and plan.prefill == ()
+    for got, exp in ((plan.slots, want.slots), (plan.cos, want.cos), (plan.sin, want.sin),
+                     (plan.decode.kvlens, want.decode.kvlens)):
+        assert got.dtype == exp.dtype and torch.equal(got, exp)
+    assert plan.decode.kv_slots is None and plan.decode.mask is None and want.decode.kv_slots is None
+    cs = plan.decode.cachestarts
+    if paged:
+        width = want.decode.cachestarts.shape[1]
+        assert cs.shape == (len(start), 8) and torch.equal(cs[:, :width], want.decode.cachestarts)
+        assert not cs[:, width:].any()
+    else:
+        assert torch.equal(cs, want.decode.cachestarts)
+    ids2, plan2 = bufs.plan([t + 1 for t in tokens], [s + 1 for s in start], caches)
+    assert plan2 is plan and ids2 is ids and torch.equal(plan.decode.kvlens, want.decode.kvlens + 1)
+    assert bufs.plan(tokens, [4096], caches[:1]) is None  # past the rotary tables: the caller plans it in full
+    if paged:
+        assert bufs.plan(tokens[:1], start[:1], [[0] * 9]) is None  # a page table wider than the buffers
+
+
+def test_step_inputs_decode_step_matches_forward(make_hf, tmp_path):
+    """Generation's decode steps (Transformer.step_inputs: persistent buffers, attention over the cache from the
+    offsets) give the logits of ppl.pmx's forward on the same inputs, to the bit, eager and compiled."""
+    src, model = make_hf("llama_gqa_odd")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    for compile_ in ("off", "on"):
+        m = engine(tmp_path / "pmx", compile=compile_)
+        kv, _ = m.new_cache(64)
+        prompt = [3, 17, 5, 9, 30]
+        m.forward(torch.tensor(prompt), torch.empty(0), torch.tensor([0, 5]), torch.tensor([0, 5]), torch.tensor([2]),
+                  torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), torch.tensor([5]), kv)
+        kv2 = kv.clone()
+        for k, tok in enumerate([7, 8, 9]):
+            ids, plan = m.step_inputs([tok], [1], [5 + k], [2], 1)
+            got = m.step(ids, plan, kv, None)
+            want = m.forward(torch.tensor([tok]), torch.empty(0), torch.tensor([0, 1]), torch.tensor([0, 6 + k]),
+                             torch.tensor([2]), torch.tensor([1]), torch.tensor([5 + k]), torch.tensor([1]),
+                             torch.tensor([6 + k]), kv2)
+            assert torch.equal(got, want) and torch.equal(kv, kv2), (compile_, k)
+
+
+def test_greedy_ids_are_torch_argmax():
+    """numpy's argmax on CPU (the first index where tied), torch's elsewhere."""
+    from runner.engine.sampler import greedy_ids
+    logits = torch.randn(5, 1000)
+    logits[2, 10] = logits[2, 500] = logits[2].max() + 1  # a tie: the first wins
+    assert greedy_ids(logits) == logits.argmax(-1).tolist() and greedy_ids(logits)[2] == 10
+    assert greedy_ids(logits.double()) == logits.argmax(-1).tolist()

@@ -138,15 +138,15 @@ class Generator:
                 logits = self.model.forward(**inputs)
                 self.dumper.dump(step, {"logits": logits})
             else:
-                plan = self.model.plan(lens.seqlens, lens.start, lens.caches, lens.num_decoding,
-                                       self._causal_mask(lens))
-                logits = self.model.step(torch.tensor(lens.tokens, dtype=torch.int64), plan, kv_cache, kv_scale)
+                tokens, plan = self.model.step_inputs(lens.tokens, lens.seqlens, lens.start, lens.caches,
+                                                      lens.num_decoding, self._causal_mask(lens))
+                logits = self.model.step(tokens, plan, kv_cache, kv_scale)
             step += 1
             ready = [k for k, (s, n) in enumerate(batch) if s.done_prefill + n >= s.prompt_len]
             for s, n in batch:
                 s.done_prefill = min(s.done_prefill + n, s.prompt_len) if not s.decoding else s.done_prefill
             if ready:  # every rank samples the same tokens from the same logits and generator state
-                nxt = sampler(logits[ready] if len(ready) < len(batch) else logits).tolist()
+                nxt = sampler.ids(logits[ready] if len(ready) < len(batch) else logits)
                 for k, t in zip(ready, nxt):
                     s = batch[k][0]
                     if t in eos:

@@ -27,7 +27,7 @@ from torch import nn
 
 from runner.engine.cache import KVCache, new_cache
 from runner.engine.graphs import DecodeGraphs
-from runner.engine.plan import StepPlan, make_plan, plan_from_inputs
+from runner.engine.plan import DecodeBuffers, StepPlan, make_plan, plan_from_inputs
 from runner.errors import PmxError
 from runner.kernels import reference as ref
 from runner.kernels import torch_ops
@@ -228,8 +228,15 @@ class Attention(nn.Module):
             out = self.ops.decode_attention(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
                                             d.kvlens, self.options.cache_mode, self.window)
         elif self.rows_in_place and cache.data.dtype in self.ops.ROWS_IN_PLACE_CACHE_DTYPES:  # rows read in place
-            out = self.ops.decode_attention_rows(q, cache.data, cache.scale, cache.layout, self.layer, d.kv_slots,
-                                                 d.kvlens, self.window)
+            if d.kv_slots is not None:                                            # from the plan's row table
+                rows, page_size = d.kv_slots, 0
+            else:                                                                 # from the offsets / page starts
+                rows, page_size = d.cachestarts, ref.PAGE_SIZE if d.cachestarts.dim() == 2 else 0
+            out = self.ops.decode_attention_rows(q, cache.data, cache.scale, cache.layout, self.layer, rows,
+                                                 d.kvlens, self.window, page_size)
+        elif d.kv_slots is None:
+            raise PmxError(f"a {cache.data.dtype} cache needs the decode plan's cache rows (kv_slots); this plan "
+                           f"was made for a cache the engine reads in place")
         else:
             k, v = cache.gather(self.layer, d.kv_slots, q.dtype)                  # (Bd, N, KV, D)
             k, v = self._repeat_kv(k.transpose(1, 2), v.transpose(1, 2), 1)       # (Bd, KV, N, D)
@@ -337,8 +344,13 @@ class Transformer(nn.Module):
         num_params = sum(t.numel() for t in w.values())
         self.ops = ops = pick_kernels(o.kernels, self.device)
         self._gathers = not hasattr(ops, "decode_attention")  # attention over gathered K/V (else kernels walk the cache)
-        rows_in_place = hasattr(ops, "reads_rows_in_place") and ops.reads_rows_in_place(self.device, self.dtype)
+        # decode attention reads the history in place from the plan's cachestarts (CPU kernel; prefill still gathers)
+        self._rows_in_place = rows_in_place = (hasattr(ops, "reads_rows_in_place")
+                                               and ops.reads_rows_in_place(self.device, self.dtype))
         self.rotary = ref.Rotary(p.head_dim, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
+        self._decode_buffers = DecodeBuffers(self.rotary, o.cache_mode == 1, -(-p.max_position_embeddings
+                                                                               // ref.PAGE_SIZE)) \
+            if rows_in_place else None
         self.tok_embeddings = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
         column, row = partial(ColumnParallelLinear, comm=comm), partial(RowParallelLinear, comm=comm)
         scheme = scheme_of(p)
@@ -377,7 +389,7 @@ class Transformer(nn.Module):
         self.norm = SkipRMSNorm(w.pop("norm.weight"), p.norm_eps, ops)
         self.output = ColumnParallelLinear(weight("output"), None, comm, gather_output=True, prepack=o.prepack)
         self._compiled = self._compile_decode(num_params)
-        self._compiled_variants = set()  # (B == 1, no mask, one page): the graphs compiled so far (size 1 specialises)
+        self._compiled_variants = set()  # (B == 1, no row table, no mask, one page): graphs compiled (size 1 specialises)
         self._graphs = self._cuda_graphs()
 
     # -- cache ----------------------------------------------------------------------------------
@@ -394,7 +406,23 @@ class Transformer(nn.Module):
         return make_plan(seqlens, start_pos, caches, num_decoding, paged=o.cache_mode == 1, rotary=self.rotary,
                          device=self.device, sliding_window=self.params.sliding_window,
                          fused_kvcache=o.fused_kvcache, read_cache_in_prefill=o.quantized_cache,
-                         gather_rows=self._gathers, attn_mask=attn_mask)
+                         gather_rows=self._gathers, decode_rows=self._decode_rows(self.dtype), attn_mask=attn_mask)
+
+    def step_inputs(self, tokens, seqlens, start_pos, caches, num_decoding: int,
+                    attn_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, StepPlan]:
+        """(token ids, plan) of a step for :meth:`step`, from Python ints. A step where every sequence decodes one
+        token, on an engine that reads the history in place, is written into persistent buffers
+        (runner.engine.plan.DecodeBuffers: no torch call on the host); that plan holds until the next call."""
+        if self._decode_buffers is not None and num_decoding == len(seqlens) and self.options.fused_kvcache:
+            got = self._decode_buffers.plan(tokens, start_pos, caches)
+            if got is not None:
+                return got
+        return (torch.tensor(tokens, dtype=torch.int64),
+                self.plan(seqlens, start_pos, caches, num_decoding, attn_mask))
+
+    def _decode_rows(self, cache_dtype: torch.dtype) -> bool:
+        """Whether the decoding sequences' attention reads a row table (kv_slots) and masks from the plan."""
+        return self._gathers and not (self._rows_in_place and cache_dtype in self.ops.ROWS_IN_PLACE_CACHE_DTYPES)
 
     @torch.inference_mode()
     def forward(self, token_ids, attn_mask, seqstarts, kvstarts, cachestarts, decoding_batches, start_pos,
@@ -412,7 +440,7 @@ class Transformer(nn.Module):
                                     paged=o.cache_mode == 1, rotary=self.rotary, device=self.device,
                                     sliding_window=self.params.sliding_window, fused_kvcache=o.fused_kvcache,
                                     read_cache_in_prefill=o.quantized_cache, gather_rows=self._gathers,
-                                    attn_mask=None if attn_mask is None else attn_mask.to(self.device))
+                                    decode_rows=self._decode_rows(kv_cache.dtype), attn_mask=None if attn_mask is None else attn_mask.to(self.device))
         except ValueError as e:
             raise PmxError(f"bad step inputs: {e}") from None
         return self.step(token_ids, plan, kv_cache, kv_scale)
@@ -429,11 +457,12 @@ class Transformer(nn.Module):
             if logits is not None:
                 return logits
         if self._compiled is not None and plan.decode_only:
-            _mark_dynamic(tokens, plan, cache)
             d = plan.decode
-            variant = (d.kv_slots.shape[0] == 1, d.mask is None, d.cachestarts.dim() == 2 and d.cachestarts.shape[1] == 1)
+            variant = (d.batch == 1, d.kv_slots is None, d.mask is None,
+                       d.cachestarts.dim() == 2 and d.cachestarts.shape[1] == 1)
             if variant not in self._compiled_variants:  # this call compiles a graph: no collective timeout on it
-                logits = self._compiled(tokens, plan, cache)
+                _mark_dynamic(tokens, plan, cache)  # (marks matter to the compile only; the graph's guards then
+                logits = self._compiled(tokens, plan, cache)  # take every size it was compiled for)
                 self._compiled_variants.add(variant)
                 return logits
             with self.comm.guard("decode step"):

@@ -17,6 +17,9 @@ rotary angles, the rows of the last tokens, and how attention runs:
 The ppl.pmx step inputs (seqstarts, kvstarts, cachestarts, ...) are turned into a plan by
 :func:`plan_from_inputs`; the generator makes the same plan straight from its Python ints with
 :func:`make_plan`. Both run one code path, so a replayed dump runs exactly the step that made it.
+On CPU, where the decode kernel reads each history in place from cachestarts and kvlens, a step where every
+sequence decodes one token is written by :class:`DecodeBuffers` into persistent tensors without a torch call (the
+same values as make_plan's; a torch call right after a decode step costs 15-40 us there).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from runner.kernels.reference import PAGE_SIZE, Rotary
@@ -114,7 +118,8 @@ def _window_mask(q_pos: torch.Tensor, kv_pos: torch.Tensor, kvlen: torch.Tensor,
 def make_plan(seqlens: Sequence[int], start_pos: Sequence[int], caches: Sequence[CacheOf], num_decoding: int,
               *, paged: bool, rotary: Rotary, device: torch.device, sliding_window: Optional[int] = None,
               fused_kvcache: bool = True, read_cache_in_prefill: bool = False, gather_rows: bool = True,
-              attn_mask: Optional[torch.Tensor] = None, lean: bool = True) -> StepPlan:
+              decode_rows: Optional[bool] = None, attn_mask: Optional[torch.Tensor] = None,
+              lean: bool = True) -> StepPlan:
     """The plan of a step over B packed sequences: sequence b has seqlens[b] new tokens from position
     start_pos[b], its cache at caches[b]; the first num_decoding sequences decode one token each.
 
@@ -123,15 +128,19 @@ def make_plan(seqlens: Sequence[int], start_pos: Sequence[int], caches: Sequence
     `gather_rows`: build the cache rows and masks that attention over gathered K/V reads (kv_slots, mask); off
     for kernels that walk the cache themselves from cachestarts and kvlens (Triton), which saves the host the
     work and the device a [B, N] copy per step.
+    `decode_rows`: whether the decoding sequences' attention reads those rows and masks (default: gather_rows); off
+    where a kernel reads the history in place from cachestarts and kvlens (the CPU decode kernel) while prefill
+    still gathers.
     `lean`: a step where every sequence decodes one token from an offset cache is planned straight from the
     ints (:func:`_decode_plan`: the same plan with a third of the torch calls; the host plans right after a
     step that streamed the weights through its caches, where each call costs several times more).
     """
     B = len(seqlens)
+    decode_rows = gather_rows if decode_rows is None else decode_rows
     if not 0 <= num_decoding <= B or any(n != 1 for n in seqlens[:num_decoding]):
         raise ValueError(f"the first {num_decoding} sequences must decode one token each, got lengths "
                          f"{list(seqlens[:num_decoding])}")
-    if lean and num_decoding == B and not paged and fused_kvcache and gather_rows:
+    if lean and num_decoding == B and not paged and fused_kvcache and decode_rows:
         return _decode_plan([int(p) for p in start_pos], [int(c) for c in caches], rotary, device, sliding_window)
     cache = _cache_tensor(caches, paged)                                              # [B] or [B, MaxP]
     seqlen_t, start_t = torch.tensor(list(seqlens)), torch.tensor(list(start_pos))
@@ -144,8 +153,8 @@ def make_plan(seqlens: Sequence[int], start_pos: Sequence[int], caches: Sequence
         positions = start_t[bot] + torch.arange(T) - first[bot]
     slots = (_rows(cache, positions[:, None], paged)[:, 0] if bot is None
              else _rows(cache[bot], positions[:, None], paged)[:, 0])
-    cos, sin = rotary.cos_sin(positions)
     kvlens = start_t + seqlen_t
+    cos, sin = rotary.cos_sin(positions, end=int(max(int(p) + int(n) for p, n in zip(start_pos, seqlens))) if B else 0)
     last = None if T == B else (torch.cumsum(seqlen_t, 0) - 1)
     decode, prefill, packed = None, [], None
     to = dict(device=device, non_blocking=True)
@@ -159,7 +168,7 @@ def make_plan(seqlens: Sequence[int], start_pos: Sequence[int], caches: Sequence
                                torch.cat((zero, torch.cumsum(kvlens, 0))), start_t,
                                attn_mask if attn_mask is not None and attn_mask.numel() else None)
     else:
-        if num_decoding and not gather_rows:
+        if num_decoding and not decode_rows:
             dl = kvlens[:num_decoding]
             decode = DecodeAttention(None, None, cache[:num_decoding].to(**to), dl.to(**to))
         elif num_decoding:
@@ -208,7 +217,7 @@ def _decode_plan(start: list, caches: list, rotary: Rotary, device: torch.device
     kvl = [p + 1 for p in start]
     n_max = max(kvl)
     cache_t, kvlens = torch.tensor(caches), torch.tensor(kvl)
-    cos, sin = rotary.cos_sin(torch.tensor(start))
+    cos, sin = rotary.cos_sin(torch.tensor(start), end=n_max)
     if len(start) == 1:
         kv_slots = torch.arange(caches[0], caches[0] + n_max)[None, :]
     else:
@@ -220,6 +229,70 @@ def _decode_plan(start: list, caches: list, rotary: Rotary, device: torch.device
     dev = (lambda t: t) if device.type == "cpu" else (lambda t: t.to(device, non_blocking=True))  # noqa: E731
     return StepPlan(dev(torch.tensor([c + p for c, p in zip(caches, start)])), dev(cos), dev(sin), None,
                     DecodeAttention(dev(kv_slots), None if mask is None else dev(mask), dev(cache_t), dev(kvlens)))
+
+
+class DecodeBuffers:
+    """The token ids and plan of a step where every sequence decodes one token, written into persistent host
+    buffers: for engines whose kernels read the history in place from the plan's cachestarts and kvlens (the CPU
+    decode kernel), so the plan is just the step's ints.
+
+    Between two decode steps a CPU streams every weight of the model through its caches, and a torch call made
+    right after that costs 15-40 us (its code and data come back from memory): make_plan's dozen calls took a quarter
+    of a millisecond of a 10 ms step on the project's CPU (benchmarks/RESULTS.md, "Session 7"). Here the ints are
+    written with numpy into tensors made once per batch size, and cos/sin are taken from the rotary tables, without a
+    torch call. The tensors, and so the returned plan, are rewritten by the next call for the same batch size: a
+    plan from here is for the step it is made for (its caller runs that step before planning the next one).
+    """
+
+    def __init__(self, rotary: Rotary, paged: bool, max_pages: int):
+        self.rotary, self.paged, self.max_pages = rotary, paged, max_pages
+        self._cos, self._sin = rotary.cos_table.numpy(), rotary.sin_table.numpy()
+        self._by_batch: dict = {}
+
+    def plan(self, tokens: Sequence[int], start_pos: Sequence[int], caches: Sequence[CacheOf]
+             ) -> Optional[tuple[torch.Tensor, StepPlan]]:
+        """(token ids [B], plan) of the decode step, or None where the buffers do not take it (a position past the
+        rotary tables, a page table wider than max_pages)."""
+        B = len(start_pos)
+        if B == 0 or max(start_pos) >= self._cos.shape[0] or (self.paged and max(map(len, caches)) > self.max_pages):
+            return None
+        entry = self._by_batch.get(B)
+        if entry is None:
+            entry = self._by_batch[B] = self._new(B)
+        ids, plan, (n_ints, n_cs, n_cos, n_sin) = entry
+        if B == 1:  # scalar writes: a fifth of the time of the array calls below, cold
+            p, c = int(start_pos[0]), caches[0]
+            n_ints[0, 0], n_ints[2, 0] = tokens[0], p + 1                       # token id, kvlen
+            if self.paged:
+                n_cs[0, : len(c)], n_cs[0, len(c):] = c, 0
+                n_ints[1, 0] = c[p // PAGE_SIZE] + p % PAGE_SIZE                 # slot
+            else:
+                n_cs[0], n_ints[1, 0] = c, c + p
+            n_cos[0], n_sin[0] = self._cos[p], self._sin[p]
+            return ids, plan
+        start = np.asarray(start_pos, dtype=np.int64)
+        n_ints[0] = tokens
+        np.add(start, 1, out=n_ints[2])                                     # kvlens
+        if self.paged:
+            n_cs.fill(0)
+            for b, pages in enumerate(caches):
+                n_cs[b, : len(pages)] = pages
+            np.add(n_cs[np.arange(B), start // PAGE_SIZE], start % PAGE_SIZE, out=n_ints[1])
+        else:
+            n_cs[:] = caches
+            np.add(n_cs, start, out=n_ints[1])                              # slots
+        np.take(self._cos, start, axis=0, out=n_cos)
+        np.take(self._sin, start, axis=0, out=n_sin)
+        return ids, plan
+
+    def _new(self, B: int):
+        ints = torch.zeros(3, B, dtype=torch.int64)                        # token ids, slots, kvlens
+        cs = torch.zeros((B, self.max_pages) if self.paged else (B,), dtype=torch.int64)
+        half = self._cos.shape[1]
+        cos, sin = torch.zeros(B, half), torch.zeros(B, half)
+        ids, slots, kvlens = ints
+        plan = StepPlan(slots, cos, sin, None, DecodeAttention(None, None, cs, kvlens))
+        return ids, plan, (ints.numpy(), cs.numpy(), cos.numpy(), sin.numpy())
 
 
 def plan_from_inputs(seqstarts: torch.Tensor, kvstarts: torch.Tensor, cachestarts: torch.Tensor,

@@ -26,6 +26,14 @@ class SamplingParams:
             raise PmxError(f"--top_p must be in (0, 1], got {self.top_p}")
 
 
+def greedy_ids(logits: torch.Tensor) -> list:
+    """The index of each row's largest logit (the first where tied) of logits [B, V]: numpy's argmax on CPU (a torch
+    call right after a decode step costs several times more: runner.engine.plan.DecodeBuffers), torch's elsewhere."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -34,6 +42,10 @@ class Sampler:
             self.gen.manual_seed(params.seed)
         else:
             self.gen.seed()
+
+    def ids(self, logits: torch.Tensor) -> list:
+        """logits [B, V] float32 -> next token ids, a list of B ints."""
+        return greedy_ids(logits) if self.params.temperature == 0 else self(logits).tolist()
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] float32 -> next tokens [B] int64."""

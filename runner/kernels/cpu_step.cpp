@@ -7,8 +7,10 @@
 // Decode attention.
 // out[b, h] = softmax_n(q[b, h] . k[rows[b, n], h / G] * scale) v[rows[b, n], h / G] over the keys a sequence sees:
 // n in [max(0, kvlens[b] - window), kvlens[b]) (window <= 0: all). rows[b] holds the cache row of each position of
-// the sequence's history (rows past kvlens[b] are never read), so offset and paged caches alike come in as rows,
-// and k, v are strided [MaxT, KV, D] views of one layer of the cache in any layout (head_dim contiguous), float32
+// the sequence's history (rows past kvlens[b] are never read); or, without a row table, the cache's own bookkeeping:
+// rows [B] the offset of each sequence (position j at row rows[b] + j), or with page_size > 0 rows [B, MaxP] its
+// page starts (position j at row rows[b, j / page_size] + j % page_size), as the plan has them, so the host builds
+// nothing per history. k, v are strided [MaxT, KV, D] views of one layer of the cache in any layout (head_dim contiguous), float32
 // or int8 with float16 scales per group of 8 (dequantised a row at a time, as reference.dequantize_int8).
 // Nothing is gathered: a task is one sequence (or one part of a long history, when there are fewer sequences than
 // threads), which walks its rows in order, all heads of a row at once (they are adjacent in the cache; each K/V
@@ -165,7 +167,8 @@ inline int64_t first_seen(int64_t len, int64_t window) { return window > 0 ? std
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
-                            const at::Tensor& rows, const at::Tensor& kvlens, int64_t window, double scale) {
+                            const at::Tensor& rows, const at::Tensor& kvlens, int64_t window, double scale,
+                            int64_t page_size) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, H, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const bool quant = k_scale.has_value() && k_scale->defined();
@@ -182,17 +185,27 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t KV = k.size(1);
   TORCH_CHECK(KV > 0 && H % KV == 0, "query heads (", H, ") must be a multiple of the KV heads (", KV, ")");
   const int64_t G = H / KV;
-  TORCH_CHECK(rows.dim() == 2 && rows.size(0) == B && rows.scalar_type() == at::kLong && rows.stride(1) == 1,
-              "rows must be int64 [B, N] with contiguous rows");
+  const bool table = rows.dim() == 2 && page_size == 0, offsets = rows.dim() == 1 && page_size == 0;
+  TORCH_CHECK((table || offsets || (rows.dim() == 2 && page_size > 0)) && rows.size(0) == B &&
+                  rows.scalar_type() == at::kLong && rows.stride(-1) == 1,
+              "rows must be int64 with a contiguous last dim: a row table [B, N] (page_size 0), offsets [B] (page_size "
+              "0) or page starts [B, MaxP] (page_size > 0); got ", rows.sizes(), " with page_size ", page_size);
   TORCH_CHECK(kvlens.dim() == 1 && kvlens.size(0) == B && kvlens.scalar_type() == at::kLong, "kvlens must be int64 [B]");
-  const int64_t N = rows.size(1), maxt = k.size(0), rs = rows.stride(0);
+  const int64_t N = offsets ? std::numeric_limits<int64_t>::max() : rows.size(1) * (table ? 1 : page_size);
+  const int64_t maxt = k.size(0), rs = offsets ? 1 : rows.stride(0);
   at::Tensor kl = kvlens.contiguous();
   const int64_t* lens = kl.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
+  // the cache row of position j of sequence b
+  auto row_at = [&](int64_t b, int64_t j) -> int64_t {
+    if (offsets) return rp[b] + j;
+    if (table) return rp[b * rs + j];
+    return rp[b * rs + j / page_size] + j % page_size;
+  };
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= N, "kvlens[", b, "] = ", lens[b], " must be in [1, ", N, "]");
-    for (int64_t j = 0; j < lens[b]; ++j)
-      TORCH_CHECK(rp[b * rs + j] >= 0 && rp[b * rs + j] < maxt, "cache row ", rp[b * rs + j], " of sequence ", b,
+    for (int64_t j = first_seen(lens[b], window); j < lens[b]; ++j)
+      TORCH_CHECK(row_at(b, j) >= 0 && row_at(b, j) < maxt, "cache row ", row_at(b, j), " of sequence ", b,
                   " is outside the cache's ", maxt, " rows");
   }
   // parts: each sequence's seen rows [lo, len) cut into `parts` pieces
@@ -209,6 +222,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float sc = (float)scale;
   at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s, buf(D);
+    std::vector<int64_t> rowbuf;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / parts, p = t % parts, len = lens[b];
       const int64_t lo = first_seen(len, window), seen = len - lo;
@@ -221,6 +235,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         continue;
       }
       const int64_t* r = rp + b * rs + j0;
+      if (!table) {  // this part's rows, worked out from the offset or the pages
+        rowbuf.resize(n);
+        for (int64_t j = 0; j < n; ++j) rowbuf[j] = row_at(b, j0 + j);
+        r = rowbuf.data();
+      }
       const float* qb = qp + b * H * D;
       s.resize(H * n);
       for (int64_t j = 0; j < n; ++j) {  // row by row: all heads of a row are next to each other in the cache
@@ -356,7 +375,7 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
 
 TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, Tensor rows, Tensor kvlens, "
-        "int window, float scale) -> Tensor");
+        "int window, float scale, int page_size=0) -> Tensor");
   m.def("skip_rms_norm(Tensor x, Tensor? skip, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
 }

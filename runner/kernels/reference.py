@@ -130,11 +130,17 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float =
     return freqs.cos() * scale, freqs.sin() * scale
 
 
+ROTARY_TABLE_POSITIONS = 8192  # cos/sin kept in tables for the positions below this (and max_position_embeddings)
+
+
 class Rotary:
     """The rotary tables of one model: cos/sin for the positions of a step.
 
-    Static kinds precompute inv_freq once. Dynamic NTK recomputes it from the step's longest sequence
-    (max position + 1), as transformers does in each forward call of a growing sequence.
+    Static kinds precompute inv_freq once, and cos/sin of the first positions (below ROTARY_TABLE_POSITIONS and
+    max_position_embeddings) in host tables that a step's plan indexes; a step with a position past them computes
+    its cos/sin. Dynamic NTK recomputes inv_freq from the step's longest sequence (max position + 1) once that
+    passes max_position_embeddings, as transformers does in each forward call of a growing sequence (below it,
+    inv_freq and so the tables are the static ones).
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: Optional[dict], max_position_embeddings: int,
@@ -143,14 +149,21 @@ class Rotary:
         self.dynamic = rope_type(scaling) == "dynamic"
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings).to(device)
         self.scale = rope_attention_scale(scaling, max_position_embeddings)
+        n = max(1, min(max_position_embeddings, ROTARY_TABLE_POSITIONS))
+        self.cos_table, self.sin_table = rope_cos_sin(torch.arange(n), self.inv_freq.cpu(), self.scale)  # [n, D/2]
 
-    def cos_sin(self, positions: torch.Tensor):
+    def cos_sin(self, positions: torch.Tensor, end: Optional[int] = None):
+        """cos, sin [T, D/2] float32 at `positions` [T] (on their device); `end`, where the caller knows it: one past
+        the largest position (saves reading it from the tensor)."""
+        if positions.numel() == 0:
+            return rope_cos_sin(positions, self.inv_freq, self.scale)
+        end = int(positions.max()) + 1 if end is None else end
+        if end <= self.cos_table.shape[0] and positions.device.type == "cpu":
+            return self.cos_table[positions], self.sin_table[positions]
         inv = self.inv_freq
-        if self.dynamic:
-            seq_len = int(positions.max()) + 1
-            if seq_len > self.max_pos:
-                inv = rope_inv_freq(self.head_dim, self.theta, self.scaling, self.max_pos, seq_len).to(positions.device)
-        return rope_cos_sin(positions, inv, self.scale)
+        if self.dynamic and end > self.max_pos:
+            inv = rope_inv_freq(self.head_dim, self.theta, self.scaling, self.max_pos, end)
+        return rope_cos_sin(positions, inv.to(positions.device), self.scale)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

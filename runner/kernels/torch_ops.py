@@ -138,13 +138,15 @@ def reads_rows_in_place(device: torch.device, dtype: torch.dtype) -> bool:
 
 def decode_attention_rows(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int,
                           layer: int, rows: torch.Tensor, kvlens: torch.Tensor,
-                          sliding_window: Optional[int]) -> torch.Tensor:
-    """q [B, H, D], one new token per sequence, against the first kvlens[b] of its cache rows `rows` [B, N] (the
-    last `sliding_window` of them where set), read in place from layer `layer` of a cache of `layout`: float32, or
-    int8 with its float16 `scale`. Returns [B, H, D] float32: the math of `attend` over the gathered (and
-    dequantised) rows, without gathering them."""
+                          sliding_window: Optional[int], page_size: int = 0) -> torch.Tensor:
+    """q [B, H, D], one new token per sequence, against the first kvlens[b] positions of its history (the last
+    `sliding_window` of them where set), read in place from layer `layer` of a cache of `layout`: float32, or int8
+    with its float16 `scale`. The history's cache rows: `rows` [B, N] lists them; or, as the plan's cachestarts,
+    `rows` [B] holds each sequence's offset (page_size 0) or [B, MaxP] its page starts (page_size rows a page).
+    Returns [B, H, D] float32: the math of `attend` over the gathered (and dequantised) rows, without gathering
+    them."""
     view = cache_view(cache, layout)[layer]                                      # (2, MaxT, KV, D), strided
     sview = cache_view(scale, layout)[layer] if scale is not None else None      # (2, MaxT, KV, D / 8)
     return torch.ops.pmx_cpu.decode_attention(q.contiguous(), view[0], view[1],
                                               None if sview is None else sview[0], None if sview is None else sview[1],
-                                              rows, kvlens, sliding_window or 0, 1.0 / math.sqrt(q.shape[-1]))
+                                              rows, kvlens, sliding_window or 0, 1.0 / math.sqrt(q.shape[-1]), page_size)

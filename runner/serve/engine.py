@@ -23,7 +23,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from runner.engine.sampler import Sampler
+from runner.engine.sampler import Sampler, greedy_ids
 from runner.kernels.reference import PAGE_SIZE
 from runner.serve.params import ParamError, SamplingParams, is_int
 from runner.serve.scheduler import Scheduler, Sequence, pages_for, step_lengths
@@ -316,14 +316,14 @@ class Engine:
 
     def _run(self, msg: dict) -> torch.Tensor:
         caches = [[p * PAGE_SIZE for p in pages] for pages in msg["c"]]
-        plan = self.model.plan(msg["n"], msg["p"], caches, msg["d"])
-        return self.model.step(torch.tensor(msg["t"], dtype=torch.int64), plan, self.kv_cache, self.kv_scale)
+        tokens, plan = self.model.step_inputs(msg["t"], msg["n"], msg["p"], caches, msg["d"])
+        return self.model.step(tokens, plan, self.kv_cache, self.kv_scale)
 
     def _sample(self, seqs: list, logits: torch.Tensor) -> list[int]:
         greedy = [k for k, s in enumerate(seqs) if s.state.sampler.params.temperature == 0]
         out = [0] * len(seqs)
         if greedy:
-            for k, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
+            for k, t in zip(greedy, greedy_ids(logits[greedy] if len(greedy) < len(seqs) else logits)):
                 out[k] = t
         for k, s in enumerate(seqs):
             if s.state.sampler.params.temperature != 0:
