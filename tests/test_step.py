@@ -242,3 +242,18 @@ def test_greedy_ids_are_torch_argmax():
     logits[2, 10] = logits[2, 500] = logits[2].max() + 1  # a tie: the first wins
     assert greedy_ids(logits) == logits.argmax(-1).tolist() and greedy_ids(logits)[2] == 10
     assert greedy_ids(logits.double()) == logits.argmax(-1).tolist()
+
+
+def test_a_plan_without_cache_rows_is_refused_on_a_cache_that_is_gathered(make_hf, tmp_path):
+    """A CPU engine plans decode steps without a row table (its kernel reads float32 / int8 caches in place); such a
+    plan run on a float16 cache, which the engine gathers, is refused with a clear error, not misread."""
+    if cpu_ops() is None:
+        pytest.skip("this project's CPU kernels cannot be built here (no compiler)")
+    src, _ = make_hf("llama_gqa_odd")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    m = engine(tmp_path / "pmx", compile="off")
+    plan = m.plan([1], [3], [0], 1)
+    assert plan.decode.kv_slots is None
+    kv, _ = m.new_cache(8)
+    with pytest.raises(PmxError, match="needs the decode plan's cache rows"):
+        m.step(torch.tensor([5]), plan, kv.half(), None)

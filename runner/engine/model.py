@@ -344,7 +344,7 @@ class Transformer(nn.Module):
         num_params = sum(t.numel() for t in w.values())
         self.ops = ops = pick_kernels(o.kernels, self.device)
         self._gathers = not hasattr(ops, "decode_attention")  # attention over gathered K/V (else kernels walk the cache)
-        # decode attention reads the history in place from the plan's cachestarts (CPU kernel; prefill still gathers)
+        # decode attention reads the history in place from the plan's cachestarts (CPU kernel; prefill gathers)
         self._rows_in_place = rows_in_place = (hasattr(ops, "reads_rows_in_place")
                                                and ops.reads_rows_in_place(self.device, self.dtype))
         self.rotary = ref.Rotary(p.head_dim, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
@@ -389,7 +389,8 @@ class Transformer(nn.Module):
         self.norm = SkipRMSNorm(w.pop("norm.weight"), p.norm_eps, ops)
         self.output = ColumnParallelLinear(weight("output"), None, comm, gather_output=True, prepack=o.prepack)
         self._compiled = self._compile_decode(num_params)
-        self._compiled_variants = set()  # (B == 1, no row table, no mask, one page): graphs compiled (size 1 specialises)
+        # (B == 1, no row table, no mask, one page): the graphs compiled so far (size 1 specialises)
+        self._compiled_variants = set()
         self._graphs = self._cuda_graphs()
 
     # -- cache ----------------------------------------------------------------------------------
@@ -406,7 +407,8 @@ class Transformer(nn.Module):
         return make_plan(seqlens, start_pos, caches, num_decoding, paged=o.cache_mode == 1, rotary=self.rotary,
                          device=self.device, sliding_window=self.params.sliding_window,
                          fused_kvcache=o.fused_kvcache, read_cache_in_prefill=o.quantized_cache,
-                         gather_rows=self._gathers, decode_rows=self._decode_rows(self.dtype), attn_mask=attn_mask)
+                         gather_rows=self._gathers, attn_mask=attn_mask,
+                         decode_rows=self._decode_rows(torch.int8 if o.quantized_cache else self.dtype))
 
     def step_inputs(self, tokens, seqlens, start_pos, caches, num_decoding: int,
                     attn_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, StepPlan]:
@@ -440,7 +442,8 @@ class Transformer(nn.Module):
                                     paged=o.cache_mode == 1, rotary=self.rotary, device=self.device,
                                     sliding_window=self.params.sliding_window, fused_kvcache=o.fused_kvcache,
                                     read_cache_in_prefill=o.quantized_cache, gather_rows=self._gathers,
-                                    decode_rows=self._decode_rows(kv_cache.dtype), attn_mask=None if attn_mask is None else attn_mask.to(self.device))
+                                    decode_rows=self._decode_rows(kv_cache.dtype),
+                                    attn_mask=None if attn_mask is None else attn_mask.to(self.device))
         except ValueError as e:
             raise PmxError(f"bad step inputs: {e}") from None
         return self.step(token_ids, plan, kv_cache, kv_scale)

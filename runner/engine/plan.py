@@ -245,7 +245,7 @@ class DecodeBuffers:
     """
 
     def __init__(self, rotary: Rotary, paged: bool, max_pages: int):
-        self.rotary, self.paged, self.max_pages = rotary, paged, max_pages
+        self.paged, self.max_pages = paged, max_pages
         self._cos, self._sin = rotary.cos_table.numpy(), rotary.sin_table.numpy()
         self._by_batch: dict = {}
 

@@ -10,7 +10,8 @@
 // the sequence's history (rows past kvlens[b] are never read); or, without a row table, the cache's own bookkeeping:
 // rows [B] the offset of each sequence (position j at row rows[b] + j), or with page_size > 0 rows [B, MaxP] its
 // page starts (position j at row rows[b, j / page_size] + j % page_size), as the plan has them, so the host builds
-// nothing per history. k, v are strided [MaxT, KV, D] views of one layer of the cache in any layout (head_dim contiguous), float32
+// nothing per history. k, v are strided [MaxT, KV, D] views of one layer of the cache in any layout (head_dim
+// contiguous), float32
 // or int8 with float16 scales per group of 8 (dequantised a row at a time, as reference.dequantize_int8).
 // Nothing is gathered: a task is one sequence (or one part of a long history, when there are fewer sequences than
 // threads), which walks its rows in order, all heads of a row at once (they are adjacent in the cache; each K/V
@@ -192,7 +193,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "0) or page starts [B, MaxP] (page_size > 0); got ", rows.sizes(), " with page_size ", page_size);
   TORCH_CHECK(kvlens.dim() == 1 && kvlens.size(0) == B && kvlens.scalar_type() == at::kLong, "kvlens must be int64 [B]");
   const int64_t N = offsets ? std::numeric_limits<int64_t>::max() : rows.size(1) * (table ? 1 : page_size);
-  const int64_t maxt = k.size(0), rs = offsets ? 1 : rows.stride(0);
+  const int64_t maxt = k.size(0), rs = offsets ? 0 : rows.stride(0);
   at::Tensor kl = kvlens.contiguous();
   const int64_t* lens = kl.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
@@ -234,8 +235,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         std::fill(part_sum.begin() + t * H, part_sum.begin() + (t + 1) * H, 0.0f);
         continue;
       }
-      const int64_t* r = rp + b * rs + j0;
-      if (!table) {  // this part's rows, worked out from the offset or the pages
+      const int64_t* r;  // this part's rows: the table's, or worked out from the offset / pages
+      if (table) {
+        r = rp + b * rs + j0;
+      } else {
         rowbuf.resize(n);
         for (int64_t j = 0; j < n; ++j) rowbuf[j] = row_at(b, j0 + j);
         r = rowbuf.data();
