@@ -160,6 +160,7 @@ Device = Annotated[str, OneOf("auto", "cpu", "cuda")]
 Dtype = Annotated[str, OneOf("auto", "float32", "float16", "bfloat16")]
 Kernels = Annotated[str, OneOf("auto", "triton", "torch", "reference")]
 Compile = Annotated[str, OneOf("auto", "on", "off")]
+CommBackend = Annotated[str, OneOf("auto", "mpi", "torch", "nccl", "gloo")]
 CacheLayout = Annotated[int, OneOf(0, 1, 2, 3)]
 CacheMode = Annotated[int, OneOf(0, 1)]
 

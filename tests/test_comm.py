@@ -30,3 +30,45 @@ def test_shared_memory_collectives_are_exact_and_leave_nothing_behind(tmp_path, 
     assert rc == 0, err[-3000:]
     assert sorted(int(r) for r in re.findall(r"rank (\d+): ok", out)) == list(range(n)), out
     assert _shm_files() <= before, "a shared-memory file was left in /dev/shm"
+
+
+def test_comm_backend_choice():
+    """--comm_backend: none for one rank by default; gloo (or nccl) asked for makes a process group even for one
+    rank; an unknown name or mpi outside mpirun is refused by name."""
+    import torch
+
+    from runner.errors import PmxError
+    from runner.parallel.comm import SingleComm, TorchComm, make_comm
+    from runner.parallel.launch import LaunchEnv
+    one, cpu = LaunchEnv("single", 0, 1, 0, 1), torch.device("cpu")
+    assert isinstance(make_comm(one, cpu), SingleComm)
+    with pytest.raises(PmxError, match="--comm_backend must be one of auto, mpi, torch, nccl, gloo; got 'ucc'"):
+        make_comm(one, cpu, "ucc")
+    with pytest.raises(PmxError, match="nccl backend needs CUDA tensors"):
+        make_comm(one, cpu, "nccl")
+    with pytest.raises(PmxError, match="--comm_backend mpi needs an mpirun launch"):
+        make_comm(LaunchEnv("torchrun", 0, 2, 0, 2), cpu, "mpi")
+    comm = make_comm(one, cpu, "gloo")
+    try:
+        assert isinstance(comm, TorchComm) and comm.dist.get_backend() == "gloo"
+        assert not comm.captures_cuda_graphs
+        t = torch.arange(4.0)
+        assert torch.equal(comm.all_reduce_(t), torch.arange(4.0))
+        assert torch.equal(comm.all_gather(torch.arange(3.0)), torch.arange(3.0))
+    finally:
+        comm.close()
+
+
+def test_nccl_needs_a_gpu_per_rank_on_a_machine():
+    from runner.engine.session import check_gpus_for_nccl
+    from runner.errors import PmxError
+    from runner.parallel.launch import LaunchEnv
+    two = LaunchEnv("torchrun", 1, 2, 1, 2)
+    with pytest.raises(PmxError, match="2 ranks on this machine but 1 GPU.*--comm_backend gloo"):
+        check_gpus_for_nccl(two, "auto", gpus=1)
+    with pytest.raises(PmxError, match="2 ranks on this machine but 1 GPU"):
+        check_gpus_for_nccl(LaunchEnv("mpi", 1, 4, 1, 2), "nccl", gpus=1)
+    check_gpus_for_nccl(two, "gloo", gpus=1)                     # gloo: ranks may share a GPU
+    check_gpus_for_nccl(two, "auto", gpus=2)
+    check_gpus_for_nccl(LaunchEnv("single", 0, 1, 0, 1), "auto", gpus=1)
+    check_gpus_for_nccl(LaunchEnv("single", 0, 1, 0, 1), "nccl", gpus=1)

@@ -86,14 +86,14 @@ def test_int8_cache_close_to_transformers(make_hf, tmp_path):
         assert rel_err(got, ref) > 0  # it really is quantised
 
 
-def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun", env=None):
+def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun", env=None, comm_backend="auto"):
     out = tmp_path / f"logits-{launcher}-{n}-{uuid.uuid4().hex[:8]}.pt"
     worker = [str(ROOT / "tests" / "tp_worker.py"), str(pmx), str(out), json.dumps(options),
-              json.dumps({"prompts": prompts, "conts": conts})]
+              json.dumps({"prompts": prompts, "conts": conts}), comm_backend]
     if launcher == "mpirun":
         cmd = [str(ROOT / "scripts" / "mpirun.sh"), "-np", str(n), sys.executable, *worker]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), *worker]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *worker]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out, weights_only=True)

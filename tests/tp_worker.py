@@ -2,8 +2,8 @@
 
 Used by the tests: prefill of several prompts of different lengths packed in one step, then decode
 steps fed with given tokens (teacher forcing), so logits can be compared with transformers' and with
-TP=1. Usage: python tests/tp_worker.py CKPT OUT.pt '[{"cache_layout": 2, ...}, ...]' PROMPTS_JSON
-(saves [option sets, steps, B, V])
+TP=1. Usage: python tests/tp_worker.py CKPT OUT.pt '[{"cache_layout": 2, ...}, ...]' PROMPTS_JSON [COMM_BACKEND]
+(saves [option sets, steps, B, V] on the CPU)
 """
 
 from __future__ import annotations
@@ -50,16 +50,16 @@ def teacher_forced_logits(model: Transformer, prompts: list, conts: list) -> lis
     return out
 
 
-def main(ckpt: str, out: str, options: str, prompts: str) -> None:
+def main(ckpt: str, out: str, options: str, prompts: str, comm_backend: str = "auto") -> None:
     from runner.engine.session import open_session
     spec, option_sets = json.loads(prompts), json.loads(options)
-    sess = open_session(ckpt, EngineOptions(**option_sets[0]))
+    sess = open_session(ckpt, EngineOptions(**option_sets[0]), comm_backend=comm_backend)
     results = []
     for opts in option_sets:  # one launch, every option set: the same shard under each engine setting
         model = Transformer(sess.model.params, _weights(ckpt, sess), sess.comm, EngineOptions(**opts))
         results.append(torch.stack(teacher_forced_logits(model, spec["prompts"], spec["conts"])))
     if sess.is_main:
-        torch.save(torch.stack(results), out)
+        torch.save(torch.stack(results).cpu(), out)
     sess.close()
 
 
@@ -69,4 +69,4 @@ def _weights(ckpt, sess):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
-from runner.args import (CacheLayout, CacheMode, Compile, Count, Device, Dtype, Kernels, PositiveInt, Range, Seconds,
-                         int_list)
+from runner.args import (CacheLayout, CacheMode, CommBackend, Compile, Count, Device, Dtype, Kernels, PositiveInt,
+                         Range, Seconds, int_list)
 from runner.errors import PmxError
 
 DEFAULT_PROMPT = "I believe the meaning of life is"
@@ -70,6 +70,7 @@ def generate(
     show_ids: bool = False,
     progress: bool = True,
     collective_timeout: Optional[Seconds] = None,
+    comm_backend: CommBackend = "auto",
 ) -> None:
     """Generate text with a PMX model on 1 or N ranks (mpirun / torchrun).
 
@@ -110,6 +111,9 @@ def generate(
         show_ids: also print the generated token ids.
         progress: progress bars on stderr (rank 0): loading, then sequences done and tokens/s.
         collective_timeout: seconds a collective may wait for the other ranks (default $PMX_COLLECTIVE_TIMEOUT or 30).
+        comm_backend: auto (none for one rank, mpi4py on CPU under mpirun, else NCCL on CUDA / gloo on CPU), mpi,
+            torch, nccl or gloo (that torch.distributed backend even for one rank; gloo lets several ranks share
+            one GPU, which NCCL refuses).
     """
     from runner.engine.dump import TensorDumper
     from runner.engine.generator import Generator
@@ -158,7 +162,7 @@ def generate(
         print(f"prepared {len(prompts)} prompts", flush=True)
 
     sess = open_session(ckpt_dir, options, device=device, dtype=dtype, timeout_s=collective_timeout,
-                        progress=progress)
+                        comm_backend=comm_backend, progress=progress)
     if dumper is not None:
         dumper.meta = run_meta(sess)
     gen = Generator(sess.model, max_batch=max_batch, context_chunk=context_chunk_size if context_chunking else None,

@@ -302,15 +302,19 @@ class TorchComm:
     one machine all-reduce and all-gather through shared memory as MpiComm does (gloo takes milliseconds)."""
 
     def __init__(self, env: LaunchEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 environ=os.environ):
+                 environ=os.environ, backend: Optional[str] = None):
         import torch.distributed as dist
         self.dist, self.device = dist, device
         self.rank, self.world_size = env.rank, env.world_size
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl" and device.type != "cuda":
+            raise PmxError("the nccl backend needs CUDA tensors (--device cuda)")
         self.captures_cuda_graphs = backend == "nccl"  # NCCL collectives run inside a CUDA graph; gloo's do not
         kwargs = dict(backend=backend, rank=env.rank, world_size=env.world_size, timeout=PROCESS_GROUP_TIMEOUT)
         if env.launcher == "mpi":  # mpirun sets no MASTER_ADDR: rank 0 publishes a reachable address
             kwargs["init_method"] = _mpi_rendezvous()
+        elif env.launcher == "single":  # one process asked for a process group (nccl / gloo at TP=1)
+            kwargs["init_method"] = f"tcp://127.0.0.1:{_free_port()}"
         if not dist.is_initialized():
             dist.init_process_group(**kwargs)
         self._dog = Watchdog(env.rank, timeout_s)
@@ -393,6 +397,12 @@ class TorchComm:
         self.dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _mpi_rendezvous() -> str:
     """tcp://host:port chosen by rank 0 (MASTER_ADDR if set, else its own IP) and broadcast with mpi4py."""
     MPI = mpi()
@@ -409,14 +419,24 @@ def _mpi_rendezvous() -> str:
     return comm.bcast(addr, root=0)
 
 
+COMM_BACKENDS = ("auto", "mpi", "torch", "nccl", "gloo")
+
+
 def make_comm(env: LaunchEnv, device: torch.device, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S):
-    """The communicator for this launch: single, mpi (CPU under mpirun), or torch (nccl / gloo)."""
+    """The communicator for this launch. auto: none for one rank, mpi4py on CPU under mpirun, else
+    torch.distributed (NCCL on CUDA, gloo on CPU). torch: torch.distributed's default for the device. nccl / gloo:
+    that torch.distributed backend, even for one rank (NCCL at TP=1 inside CUDA graphs; gloo's CUDA tensors for
+    several ranks sharing one GPU, which NCCL refuses)."""
+    if backend not in COMM_BACKENDS:
+        raise PmxError(f"--comm_backend must be one of {', '.join(COMM_BACKENDS)}; got {backend!r}")
+    if backend in ("nccl", "gloo"):
+        return TorchComm(env, device, timeout_s, backend=backend)
     if env.world_size == 1:
         return SingleComm()
     if backend == "auto":
         backend = "mpi" if env.launcher == "mpi" and device.type == "cpu" else "torch"
     if backend == "mpi":
         if env.launcher != "mpi" or device.type != "cpu":
-            raise ValueError("the mpi backend needs an mpirun launch and CPU tensors")
+            raise PmxError("--comm_backend mpi needs an mpirun launch and CPU tensors")
         return MpiComm(env, timeout_s)
     return TorchComm(env, device, timeout_s)
