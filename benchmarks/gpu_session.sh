@@ -3,7 +3,7 @@
 # Llama-2-7B-shape decode benchmark (benchmarks/gpu_generate.py), each stage under its own time limit.
 # Logs and results go under $OUT (default ./out/gpu).
 #
-#   bash benchmarks/gpu_session.sh [all|env|tests|bench]
+#   bash benchmarks/gpu_session.sh [all|env|tests|bench|profile]   (all: env, tests, bench)
 #   PMX_GPU_TESTS="pytest args"      (default: the GPU test set below)
 #   PMX_GPU_TESTS_TIMEOUT=300  PMX_GPU_BENCH_TIMEOUT=300  (seconds)
 #   PMX_GPU_BENCH_ARGS="--batches '1 8 64' ..."  (extra gpu_generate.py flags)
@@ -16,11 +16,12 @@ OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the project uninstalled: its scripts and test workers import runner
 stage=${1:-all}
 
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 if [ -d .gpu_shared/models ] && [ ! -e ../shared ]; then ln -s "$PWD/.gpu_shared" ../shared; fi
 
@@ -36,7 +37,7 @@ if [[ $stage == all || $stage == tests ]]; then
   # the GPU test set: every test that runs on CUDA when it is there (multi-rank CPU launches are left out: with
   # --device auto they would put two NCCL ranks on the one GPU)
   tests=${PMX_GPU_TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_gpu_tp.py tests/test_gpu_generate.py tests/test_quant_engine.py}
-  kexpr=${PMX_GPU_TESTS_K:-not tensor_parallel and not dump_and_replay}
+  kexpr=${PMX_GPU_TESTS_K:-not tensor_parallel and not dump_and_replay and not quantized_moe}
   timeout -k 10 "${PMX_GPU_TESTS_TIMEOUT:-300}" $PY -m pytest -q -ra -p no:cacheprovider -n "${PMX_GPU_TEST_WORKERS:-8}" \
     --timeout 240 $tests -k "$kexpr" --junitxml "$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | tail -60
   echo "tests: exit ${PIPESTATUS[0]}"
@@ -48,4 +49,11 @@ if [[ $stage == all || $stage == bench ]]; then
     2>"$OUT/bench.err" | tee "$OUT/bench.log"
   echo "bench: exit ${PIPESTATUS[0]}"
   tail -30 "$OUT/bench.err"
+fi
+
+if [[ $stage == profile ]]; then
+  eval "extra=(${PMX_GPU_PROFILE_ARGS:-})"
+  timeout -k 10 "${PMX_GPU_PROFILE_TIMEOUT:-240}" $PY benchmarks/gpu_profile.py "${extra[@]}" 2>&1 | tee "$OUT/profile.log" \
+    | tail -60
+  echo "profile: exit ${PIPESTATUS[0]}"
 fi

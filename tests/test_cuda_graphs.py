@@ -80,8 +80,8 @@ def test_padded_decode_step_matches_the_step(make_hf, tmp_path):
     pytest.importorskip("runner.kernels.triton_ops", reason="triton is not installed")
     src, model = make_hf("qwen2")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
-    eng = _engine(tmp_path / "pmx", cache_layout=2, cache_mode=1)
-    assert eng._graphs is None  # CUDA graphs only on CUDA
+    eng = _engine(tmp_path / "pmx", "cuda" if CUDA else "cpu", cache_layout=2, cache_mode=1, cuda_graphs=False)
+    assert eng._graphs is None
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (5, 1, 9)]
     caches = [[2 * PAGE], [0], [PAGE]]
@@ -99,7 +99,7 @@ def test_padded_decode_step_matches_the_step(make_hf, tmp_path):
     torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kv, kv_step, rtol=1e-6, atol=1e-6)
     new_rows = plan.slots.tolist()
-    untouched = torch.ones(kv.shape[2], dtype=torch.bool)
+    untouched = torch.ones(kv.shape[2], dtype=torch.bool, device=kv.device)
     untouched[new_rows] = False
     assert torch.equal(kv[:, :, untouched], before[:, :, untouched])   # (L, 2, MaxT, KV, D): nothing else written
     assert not torch.equal(kv[:, :, new_rows], before[:, :, new_rows])

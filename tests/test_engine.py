@@ -45,8 +45,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def engine(pmx_dir, **options) -> Transformer:
-    params, w = load_shard(pmx_dir, 0, torch.device("cpu"), torch.float32)
+def engine(pmx_dir, device="cpu", **options) -> Transformer:
+    params, w = load_shard(pmx_dir, 0, torch.device(device), torch.float32)
     return Transformer(params, w, SingleComm(), EngineOptions(**options))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -79,7 +80,8 @@ def test_results_json_and_table(gg, tmp_path):
 
 def test_help_and_no_gpu():
     res = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True,
-                         env={"PAGER": "cat", "PATH": "/usr/bin:/bin"}, cwd=SCRIPT.parents[1])
+                         env={"PAGER": "cat", "PATH": "/usr/bin:/bin",
+                              **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}, cwd=SCRIPT.parents[1])
     assert res.returncode == 0, res.stderr
     text = res.stdout + res.stderr
     for flag in ("--batches", "--hf_batches", "--hbm_tbs", "--cuda_graphs", "--out_dir"):

@@ -225,9 +225,9 @@ def test_engine_with_triton_kernels_matches_transformers(make_hf, tmp_path):
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     ref_logits = hf_logits(model, prompts, conts)
     for options in (dict(cache_layout=3, cache_mode=1),):
-        eng = engine(tmp_path / "pmx", kernels="triton", **options)
+        eng = engine(tmp_path / "pmx", DEV, kernels="triton", **options)
         assert eng.ops is triton_ops
-        got = torch.stack(teacher_forced_logits(eng, prompts, conts))
+        got = torch.stack(teacher_forced_logits(eng, prompts, conts)).cpu()
         assert rel_err(got, ref_logits) < 1e-4, (options, rel_err(got, ref_logits))
 
 
@@ -254,10 +254,10 @@ def test_engine_half_precision_matches_transformers(make_hf, tmp_path, dtype, ar
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     conts = [c[:5] for c in conts]
     want = hf_logits(model, prompts, conts)                                  # (6, 3, V) float32
-    params, w = load_shard(tmp_path / "pmx", 0, torch.device("cpu"), dtype)
+    params, w = load_shard(tmp_path / "pmx", 0, DEV, dtype)
     eng = Transformer(params, w, SingleComm(), EngineOptions(kernels="triton", **options))
     assert eng.ops is triton_ops and eng.dtype == dtype
-    got = torch.stack(teacher_forced_logits(eng, prompts, conts))
+    got = torch.stack(teacher_forced_logits(eng, prompts, conts)).cpu()
     assert rel_err(got, want) < LOWP_TOL[dtype], rel_err(got, want)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= (1.0 if dtype == torch.float16 else 0.9)
     prompt = prompts[2]                                                      # 12 tokens in chunks of 5, 5, 2
@@ -266,7 +266,7 @@ def test_engine_half_precision_matches_transformers(make_hf, tmp_path, dtype, ar
         chunk = prompt[p0:p0 + 5]
         plan = eng.plan([len(chunk)], [p0], [[0]] if options.get("cache_mode") else [0], 0)
         assert plan.prefill[0].plain_causal == (p0 == 0 and not options.get("quantized_cache"))  # else: the cache
-        last = eng.step(torch.tensor(chunk), plan, kv, scale)[0]
+        last = eng.step(torch.tensor(chunk), plan, kv, scale)[0].cpu()
     assert rel_err(last, want[0, 2]) < LOWP_TOL[dtype], rel_err(last, want[0, 2])
 
 

@@ -111,6 +111,7 @@ class DecodeGraphs:
         key = _cache_key(cache)
         if key != self._key:  # the graphs read the cache they were captured with
             self._graphs.clear()
+            self._pool = None   # a pool whose graphs are all gone is released: capturing into it again fails
             self._key = key
         cap = self._graphs.get(size)
         if cap is None:

@@ -272,8 +272,8 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqstart
         if attn_mask is not None and attn_mask.numel():
             scores = scores + attn_mask[s0:s1, k0:k1].float()
         else:
-            qpos = int(start_pos[b]) + torch.arange(s1 - s0)[:, None]
-            kpos = torch.arange(k1 - k0)[None, :]
+            qpos = int(start_pos[b]) + torch.arange(s1 - s0, device=q.device)[:, None]
+            kpos = torch.arange(k1 - k0, device=q.device)[None, :]
             allowed = kpos <= qpos
             if sliding_window:
                 allowed &= kpos > qpos - sliding_window

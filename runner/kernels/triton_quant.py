@@ -2,8 +2,10 @@
 
 Reads the stored layout (runner.pmx.quant) as it is: int8 [N, K] with one scale per output row, or int4
 bytes [N, K/2] (column 2j in the low nibble, 2j+1 in the high one) with one scale per group of G input
-columns. Each program computes a [BLOCK_M, BLOCK_N] tile of y, walking K in steps of BLOCK_K that never
-straddle an int4 group (BLOCK_K, 16 or 32, divides G: int4 takes group sizes that are multiples of 16), so one scale per row covers a whole step. Activations in
+columns. Each program computes a [BLOCK_M, BLOCK_N] tile of y, walking K in steps of BLOCK_K = 32. int4 takes
+group sizes that are multiples of 16: a group of 32 or more covers a whole step with one scale per row; groups of 16
+take a scale per column (a 16-wide step, one group per step, gave wrong products on an H100 with Triton 3.6
+in float16, measured 2026-11-22, and half-filled the tensor cores besides). Activations in
 float16 / bfloat16 / float32; accumulation in float32. Small M (decoding) runs the same kernel with a
 16-row tile (the smallest `tl.dot` takes). On CPU it runs under the Triton interpreter (tests).
 The spec is runner.kernels.quant_linear.reference_linear (dequantise, then matmul).
@@ -20,7 +22,8 @@ from runner.kernels.triton_ops import dot_acc, exact_dot
 
 @triton.jit
 def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, G, INT4: tl.constexpr, EXACT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         SCALE_PER_COLUMN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)   # row x K, row x N can pass 2^31 (a large
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)   # vocabulary x hidden)
@@ -37,8 +40,13 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, G, INT4: tl.conste
             b = tl.load(w_ptr + rn[:, None] * (K // 2) + rb[None, :], mask=mn[:, None] & (rb < K // 2)[None, :],
                         other=0).to(tl.int32)
             q = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_N, BLOCK_K))        # (BN, BK): 2j low, 2j+1 high
-            s = tl.load(s_ptr + rn * (K // G) + k0 // G, mask=mn, other=0.0).to(tl.float32)
-            w = (q.to(tl.float32) - 8.0) * s[:, None]
+            if SCALE_PER_COLUMN:                                               # groups narrower than the step
+                s2 = tl.load(s_ptr + rn[:, None] * (K // G) + (rk // G)[None, :], mask=mn[:, None] & mk[None, :],
+                             other=0.0).to(tl.float32)
+                w = (q.to(tl.float32) - 8.0) * s2
+            else:
+                s = tl.load(s_ptr + rn * (K // G) + k0 // G, mask=mn, other=0.0).to(tl.float32)
+                w = (q.to(tl.float32) - 8.0) * s[:, None]
         else:
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=mn[:, None] & mk[None, :], other=0).to(tl.float32)
         acc += dot_acc(x, tl.trans(w.to(x.dtype)), EXACT)  # float32 activations: exact products, no tf32
@@ -61,16 +69,17 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, me
     int4 = method == "int4"
     if int4 and not takes_group(group_size):
         raise ValueError(f"int4 group_size {group_size}: the Triton kernel takes multiples of 16")
-    block_k = 32 if not int4 or group_size % 32 == 0 else 16
+    block_k = 32
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     block_m = 16 if M <= 16 else 64
     block_n = 64
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     launch(_quant_matmul_kernel, grid, x, qweight.contiguous(), scale.contiguous(), y, M, N, K, max(group_size, 1),
-           INT4=int4, EXACT=exact_dot(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+           INT4=int4, EXACT=exact_dot(x.dtype), SCALE_PER_COLUMN=int4 and group_size % block_k != 0, BLOCK_M=block_m,
+           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return y
 
 
 def takes_group(group_size: int) -> bool:
-    """Whether the kernel runs int4 with this group size (a step of K, at least 16 for tl.dot, within a group)."""
+    """Whether the kernel runs int4 with this group size (multiples of 16: a step of K holds whole groups)."""
     return group_size % 16 == 0
