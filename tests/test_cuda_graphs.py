@@ -57,6 +57,31 @@ def test_static_inputs_hold_the_plan_and_pad_the_bucket(paged):
     assert inputs.cachestarts.tolist() == ([[2 * PAGE, 0, 0]] + [[0, 0, 0]] * 3 if paged else [40, 0, 0, 0])
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_staged_inputs_equal_the_loaded_plan(paged):
+    """stage() (the step's ints written with numpy, two copies) fills the buffers exactly as load() of make_plan's
+    plan, padding included, after a larger step; it refuses a batch past the bucket, a wider page table and a
+    position past the rotary tables."""
+    D = 8
+    rotary = ref.Rotary(D, 10000.0, None, 4096, torch.device("cpu"))
+    tables = (rotary.cos_table.numpy(), rotary.sin_table.numpy())
+    staged = StaticDecodeInputs(4, D // 2, 3 if paged else None, torch.device("cpu"))
+    loaded = StaticDecodeInputs(4, D // 2, 3 if paged else None, torch.device("cpu"))
+    steps = [([7, 8, 9, 4], [130, 5, 17, 300], [[PAGE, 0], [0], [3 * PAGE], [4 * PAGE, 5 * PAGE, 6 * PAGE]]
+              if paged else [0, 300, 700, 1000]),
+             ([5, 6], [9, 200], [[2 * PAGE], [PAGE, 0]] if paged else [40, 900])]
+    for tokens, kvlens, caches in steps:
+        plan = _decode_plan(kvlens, caches, paged, D)
+        loaded.load(torch.tensor(tokens), plan)
+        assert staged.stage(tokens, [n - 1 for n in kvlens], caches, *tables) and staged.staged == len(tokens)
+        for name in ("tokens", "slots", "kvlens", "cachestarts", "cos", "sin"):
+            assert torch.equal(getattr(staged, name), getattr(loaded, name)), name
+    assert not staged.stage([1] * 5, [3] * 5, [[0]] * 5 if paged else [0] * 5, *tables)
+    assert not staged.stage([1], [tables[0].shape[0]], [[0]] if paged else [0], *tables)
+    if paged:
+        assert not staged.stage([1], [3], [[0, PAGE, 2 * PAGE, 3 * PAGE]], *tables)
+
+
 def test_static_inputs_refuse_what_does_not_fit():
     inputs = StaticDecodeInputs(2, 4, 1, torch.device("cpu"))
     big = _decode_plan([3, 3, 3], [[0], [PAGE], [2 * PAGE]], True)

@@ -414,9 +414,15 @@ class Transformer(nn.Module):
                     attn_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, StepPlan]:
         """(token ids, plan) of a step for :meth:`step`, from Python ints. A step where every sequence decodes one
         token, on an engine that reads the history in place, is written into persistent buffers
-        (runner.engine.plan.DecodeBuffers: no torch call on the host); that plan holds until the next call."""
-        if self._decode_buffers is not None and num_decoding == len(seqlens) and self.options.fused_kvcache:
-            got = self._decode_buffers.plan(tokens, start_pos, caches)
+        (runner.engine.plan.DecodeBuffers: no torch call on the host; with CUDA graphs, the bucket's input buffers:
+        runner.engine.graphs.DecodeGraphs.stage); that plan holds until the next call."""
+        if num_decoding == len(seqlens) and self.options.fused_kvcache:
+            if self._graphs is not None:  # CUDA graphs: straight into the bucket's buffers (two copies)
+                got = self._graphs.stage(tokens, start_pos, caches)
+            elif self._decode_buffers is not None:
+                got = self._decode_buffers.plan(tokens, start_pos, caches)
+            else:
+                got = None
             if got is not None:
                 return got
         return (torch.tensor(tokens, dtype=torch.int64),
@@ -490,7 +496,8 @@ class Transformer(nn.Module):
                 or p.num_experts or not getattr(self.comm, "captures_cuda_graphs", False)):
             return None
         max_pages = -(-p.max_position_embeddings // ref.PAGE_SIZE) if o.cache_mode == 1 else None
-        return DecodeGraphs(self._run, self.head_dim // 2, max_pages, self.device)
+        return DecodeGraphs(self._run, self.head_dim // 2, max_pages, self.device, self.rotary.cos_table,
+                            self.rotary.sin_table)
 
     def _compile_decode(self, num_params: int):
         """torch.compile of the decode step, or None (see EngineOptions.compile)."""

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Decode-shaped linears on CUDA: cuBLAS (F.linear) against two Triton kernels, per Llama-2-7B weight shape.
+
+A decode step is y[M, N] = x[M, K] W[N, K]^T with M = the batch (1..16) and W read once: memory-bound, so each
+kernel is given in GB/s of weight read. The weights rotate over copies larger than the L2 (as across layers in a
+step). Kernels: `gemv` (M = 1: fp32 products summed per row, no tensor cores) and `dot16` (M <= 16: tl.dot on a
+16-row tile), each over a small grid of block shapes, warps and pipeline stages; the best is printed.
+
+    python benchmarks/gpu_gemv.py [--ms "1 8"] [--copies 8]
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import fire
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
+          "lm_head": (32000, 4096)}
+
+
+@triton.jit
+def _gemv(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = rn < N
+    rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_ptr + rk)
+            w = tl.load(rows + rk[None, :], mask=mn[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
+            w = tl.load(rows + rk[None, :], mask=mn[:, None] & (rk < K)[None, :], other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=mn)
+
+
+@triton.jit
+def _dot16(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    rm = tl.arange(0, 16)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm, mn = rm < M, rn < N
+    rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    acc = tl.zeros((16, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mm[:, None], other=0.0)
+            w = tl.load(rows + rk[None, :], mask=mn[:, None], other=0.0)
+        else:
+            mk = rk < K
+            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+            w = tl.load(rows + rk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+def main(ms: str = "1 8", copies: int = 8, reps: int = 200) -> None:
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    ms_list = [int(m) for m in str(ms).replace(",", " ").split()]
+    configs = list(itertools.product((8, 16, 32, 64), (256, 512), (4, 8), (3, 4)))
+    print(f"{'shape':8} {'M':>3} {'cublas us':>10} {'GB/s':>6} {'best triton':>34} {'us':>8} {'GB/s':>6} {'max err':>8}")
+    for (name, (N, K)), M in itertools.product(SHAPES.items(), ms_list):
+        ws = [torch.randn(N, K, device=dev, dtype=torch.float16) * 0.02 for _ in range(copies)]
+        x = torch.randn(M, K, device=dev, dtype=torch.float16)
+        y = torch.empty(M, N, device=dev, dtype=torch.float16)
+        gb = N * K * 2 / 1e9
+        state = {"i": 0}
+
+        def nxt():
+            state["i"] = (state["i"] + 1) % copies
+            return ws[state["i"]]
+
+        t_cublas = do_bench(lambda: torch.nn.functional.linear(x, nxt()), rep=reps, return_mode="median") * 1e3
+        ref = torch.nn.functional.linear(x.float(), ws[0].float())
+        best = None
+        for kind, (bn, bk, warps, stages) in itertools.product(("gemv", "dot16"), configs):
+            if kind == "gemv" and M != 1:
+                continue
+            if kind == "dot16" and bn < 16:
+                continue
+            grid = (triton.cdiv(N, bn),)
+            even = K % bk == 0
+
+            def run(w=None):
+                w = nxt() if w is None else w
+                if kind == "gemv":
+                    _gemv[grid](x, w, y, N, K, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, num_warps=warps, num_stages=stages)
+                else:
+                    _dot16[grid](x, w, y, M, N, K, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, num_warps=warps,
+                                 num_stages=stages)
+            try:
+                run(ws[0])
+                err = float((y.float() - ref).abs().max() / ref.abs().max())
+                t = do_bench(run, rep=reps, return_mode="median") * 1e3
+            except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
+                print(f"  {kind} {bn}x{bk} w{warps} s{stages}: {type(e).__name__}")
+                continue
+            if best is None or t < best[0]:
+                best = (t, f"{kind} BN{bn} BK{bk} w{warps} s{stages}", err)
+        print(f"{name:8} {M:>3} {t_cublas:>10.1f} {gb / t_cublas * 1e6:>6.0f} {best[1]:>34} {best[0]:>8.1f} "
+              f"{gb / best[0] * 1e6:>6.0f} {best[2]:>8.1e}", flush=True)
+        del ws
+
+
+if __name__ == "__main__":
+    fire.Fire(main)
