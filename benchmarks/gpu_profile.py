@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a CUDA decode step's time goes: the Llama-2-7B shape (random fp16 weights), batch 1 (or --batch), the
 decode steps of one generation run eagerly under torch.profiler (CUDA graphs would hide the kernels), then the
-same generation with CUDA graphs timed per step.
+same generation with CUDA graphs timed per step, with the decode linears on Triton (decode_linear) and on cuBLAS.
 
 Prints the kernels by total GPU time, the GPU time per step against the step's wall time (the gap is host
 time: launches, plan, sampling), and the roofline of the step's weight bytes at --hbm_tbs.
@@ -32,9 +32,9 @@ def main(layers: int = 32, batch: int = 1, gen_len: int = 48, hbm_tbs: float = 3
     params = str(_params_file(s, work))
     prompts = [[1 + i, 2, 3, 4, 5, 6, 7, 8] for i in range(batch)]
     floor_ms = step_bytes(s, batch, 8 + gen_len / 2) / (hbm_tbs * 1e12) * 1e3
-    for graphs in (False, True):
-        sess = open_session(params, EngineOptions(kernels=kernels, cuda_graphs=graphs), device="cuda", dtype=dtype,
-                            random_weights=True)
+    for graphs, linears in ((False, True), (True, True), (True, False), (True, True)):
+        sess = open_session(params, EngineOptions(kernels=kernels, cuda_graphs=graphs, decode_linears=linears),
+                            device="cuda", dtype=dtype, random_weights=True)
         gen = Generator(sess.model, max_batch=batch)
         gen.generate(prompts, 8)                                     # warm-up: Triton compiles, graphs captured
         if not graphs:
@@ -53,7 +53,8 @@ def main(layers: int = 32, batch: int = 1, gen_len: int = 48, hbm_tbs: float = 3
         gen.generate(prompts, gen_len, stats=stats)
         decode = stats["step_seconds"][1:]
         med = statistics.median(decode) * 1e3
-        print(f"{'graphs' if graphs else 'eager'}: decode step median {med:.3f} ms, min {min(decode) * 1e3:.3f} ms; "
+        print(f"{'graphs' if graphs else 'eager'}, linears on {'Triton' if linears else 'cuBLAS'}: decode step "
+              f"median {med:.3f} ms, min {min(decode) * 1e3:.3f} ms; "
               f"roofline {floor_ms:.3f} ms ({100 * floor_ms / med:.1f}% of it)")
         sess.close()
         del sess, gen

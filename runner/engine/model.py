@@ -31,6 +31,7 @@ from runner.engine.plan import DecodeBuffers, StepPlan, make_plan, plan_from_inp
 from runner.errors import PmxError
 from runner.kernels import reference as ref
 from runner.kernels import torch_ops
+from runner.kernels.linear import Linear
 from runner.kernels.quant_linear import cat_weights, make_linear, pop_weight
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from runner.pmx.params import PmxParams, shard_file
@@ -58,6 +59,8 @@ class EngineOptions:
                                   # COMPILE_MIN_PARAMS parameters per rank, where it pays for its compile time)
     cuda_graphs: bool = True      # CUDA with the Triton kernels: capture the decode step in a CUDA graph per batch
                                   # bucket and replay it (runner.engine.graphs); no effect elsewhere
+    decode_linears: bool = True   # CUDA with the Triton kernels, float16 / bfloat16: linears of up to 16 rows on
+                                  # triton_ops.decode_linear (the down projection fused with SwiGLU), not cuBLAS
 
     def __post_init__(self):
         if self.cache_layout not in (0, 1, 2, 3):
@@ -276,7 +279,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.gate_up) == 1:
-            gate, up = self.gate_up[0](x).chunk(2, dim=-1)
+            gate_up = self.gate_up[0](x)
+            if getattr(self.w2, "takes_swiglu", None) is not None and self.w2.takes_swiglu(gate_up):
+                return self.w2(gate_up, swiglu=True)  # SwiGLU computed as the down projection loads its input
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = (lin(x) for lin in self.gate_up)
         return self.w2(self.ops.swiglu(gate, up))
@@ -388,6 +394,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = SkipRMSNorm(w.pop("norm.weight"), p.norm_eps, ops)
         self.output = ColumnParallelLinear(weight("output"), None, comm, gather_output=True, prepack=o.prepack)
+        if o.decode_linears and self.device.type == "cuda" and hasattr(ops, "decode_linear"):
+            for m in self.modules():
+                if isinstance(m, Linear) and m.kernel == "plain" and m.weight.dtype in (torch.float16, torch.bfloat16):
+                    m.use_small_rows(ops.decode_linear, ops.DECODE_LINEAR_ROWS)
         self._compiled = self._compile_decode(num_params)
         # (B == 1, no row table, no mask, one page): the graphs compiled so far (size 1 specialises)
         self._compiled_variants = set()

@@ -15,7 +15,7 @@ either kernel and `prepack=False`.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +78,19 @@ class Linear(torch.nn.Module):
             packed = pack_blocks(weight.float())
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("weight", weight if self.kernel == "plain" else None, persistent=False)
+        self._small_rows: Optional[tuple[Callable, int]] = None
+
+    def use_small_rows(self, kernel: Callable, max_rows: int) -> None:
+        """Inputs of 1..max_rows rows go to `kernel(x, weight, bias, swiglu)` (runner.kernels.triton_ops.
+        decode_linear on CUDA), which also takes a fused gate/up input with swiglu=True."""
+        if self.kernel != "plain":
+            raise ValueError(f"a {self.kernel} layer has no plain weight for a small-rows kernel")
+        self._small_rows = (kernel, max_rows)
+
+    def takes_swiglu(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, swiglu=True) runs: x [rows, 2 in] (gate | up) within the small-rows kernel's rows."""
+        return (self._small_rows is not None and x.dim() == 2 and 0 < x.shape[0] <= self._small_rows[1]
+                and x.shape[1] == 2 * self.in_features)
 
     def dense_weight(self) -> torch.Tensor:
         """W [out, in] as a plain tensor (a copy for the packed kernels)."""
@@ -87,8 +100,13 @@ class Linear(torch.nn.Module):
             return self.packed.to_dense() if self.packed.is_mkldnn else self.packed
         return self.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        if swiglu and not self.takes_swiglu(x):
+            raise ValueError(f"swiglu=True needs a small-rows kernel and [rows, {2 * self.in_features}] input; got "
+                             f"{tuple(x.shape)}")
         if self.kernel == "plain":
+            if self._small_rows is not None and x.dim() == 2 and 0 < x.shape[0] <= self._small_rows[1]:
+                return self._small_rows[0](x, self.weight, self.bias, swiglu)
             return F.linear(x, self.weight, self.bias)
         if x.dtype != torch.float32:
             raise TypeError(f"this layer holds a float32 {self.kernel} weight; got {x.dtype} input")

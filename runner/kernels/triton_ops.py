@@ -9,6 +9,9 @@ Each op has the reference's signature and meaning:
   group) when the cache is; any cache layout, offset or paged, with the cache's own strides. apply_rotary
   and kv_store are the same kernel with the cache store, or the rotation, switched off.
 - swiglu: silu(gate) * up in one pass.
+- decode_linear: y = x W^T (+ b) for a few rows (a decode step's batch, up to DECODE_LINEAR_ROWS), streaming W once
+  with no split-K reduction kernel after it; with `swiglu`, x is a fused gate/up output and silu(gate) * up is
+  computed as it is loaded (the down projection takes the MLP's activation: one launch fewer per layer).
 - decode_attention: one query token per sequence against its cached keys/values. One program per
   (sequence, KV head, split) takes the whole query group of that KV head (padded to 16 rows for `tl.dot`),
   so each key/value row is read once per KV head, not once per query head. The split count comes from the
@@ -250,6 +253,75 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, launch: Launch = _launch) -> to
         launch(_swiglu_kernel, (g2.shape[0], triton.cdiv(F_, block)), g2, u2, out, F_, g2.stride(0), u2.stride(0),
                BLOCK=block, num_warps=4)
     return out.view(gate.shape)
+
+
+# --- decode linears ------------------------------------------------------------------------------
+DECODE_LINEAR_ROWS = 16   # rows up to which decode_linear replaces cuBLAS (a decode step's batch)
+
+
+@triton.jit
+def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, HAS_BIAS: tl.constexpr,
+                          SWIGLU: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """y[M, N] = a[M, K] W[N, K]^T (+ b), a = x or silu(x[:, :K]) * x[:, K:]. Each program streams BLOCK_N rows of W.
+    One row (BLOCK_M 1): float32 products summed along K, no tensor cores; more: tl.dot on a BLOCK_M-row tile."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = rn < N
+    rm = tl.arange(0, BLOCK_M)
+    mm = rm < M
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            xm, wm = mm[:, None], mn[:, None]
+        else:
+            xm, wm = mm[:, None] & (rk < K)[None, :], mn[:, None] & (rk < K)[None, :]
+        a = tl.load(x_rows + rk[None, :], mask=xm, other=0.0)                       # (BLOCK_M, BLOCK_K)
+        if SWIGLU:                                  # rounded to x's dtype, as the swiglu kernel's output would be
+            g = a.to(tl.float32)
+            u = tl.load(x_rows + K + rk[None, :], mask=xm, other=0.0).to(tl.float32)
+            a = (g * tl.sigmoid(g) * u).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_rows + rk[None, :], mask=wm, other=0.0)                       # (BLOCK_N, BLOCK_K)
+        if BLOCK_M == 1:
+            acc += w.to(tl.float32) * a.to(tl.float32)
+        else:
+            acc += dot_acc(a, tl.trans(w), EXACT)
+    if BLOCK_M == 1:
+        y = tl.sum(acc, axis=1)[None, :]
+    else:
+        y = acc
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, swiglu: bool = False,
+                  launch: Launch = _launch) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] with `swiglu`: gate | up) @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype, for
+    M <= DECODE_LINEAR_ROWS. Block shapes from benchmarks/gpu_gemv.py on an H100 (Llama-2-7B's shapes): one row
+    streams 8 (16 for N >= 16384) weight rows of 512 columns per program, 4 stages deep; 2-16 rows take 32 weight
+    rows of 128 columns (64 of 256 on 8 warps for N >= 16384) on a 16-row tl.dot tile."""
+    M = x.shape[0]
+    N, K = weight.shape
+    if not 0 < M <= DECODE_LINEAR_ROWS or x.shape[-1] != (2 * K if swiglu else K):
+        raise ValueError(f"decode_linear takes 1..{DECODE_LINEAR_ROWS} rows of {2 * K if swiglu else K} columns; "
+                         f"got {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 1:
+        bm, bn, bk, stages, warps = 1, (16 if N >= 16384 else 8), 512, 4, 4
+    else:                               # (32 x 256 tiles spilled registers on sm_80: runner.kernels.aot)
+        bm, bn, bk, stages, warps = (16, 64, 256, 3, 8) if N >= 16384 else (16, 32, 128, 4, 4)
+    launch(_decode_linear_kernel, (triton.cdiv(N, bn),), x, weight, bias if bias is not None else weight, y, M, N,
+           K, x.stride(0), HAS_BIAS=bias is not None, SWIGLU=swiglu, EXACT=exact_dot(x.dtype), BLOCK_M=bm,
+           BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=warps, num_stages=stages)
+    return y
 
 
 # --- attention over the cache ---------------------------------------------------------------------

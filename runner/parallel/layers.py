@@ -34,8 +34,12 @@ class RowParallelLinear(nn.Module):
         self.linear, self.comm = make_linear(weight, None, prepack), comm
         self.register_buffer("bias", bias, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce_(self.linear(x))
+    def takes_swiglu(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, swiglu=True) runs: x is a fused gate/up output its kernel activates as it loads."""
+        return getattr(self.linear, "takes_swiglu", None) is not None and self.linear.takes_swiglu(x)
+
+    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        y = self.comm.all_reduce_(self.linear(x, swiglu=True) if swiglu else self.linear(x))
         return y if self.bias is None else y + self.bias
 
 
