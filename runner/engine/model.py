@@ -59,8 +59,8 @@ class EngineOptions:
                                   # COMPILE_MIN_PARAMS parameters per rank, where it pays for its compile time)
     cuda_graphs: bool = True      # CUDA with the Triton kernels: capture the decode step in a CUDA graph per batch
                                   # bucket and replay it (runner.engine.graphs); no effect elsewhere
-    decode_linears: bool = True   # CUDA with the Triton kernels, float16 / bfloat16: linears of up to 16 rows on
-                                  # triton_ops.decode_linear (the down projection fused with SwiGLU), not cuBLAS
+    decode_linears: bool = True   # CUDA with the Triton kernels, float16 / bfloat16: one-row (batch-1 decode)
+                                  # linears on triton_ops.decode_linear (the down projection fused with SwiGLU)
 
     def __post_init__(self):
         if self.cache_layout not in (0, 1, 2, 3):

@@ -109,7 +109,7 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
                 add(f"{tag} norm (no residual)", triton_ops.skip_rms_norm, x, None, x[0], 1e-5)
                 gate_up = torch.empty(T, 2 * m.intermediate, dtype=dt, device=META)
                 add(f"{tag} swiglu", triton_ops.swiglu, *gate_up.chunk(2, dim=-1))
-            for T in (1, triton_ops.DECODE_LINEAR_ROWS):   # the decode linears: qkv, o, gate/up, down, output head
+            for T in (triton_ops.DECODE_LINEAR_ROWS,):   # the decode linears: qkv, o, gate/up, down, output head
                 for n, k, swiglu, bias in (((H + 2 * KV) * D, m.hidden, False, True), (m.hidden, H * D, False, False),
                                            (2 * m.intermediate, m.hidden, False, False),
                                            (m.hidden, m.intermediate, True, False), (32000, m.hidden, False, False)):

@@ -9,9 +9,9 @@ Each op has the reference's signature and meaning:
   group) when the cache is; any cache layout, offset or paged, with the cache's own strides. apply_rotary
   and kv_store are the same kernel with the cache store, or the rotation, switched off.
 - swiglu: silu(gate) * up in one pass.
-- decode_linear: y = x W^T (+ b) for a few rows (a decode step's batch, up to DECODE_LINEAR_ROWS), streaming W once
-  with no split-K reduction kernel after it; with `swiglu`, x is a fused gate/up output and silu(gate) * up is
-  computed as it is loaded (the down projection takes the MLP's activation: one launch fewer per layer).
+- decode_linear: y = x W^T (+ b) for the one row of a batch-1 decode step, streaming W once with no split-K
+  reduction kernel after it; with `swiglu`, x is a fused gate/up output and silu(gate) * up is computed as it is
+  loaded (the down projection takes the MLP's activation: one launch fewer per layer).
 - decode_attention: one query token per sequence against its cached keys/values. One program per
   (sequence, KV head, split) takes the whole query group of that KV head (padded to 16 rows for `tl.dot`),
   so each key/value row is read once per KV head, not once per query head. The split count comes from the
@@ -256,71 +256,54 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, launch: Launch = _launch) -> to
 
 
 # --- decode linears ------------------------------------------------------------------------------
-DECODE_LINEAR_ROWS = 16   # rows up to which decode_linear replaces cuBLAS (a decode step's batch)
+DECODE_LINEAR_ROWS = 1    # rows up to which decode_linear replaces cuBLAS: a batch-1 decode step. (A 16-row tl.dot
+                          # tile that compiled without spills on sm_80 ran batch-16 decode at 11.4 against cuBLAS's
+                          # 6.3 ms a step on an H100, 2026-11-22: several rows stay on cuBLAS.)
 
 
 @triton.jit
-def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, HAS_BIAS: tl.constexpr,
-                          SWIGLU: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """y[M, N] = a[M, K] W[N, K]^T (+ b), a = x or silu(x[:, :K]) * x[:, K:]. Each program streams BLOCK_N rows of W.
-    One row (BLOCK_M 1): float32 products summed along K, no tensor cores; more: tl.dot on a BLOCK_M-row tile."""
+def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """y[N] = W[N, K] a[K] (+ b), a = x or silu(x[:K]) * x[K:]. Each program streams BLOCK_N rows of W and sums the
+    float32 products along K (one row: no tensor cores)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = rn < N
-    rm = tl.arange(0, BLOCK_M)
-    mm = rm < M
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
-    if BLOCK_M == 1:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            xm, wm = mm[:, None], mn[:, None]
+            a = tl.load(x_ptr + rk)
+            w = tl.load(w_rows + rk[None, :], mask=mn[:, None], other=0.0)
         else:
-            xm, wm = mm[:, None] & (rk < K)[None, :], mn[:, None] & (rk < K)[None, :]
-        a = tl.load(x_rows + rk[None, :], mask=xm, other=0.0)                       # (BLOCK_M, BLOCK_K)
+            a = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
+            w = tl.load(w_rows + rk[None, :], mask=mn[:, None] & (rk < K)[None, :], other=0.0)
         if SWIGLU:                                  # rounded to x's dtype, as the swiglu kernel's output would be
             g = a.to(tl.float32)
-            u = tl.load(x_rows + K + rk[None, :], mask=xm, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + K + rk, mask=rk < K, other=0.0).to(tl.float32)
             a = (g * tl.sigmoid(g) * u).to(x_ptr.dtype.element_ty)
-        w = tl.load(w_rows + rk[None, :], mask=wm, other=0.0)                       # (BLOCK_N, BLOCK_K)
-        if BLOCK_M == 1:
-            acc += w.to(tl.float32) * a.to(tl.float32)
-        else:
-            acc += dot_acc(a, tl.trans(w), EXACT)
-    if BLOCK_M == 1:
-        y = tl.sum(acc, axis=1)[None, :]
-    else:
-        y = acc
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
     if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+        y += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mn)
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, swiglu: bool = False,
                   launch: Launch = _launch) -> torch.Tensor:
-    """x [M, K] (or [M, 2K] with `swiglu`: gate | up) @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype, for
-    M <= DECODE_LINEAR_ROWS. Block shapes from benchmarks/gpu_gemv.py on an H100 (Llama-2-7B's shapes): one row
-    streams 8 (16 for N >= 16384) weight rows of 512 columns per program, 4 stages deep; 2-16 rows take 32 weight
-    rows of 128 columns (64 of 256 on 8 warps for N >= 16384) on a 16-row tl.dot tile."""
-    M = x.shape[0]
+    """x [1, K] (or [1, 2K] with `swiglu`: gate | up) @ weight [N, K]^T (+ bias) -> [1, N] in x's dtype. Block shapes
+    from benchmarks/gpu_gemv.py on an H100 (Llama-2-7B's shapes): 8 weight rows (16 for N >= 16384) of 512 columns
+    per program, 4 stages deep, 4 warps."""
     N, K = weight.shape
-    if not 0 < M <= DECODE_LINEAR_ROWS or x.shape[-1] != (2 * K if swiglu else K):
-        raise ValueError(f"decode_linear takes 1..{DECODE_LINEAR_ROWS} rows of {2 * K if swiglu else K} columns; "
+    if x.dim() != 2 or x.shape[0] != DECODE_LINEAR_ROWS or x.shape[1] != (2 * K if swiglu else K):
+        raise ValueError(f"decode_linear takes {DECODE_LINEAR_ROWS} row of {2 * K if swiglu else K} columns; "
                          f"got {tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 1:
-        bm, bn, bk, stages, warps = 1, (16 if N >= 16384 else 8), 512, 4, 4
-    else:                               # (32 x 256 tiles spilled registers on sm_80: runner.kernels.aot)
-        bm, bn, bk, stages, warps = (16, 64, 256, 3, 8) if N >= 16384 else (16, 32, 128, 4, 4)
-    launch(_decode_linear_kernel, (triton.cdiv(N, bn),), x, weight, bias if bias is not None else weight, y, M, N,
-           K, x.stride(0), HAS_BIAS=bias is not None, SWIGLU=swiglu, EXACT=exact_dot(x.dtype), BLOCK_M=bm,
-           BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=warps, num_stages=stages)
+    x = x.contiguous()
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    bn, bk = (16 if N >= 16384 else 8), 512
+    launch(_decode_linear_kernel, (triton.cdiv(N, bn),), x, weight, bias if bias is not None else weight, y, N, K,
+           HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=4,
+           num_stages=4)
     return y
 
 
