@@ -3,8 +3,9 @@
 
 A decode step is y[M, N] = x[M, K] W[N, K]^T with M = the batch (1..16) and W read once: memory-bound, so each
 kernel is given in GB/s of weight read. The weights rotate over copies larger than the L2 (as across layers in a
-step). Kernels: `gemv` (M = 1: fp32 products summed per row, no tensor cores) and `dot16` (M <= 16: tl.dot on a
-16-row tile), each over a small grid of block shapes, warps and pipeline stages; the best is printed.
+step). Kernels: `gemv` (M = 1: the engine's triton_ops.decode_linear kernel, fp32 products summed per row) and
+`dot16` (M <= 16: tl.dot on a 16-row tile), each over a small grid of block shapes, warps and pipeline stages;
+the best is printed.
 
     python benchmarks/gpu_gemv.py [--ms "1 8"] [--copies 8]
 """
@@ -19,26 +20,10 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from runner.kernels.triton_ops import _decode_linear_kernel
+
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
           "lm_head": (32000, 4096)}
-
-
-@triton.jit
-def _gemv(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mn = rn < N
-    rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            x = tl.load(x_ptr + rk)
-            w = tl.load(rows + rk[None, :], mask=mn[:, None], other=0.0)
-        else:
-            x = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
-            w = tl.load(rows + rk[None, :], mask=mn[:, None] & (rk < K)[None, :], other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=mn)
 
 
 @triton.jit
@@ -91,8 +76,9 @@ def main(ms: str = "1 8", copies: int = 8, reps: int = 200) -> None:
 
             def run(w=None):
                 w = nxt() if w is None else w
-                if kind == "gemv":
-                    _gemv[grid](x, w, y, N, K, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, num_warps=warps, num_stages=stages)
+                if kind == "gemv":  # the engine's kernel (runner.kernels.triton_ops.decode_linear) at other shapes
+                    _decode_linear_kernel[grid](x, w, w, y, N, K, HAS_BIAS=False, SWIGLU=False, BLOCK_N=bn, BLOCK_K=bk,
+                                                EVEN_K=even, num_warps=warps, num_stages=stages)
                 else:
                     _dot16[grid](x, w, y, M, N, K, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, num_warps=warps,
                                  num_stages=stages)
