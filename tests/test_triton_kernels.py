@@ -259,56 +259,6 @@ def test_down_projection_takes_the_swiglu_input():
         Linear(torch.randn(256, 256), kernel="pmx").use_small_rows(triton_ops.decode_linear, 16)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N,K,skip", [(40, 300, True), (17000, 96, False), (33, 1024, True)])
-def test_decode_linear_normed_is_norm_then_linear(dtype, N, K, skip):
-    """decode_linear_normed (the residual add and RMSNorm computed as the linear loads its input) gives
-    skip_rms_norm then decode_linear: the same residual, and the same output to rounding."""
-    g = torch.Generator().manual_seed(N + K)
-    x = torch.randn(1, K, generator=g).to(DEV, dtype)
-    s = torch.randn(1, K, generator=g).to(DEV, dtype) if skip else None
-    nw = (torch.randn(K, generator=g) * 0.5 + 1).to(DEV, dtype)
-    w, b = (torch.randn(N, K, generator=g) * 0.1).to(DEV, dtype), torch.randn(N, generator=g).to(DEV, dtype)
-    h, r = triton_ops.skip_rms_norm(x, s, nw, 1e-5)
-    got, got_r = triton_ops.decode_linear_normed(x, s, nw, 1e-5, w, b)
-    assert torch.equal(got_r, r) and (skip or got_r is x)
-    close(got, triton_ops.decode_linear(h, w, b), dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_one_row_steps_with_norms_and_swiglu_inside_the_linears(make_hf, tmp_path, dtype):
-    """The CUDA engine's batch-1 path (forced on under the interpreter off CUDA): the norms inside the qkv and
-    gate/up projections, SwiGLU inside the down projection. A prefill, then 3 decode steps: the logits and the
-    cache of the engine without the decode linears."""
-    from runner.engine.model import Block, EngineOptions, Transformer, load_shard
-    from runner.kernels.linear import Linear
-    from runner.parallel.comm import SingleComm
-    from runner.pmx.convert import convert
-    src, _ = make_hf("qwen2")                                  # GQA, qkv bias, tied embeddings
-    convert(str(src), str(tmp_path / "pmx"), progress=False)
-
-    def engine(decode_linears):
-        params, w = load_shard(tmp_path / "pmx", 0, DEV, dtype)
-        return Transformer(params, w, SingleComm(), EngineOptions(kernels="triton", cuda_graphs=False,
-                                                                  decode_linears=decode_linears))
-    plain, fused = engine(False), engine(True)
-    if not CUDA:                                               # (the engine turns them on on CUDA only)
-        for m in fused.modules():
-            if isinstance(m, Linear) and m.kernel == "plain":
-                m.use_small_rows(triton_ops.decode_linear, triton_ops.DECODE_LINEAR_ROWS,
-                                 triton_ops.decode_linear_normed)
-    one_row = torch.zeros(1, fused.params.hidden_dim, dtype=dtype, device=DEV)
-    blocks = [m for m in fused.modules() if isinstance(m, Block)]
-    assert blocks and all(b._norms_in_linears(one_row) for b in blocks)
-    assert not any(b._norms_in_linears(one_row) for b in plain.modules() if isinstance(b, Block))
-    caches = [e.new_cache(64) for e in (plain, fused)]
-    for tokens, start in (([5, 6, 7, 8], 0), ([9], 4), ([10], 5), ([11], 6)):
-        got = [e.step(torch.tensor(tokens), e.plan([len(tokens)], [start], [0], 0 if start == 0 else 1), kv, sc)
-               for e, (kv, sc) in zip((plain, fused), caches)]
-        close(got[1], got[0], dtype, scale=2)
-    close(caches[1][0], caches[0][0], dtype, scale=2)
-
-
 def test_engine_with_triton_kernels_matches_transformers(make_hf, tmp_path):
     """The whole engine on the Triton kernels (decode steps through the flash-decoding kernel)."""
     from runner.pmx.convert import convert

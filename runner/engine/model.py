@@ -171,9 +171,8 @@ class Attention(nn.Module):
         self.register_buffer("k_norm", k_norm, persistent=False)
         self.eps, self.window, self.options, self.ops = eps, sliding_window, options, ops
 
-    def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache, projected: bool = False) -> torch.Tensor:
-        """`projected`: x is already the fused qkv projection's output (a norm fused into it: Block)."""
-        q, k, v = self._qkv_stored(x, plan, cache, projected)                     # (T, H|KV|KV, D)
+    def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache) -> torch.Tensor:
+        q, k, v = self._qkv_stored(x, plan, cache)                                # (T, H|KV|KV, D)
         if plan.packed is not None:
             out = self._packed(q, plan, cache)
         else:
@@ -186,10 +185,10 @@ class Attention(nn.Module):
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.wo(out)                                                       # (T, hidden)
 
-    def _qkv_stored(self, x, plan, cache, projected: bool = False):
+    def _qkv_stored(self, x, plan, cache):
         """q, k, v (T, H|KV|KV, D) of the new tokens, q and k rotated, k and v written to the cache."""
         if hasattr(self.ops, "rotary_kv_store"):  # one kernel rotates q, k in place and writes k, v to the cache
-            q, k, v = self._qkv(x, projected)
+            q, k, v = self._qkv(x)
             self.ops.rotary_kv_store(q, k, v, plan.cos, plan.sin, cache.data, cache.scale, cache.layout, self.layer,
                                      plan.slots)
         else:
@@ -197,12 +196,12 @@ class Attention(nn.Module):
             cache.store(self.layer, k, v, plan.slots)
         return q, k, v
 
-    def _qkv(self, x, projected: bool = False):
-        """q, k, v (T, H|KV|KV, D) before rotary: views of the fused GEMM's output (x itself when `projected`)
-        where fused; q/k normed when the model has q/k norms."""
+    def _qkv(self, x):
+        """q, k, v (T, H|KV|KV, D) before rotary: views of the fused GEMM's output where fused; q/k normed
+        when the model has q/k norms."""
         T, H, KV, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
         if len(self.qkv) == 1:
-            q, k, v = (x if projected else self.qkv[0](x)).split([H * D, KV * D, KV * D], dim=-1)
+            q, k, v = self.qkv[0](x).split([H * D, KV * D, KV * D], dim=-1)
         else:
             q, k, v = (lin(x) for lin in self.qkv)
         q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
@@ -278,10 +277,9 @@ class FeedForward(nn.Module):
         super().__init__()
         self.gate_up, self.w2, self.ops = nn.ModuleList(gate_up), w2, ops
 
-    def forward(self, x: torch.Tensor, projected: bool = False) -> torch.Tensor:
-        """`projected`: x is already the fused gate/up projection's output (a norm fused into it: Block)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.gate_up) == 1:
-            gate_up = x if projected else self.gate_up[0](x)
+            gate_up = self.gate_up[0](x)
             if getattr(self.w2, "takes_swiglu", None) is not None and self.w2.takes_swiglu(gate_up):
                 return self.w2(gate_up, swiglu=True)  # SwiGLU computed as the down projection loads its input
             gate, up = gate_up.chunk(2, dim=-1)
@@ -318,22 +316,9 @@ class Block(nn.Module):
         self.ffn_norm, self.feed_forward = ffn_norm, feed_forward
 
     def forward(self, x, residual, plan: StepPlan, cache: KVCache):
-        if self._norms_in_linears(x):  # one row on CUDA: each norm runs inside the projection after it
-            qkv, residual = self.attention.qkv[0].forward_normed(x, residual, self.attention_norm)
-            out = self.attention(qkv, plan, cache, projected=True)
-            gate_up, residual = self.feed_forward.gate_up[0].forward_normed(out, residual, self.ffn_norm)
-            return self.feed_forward(gate_up, projected=True), residual
         h, residual = self.attention_norm(x, residual)
         h, residual = self.ffn_norm(self.attention(h, plan, cache), residual)
         return self.feed_forward(h), residual
-
-    def _norms_in_linears(self, x: torch.Tensor) -> bool:
-        """Whether the fused qkv and gate/up projections take this step's norms (runner.kernels.linear's
-        forward_normed: triton_ops.decode_linear_normed, one row) with attention's rotary + store kernel."""
-        a, f = self.attention, self.feed_forward
-        return (isinstance(f, FeedForward) and len(a.qkv) == 1 and len(f.gate_up) == 1
-                and hasattr(a.ops, "rotary_kv_store") and getattr(a.qkv[0], "takes_norm", None) is not None
-                and a.qkv[0].takes_norm(x) and f.gate_up[0].takes_norm(x))
 
 
 class Transformer(nn.Module):
@@ -412,7 +397,7 @@ class Transformer(nn.Module):
         if o.decode_linears and self.device.type == "cuda" and hasattr(ops, "decode_linear"):
             for m in self.modules():
                 if isinstance(m, Linear) and m.kernel == "plain" and m.weight.dtype in (torch.float16, torch.bfloat16):
-                    m.use_small_rows(ops.decode_linear, ops.DECODE_LINEAR_ROWS, ops.decode_linear_normed)
+                    m.use_small_rows(ops.decode_linear, ops.DECODE_LINEAR_ROWS)
         self._compiled = self._compile_decode(num_params)
         # (B == 1, no row table, no mask, one page): the graphs compiled so far (size 1 specialises)
         self._compiled_variants = set()

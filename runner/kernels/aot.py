@@ -118,12 +118,6 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
                     add(f"{tag} decode linear {n}x{k}{' swiglu' if swiglu else ''}, {T} rows",
                         triton_ops.decode_linear, xi, w, torch.empty(n, dtype=dt, device=META) if bias else None,
                         swiglu=swiglu)
-                    if k == m.hidden and n not in (m.hidden, 32000):  # qkv and gate/up: the norm inside
-                        nw = torch.empty(k, dtype=dt, device=META)
-                        for skip in (torch.empty_like(xi), None):
-                            add(f"{tag} decode linear {n}x{k} normed{'' if skip is None else ' + skip'}, {T} rows",
-                                triton_ops.decode_linear_normed, xi, skip, nw, 1e-5, w,
-                                torch.empty(n, dtype=dt, device=META) if bias else None)
                 for method, group in (("int8", 0), ("int4", 128), ("int4", 16)):
                     qw = torch.empty(m.hidden, m.hidden // (2 if method == "int4" else 1), device=META,
                                      dtype=torch.uint8 if method == "int4" else torch.int8)

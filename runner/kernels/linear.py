@@ -79,28 +79,13 @@ class Linear(torch.nn.Module):
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("weight", weight if self.kernel == "plain" else None, persistent=False)
         self._small_rows: Optional[tuple[Callable, int]] = None
-        self._normed: Optional[Callable] = None
 
-    def use_small_rows(self, kernel: Callable, max_rows: int, normed: Optional[Callable] = None) -> None:
+    def use_small_rows(self, kernel: Callable, max_rows: int) -> None:
         """Inputs of 1..max_rows rows go to `kernel(x, weight, bias, swiglu)` (runner.kernels.triton_ops.
-        decode_linear on CUDA), which also takes a fused gate/up input with swiglu=True; `normed(x, skip,
-        norm_weight, eps, weight, bias) -> (y, residual)` (decode_linear_normed) runs a skip RMSNorm and this
-        layer in one kernel (:meth:`forward_normed`)."""
+        decode_linear on CUDA), which also takes a fused gate/up input with swiglu=True."""
         if self.kernel != "plain":
             raise ValueError(f"a {self.kernel} layer has no plain weight for a small-rows kernel")
-        self._small_rows, self._normed = (kernel, max_rows), normed
-
-    def takes_norm(self, x: torch.Tensor) -> bool:
-        """Whether forward_normed(x, ...) runs: a normed kernel and x [rows, in] within its rows."""
-        return (self._normed is not None and x.dim() == 2 and 0 < x.shape[0] <= self._small_rows[1]
-                and x.shape[1] == self.in_features)
-
-    def forward_normed(self, x: torch.Tensor, skip: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float):
-        """(self(h), r) for (h, r) = skip_rms_norm(x, skip, norm_weight, eps), in one kernel."""
-        if not self.takes_norm(x):
-            raise ValueError(f"forward_normed needs a normed kernel and [rows, {self.in_features}] input within its "
-                             f"rows; got {tuple(x.shape)}")
-        return self._normed(x, skip, norm_weight, eps, self.weight, self.bias)
+        self._small_rows = (kernel, max_rows)
 
     def takes_swiglu(self, x: torch.Tensor) -> bool:
         """Whether forward(x, swiglu=True) runs: x [rows, 2 in] (gate | up) within the small-rows kernel's rows."""

@@ -11,9 +11,7 @@ Each op has the reference's signature and meaning:
 - swiglu: silu(gate) * up in one pass.
 - decode_linear: y = x W^T (+ b) for the one row of a batch-1 decode step, streaming W once with no split-K
   reduction kernel after it; with `swiglu`, x is a fused gate/up output and silu(gate) * up is computed as it is
-  loaded (the down projection takes the MLP's activation: one launch fewer per layer); decode_linear_normed does
-  the residual add and RMSNorm before a linear as it loads its input (the qkv and gate/up projections: two
-  launches fewer per layer).
+  loaded (the down projection takes the MLP's activation: one launch fewer per layer).
 - decode_attention: one query token per sequence against its cached keys/values. One program per
   (sequence, KV head, split) takes the whole query group of that KV head (padded to 16 rows for `tl.dot`),
   so each key/value row is read once per KV head, not once per query head. The split count comes from the
@@ -264,28 +262,13 @@ DECODE_LINEAR_ROWS = 1    # rows up to which decode_linear replaces cuBLAS: a ba
 
 
 @triton.jit
-def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, skip_ptr, nw_ptr, r_ptr, eps, HAS_BIAS: tl.constexpr,
-                          SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """y[N] = W[N, K] a[K] (+ b), a = x, or silu(x[:K]) * x[K:] (SWIGLU), or skip_rms_norm(x, skip, nw) (NORM: each
-    program first sums the squares of the row x + skip, which program 0 also writes to r, then normalises each
-    chunk as it loads it; roundings as skip_rms_norm's). Each program streams BLOCK_N rows of W and sums the float32
-    products along K (one row: no tensor cores)."""
+def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """y[N] = W[N, K] a[K] (+ b), a = x or silu(x[:K]) * x[K:]. Each program streams BLOCK_N rows of W and sums the
+    float32 products along K (one row: no tensor cores)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    if NORM:
-        r_end = tl.where(tl.program_id(0) == 0, K, 0)                        # program 0 writes the residual
-        ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            r = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-            if HAS_SKIP:  # the residual rounded to x's dtype, as the norm kernel's
-                r = (r + tl.load(skip_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
-                tl.store(r_ptr + rk, r, mask=rk < r_end)
-                r = r.to(tl.float32)
-            ss += r * r
-        inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -299,12 +282,6 @@ def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, skip_ptr, nw_ptr, r_
             g = a.to(tl.float32)
             u = tl.load(x_ptr + K + rk, mask=rk < K, other=0.0).to(tl.float32)
             a = (g * tl.sigmoid(g) * u).to(x_ptr.dtype.element_ty)
-        if NORM:
-            r = a.to(tl.float32)
-            if HAS_SKIP:
-                r = (r + tl.load(skip_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
-            n = (r.to(tl.float32) * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
-            a = (tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32) * n).to(x_ptr.dtype.element_ty)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -325,28 +302,9 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     bn, bk = (16 if N >= 16384 else 8), 512
     launch(_decode_linear_kernel, (triton.cdiv(N, bn),), x, weight, bias if bias is not None else weight, y, N, K,
-           x, x, x, 0.0, HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=False, HAS_SKIP=False, BLOCK_N=bn,
-           BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=4, num_stages=4)
+           HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=4,
+           num_stages=4)
     return y
-
-
-def decode_linear_normed(x: torch.Tensor, skip: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                         weight: torch.Tensor, bias: Optional[torch.Tensor] = None, launch: Launch = _launch):
-    """(decode_linear(h), r) for (h, r) = skip_rms_norm(x, skip, norm_weight, eps) of one row, in one launch: the
-    norm computed by every program as it loads its input (r written by the first; r is x when skip is None)."""
-    N, K = weight.shape
-    if x.dim() != 2 or x.shape[0] != DECODE_LINEAR_ROWS or x.shape[1] != K:
-        raise ValueError(f"decode_linear_normed takes {DECODE_LINEAR_ROWS} row of {K} columns; got {tuple(x.shape)}")
-    x = x.contiguous()
-    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    has_skip = skip is not None
-    r = torch.empty_like(x) if has_skip else x
-    skip = skip.contiguous() if has_skip else x
-    bn, bk = (16 if N >= 16384 else 8), 512
-    launch(_decode_linear_kernel, (triton.cdiv(N, bn),), x, weight, bias if bias is not None else weight, y, N, K,
-           skip, norm_weight, r, eps, HAS_BIAS=bias is not None, SWIGLU=False, NORM=True, HAS_SKIP=has_skip,
-           BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=4, num_stages=4)
-    return y, r
 
 
 # --- attention over the cache ---------------------------------------------------------------------

@@ -25,15 +25,6 @@ class ColumnParallelLinear(nn.Module):
         y = self.linear(x)
         return self.comm.all_gather(y, dim=-1) if self.gather_output else y
 
-    def takes_norm(self, x: torch.Tensor) -> bool:
-        """Whether forward_normed(x, ...) runs (a norm fused into this layer's kernel, runner.kernels.linear)."""
-        return getattr(self.linear, "takes_norm", None) is not None and self.linear.takes_norm(x)
-
-    def forward_normed(self, x: torch.Tensor, skip: Optional[torch.Tensor], norm) -> tuple:
-        """(self(h), r) for (h, r) = norm(x, skip), a SkipRMSNorm (its `weight`, `eps`), in one kernel."""
-        y, r = self.linear.forward_normed(x, skip, norm.weight, norm.eps)
-        return (self.comm.all_gather(y, dim=-1) if self.gather_output else y), r
-
 
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T (+ b once): W cut by input columns, partial sums all-reduced."""
