@@ -109,21 +109,20 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
                 add(f"{tag} norm (no residual)", triton_ops.skip_rms_norm, x, None, x[0], 1e-5)
                 gate_up = torch.empty(T, 2 * m.intermediate, dtype=dt, device=META)
                 add(f"{tag} swiglu", triton_ops.swiglu, *gate_up.chunk(2, dim=-1))
-            for T in (triton_ops.DECODE_LINEAR_ROWS,):   # the decode linears: qkv, o, gate/up, down, output head
-                for n, k, swiglu, bias in (((H + 2 * KV) * D, m.hidden, False, True), (m.hidden, H * D, False, False),
-                                           (2 * m.intermediate, m.hidden, False, False),
-                                           (m.hidden, m.intermediate, True, False), (32000, m.hidden, False, False)):
-                    xi = torch.empty(T, 2 * k if swiglu else k, dtype=dt, device=META)
-                    w = torch.empty(n, k, dtype=dt, device=META)
-                    add(f"{tag} decode linear {n}x{k}{' swiglu' if swiglu else ''}, {T} rows",
-                        triton_ops.decode_linear, xi, w, torch.empty(n, dtype=dt, device=META) if bias else None,
-                        swiglu=swiglu)
                 for method, group in (("int8", 0), ("int4", 128), ("int4", 16)):
                     qw = torch.empty(m.hidden, m.hidden // (2 if method == "int4" else 1), device=META,
                                      dtype=torch.uint8 if method == "int4" else torch.int8)
                     scale = torch.empty((m.hidden, m.hidden // group) if group else (m.hidden,), device=META)
                     add(f"{tag} {method} g{group} linear, {T} rows", triton_quant.quant_matmul, x, qw, scale,
                         method, group)
+            rows = triton_ops.DECODE_LINEAR_ROWS   # the decode linears: qkv, o, gate/up, down, output head
+            for n, k, swiglu, bias in (((H + 2 * KV) * D, m.hidden, False, True), (m.hidden, H * D, False, False),
+                                       (2 * m.intermediate, m.hidden, False, False),
+                                       (m.hidden, m.intermediate, True, False), (32000, m.hidden, False, False)):
+                xi = torch.empty(rows, 2 * k if swiglu else k, dtype=dt, device=META)
+                w = torch.empty(n, k, dtype=dt, device=META)
+                add(f"{tag} decode linear {n}x{k}{' swiglu' if swiglu else ''}", triton_ops.decode_linear, xi, w,
+                    torch.empty(n, dtype=dt, device=META) if bias else None, swiglu=swiglu)
             slots = torch.empty(512, dtype=torch.int64, device=META)
             cos = torch.empty(512, D // 2, dtype=torch.float32, device=META)
             qkv = torch.empty(512, (H + 2 * KV) * D, dtype=dt, device=META)
