@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Optional, Sequence
 
 from runner.errors import PmxError
+from runner.parallel.launch import COMM_BACKENDS
 
 TRUE, FALSE = ("true", "yes", "1"), ("false", "no", "0")
 
@@ -160,7 +161,7 @@ Device = Annotated[str, OneOf("auto", "cpu", "cuda")]
 Dtype = Annotated[str, OneOf("auto", "float32", "float16", "bfloat16")]
 Kernels = Annotated[str, OneOf("auto", "triton", "torch", "reference")]
 Compile = Annotated[str, OneOf("auto", "on", "off")]
-CommBackend = Annotated[str, OneOf("auto", "mpi", "torch", "nccl", "gloo")]
+CommBackend = Annotated[str, OneOf(*COMM_BACKENDS)]
 CacheLayout = Annotated[int, OneOf(0, 1, 2, 3)]
 CacheMode = Annotated[int, OneOf(0, 1)]
 

@@ -60,15 +60,15 @@ def test_comm_backend_choice():
 
 
 def test_nccl_needs_a_gpu_per_rank_on_a_machine():
-    from runner.engine.session import check_gpus_for_nccl
+    """Checked by the NCCL communicator before its process group (gloo's ranks may share a GPU)."""
     from runner.errors import PmxError
+    from runner.parallel.comm import check_gpus_for_nccl
     from runner.parallel.launch import LaunchEnv
     two = LaunchEnv("torchrun", 1, 2, 1, 2)
     with pytest.raises(PmxError, match="2 ranks on this machine but 1 GPU.*--comm_backend gloo"):
-        check_gpus_for_nccl(two, "auto", gpus=1)
+        check_gpus_for_nccl(two, gpus=1)
     with pytest.raises(PmxError, match="2 ranks on this machine but 1 GPU"):
-        check_gpus_for_nccl(LaunchEnv("mpi", 1, 4, 1, 2), "nccl", gpus=1)
-    check_gpus_for_nccl(two, "gloo", gpus=1)                     # gloo: ranks may share a GPU
-    check_gpus_for_nccl(two, "auto", gpus=2)
-    check_gpus_for_nccl(LaunchEnv("single", 0, 1, 0, 1), "auto", gpus=1)
-    check_gpus_for_nccl(LaunchEnv("single", 0, 1, 0, 1), "nccl", gpus=1)
+        check_gpus_for_nccl(LaunchEnv("mpi", 1, 4, 1, 2), gpus=1)   # 4 ranks, 2 on this machine
+    check_gpus_for_nccl(two, gpus=2)
+    check_gpus_for_nccl(LaunchEnv("mpi", 3, 4, 1, 2), gpus=2)
+    check_gpus_for_nccl(LaunchEnv("single", 0, 1, 0, 1), gpus=1)

@@ -60,17 +60,6 @@ def pick_dtype(dtype: str, params_dtype: str, device: torch.device) -> torch.dty
     return DTYPE_NAMES[dtype]
 
 
-def check_gpus_for_nccl(env: LaunchEnv, comm_backend: str, gpus: Optional[int] = None) -> None:
-    """NCCL (the CUDA default for several ranks) needs a GPU per rank on a machine: refused by name before the
-    first collective, rather than as NCCL's own error inside it."""
-    gpus = torch.cuda.device_count() if gpus is None else gpus
-    nccl = comm_backend == "nccl" or (comm_backend in ("auto", "torch") and env.world_size > 1)
-    if nccl and env.local_world_size > gpus:
-        raise PmxError(f"{env.local_world_size} ranks on this machine but {gpus} GPU(s): NCCL needs one GPU per "
-                       f"rank; start at most {gpus} rank(s) per machine, or give --comm_backend gloo (ranks share "
-                       f"GPUs, slower) or --device cpu")
-
-
 def check_world_size(ckpt_dir: str, num_shards: int, env: LaunchEnv) -> None:
     if num_shards != env.world_size:
         raise PmxError(f"{ckpt_dir}: the model is split into {num_shards} shard(s) but {env.world_size} "
@@ -104,7 +93,6 @@ def open_session(ckpt_dir: str, options: EngineOptions = EngineOptions(), device
     if dev.type == "cpu":
         set_cpu_threads(env)
     else:
-        check_gpus_for_nccl(env, comm_backend)
         torch.cuda.set_device(dev)
     comm = make_comm(env, dev, comm_backend, timeout_s)
     if random_weights:

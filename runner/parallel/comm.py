@@ -34,7 +34,7 @@ import torch
 
 from runner.errors import PmxError
 from runner.kernels.cpu_ext import cpu_ops
-from runner.parallel.launch import LaunchEnv, mpi
+from runner.parallel.launch import COMM_BACKENDS, LaunchEnv, mpi
 
 DEFAULT_TIMEOUT_S = 30.0
 TIMEOUT_ENV = "PMX_COLLECTIVE_TIMEOUT"
@@ -307,14 +307,16 @@ class TorchComm:
         self.dist, self.device = dist, device
         self.rank, self.world_size = env.rank, env.world_size
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-        if backend == "nccl" and device.type != "cuda":
-            raise PmxError("the nccl backend needs CUDA tensors (--device cuda)")
+        if backend == "nccl":
+            if device.type != "cuda":
+                raise PmxError("the nccl backend needs CUDA tensors (--device cuda)")
+            check_gpus_for_nccl(env, torch.cuda.device_count())
         self.captures_cuda_graphs = backend == "nccl"  # NCCL collectives run inside a CUDA graph; gloo's do not
         kwargs = dict(backend=backend, rank=env.rank, world_size=env.world_size, timeout=PROCESS_GROUP_TIMEOUT)
         if env.launcher == "mpi":  # mpirun sets no MASTER_ADDR: rank 0 publishes a reachable address
             kwargs["init_method"] = _mpi_rendezvous()
         elif env.launcher == "single":  # one process asked for a process group (nccl / gloo at TP=1)
-            kwargs["init_method"] = f"tcp://127.0.0.1:{_free_port()}"
+            kwargs["init_method"] = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
         if not dist.is_initialized():
             dist.init_process_group(**kwargs)
         self._dog = Watchdog(env.rank, timeout_s)
@@ -397,9 +399,19 @@ class TorchComm:
         self.dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def check_gpus_for_nccl(env: LaunchEnv, gpus: int) -> None:
+    """NCCL needs a GPU per rank on a machine: refused by name before the first collective, rather than as
+    NCCL's own error inside it."""
+    if env.local_world_size > gpus:
+        raise PmxError(f"{env.local_world_size} ranks on this machine but {gpus} GPU(s): NCCL needs one GPU per "
+                       f"rank; start at most {gpus} rank(s) per machine, or give --comm_backend gloo (ranks share "
+                       f"GPUs, slower) or --device cpu")
+
+
+def _free_port(host: str = "") -> int:
+    """A TCP port free on `host` now (the OS picks it)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -410,16 +422,9 @@ def _mpi_rendezvous() -> str:
     addr = None
     if comm.Get_rank() == 0:
         host = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
-        port = int(os.environ.get("MASTER_PORT", 0))
-        if not port:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
+        port = int(os.environ.get("MASTER_PORT", 0)) or _free_port()
         addr = f"tcp://{host}:{port}"
     return comm.bcast(addr, root=0)
-
-
-COMM_BACKENDS = ("auto", "mpi", "torch", "nccl", "gloo")
 
 
 def make_comm(env: LaunchEnv, device: torch.device, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S):

@@ -25,6 +25,9 @@ _SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _LOCAL_VARS = (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"), ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
 
 
+COMM_BACKENDS = ("auto", "mpi", "torch", "nccl", "gloo")   # --comm_backend (runner.parallel.comm.make_comm)
+
+
 @dataclass(frozen=True)
 class LaunchEnv:
     launcher: str          # "torchrun" | "mpi" | "single"
