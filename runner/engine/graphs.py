@@ -149,9 +149,10 @@ class DecodeGraphs:
     step's ints (:meth:`stage`: the bucket's own plan, nothing to copy)."""
 
     def __init__(self, run: Callable, half_dim: int, max_pages: Optional[int], device: torch.device,
-                 cos_table: Optional[torch.Tensor] = None, sin_table: Optional[torch.Tensor] = None):
+                 cos_table: torch.Tensor, sin_table: torch.Tensor):
+        """`cos_table` / `sin_table`: the host rotary tables [positions, half_dim] (reference.Rotary's)."""
         self.run, self.half_dim, self.max_pages, self.device = run, half_dim, max_pages, device
-        self._tables = None if cos_table is None else (cos_table.numpy(), sin_table.numpy())
+        self._tables = (cos_table.numpy(), sin_table.numpy())
         self._inputs: dict[int, StaticDecodeInputs] = {}   # per bucket; they outlive caches
         self._graphs: dict[int, _Captured] = {}             # per bucket, for the cache of _key
         self._key: Optional[tuple] = None
@@ -166,9 +167,9 @@ class DecodeGraphs:
     def stage(self, tokens: Sequence[int], start_pos: Sequence[int], caches: Sequence
               ) -> Optional[tuple[torch.Tensor, StepPlan]]:
         """(token ids, plan) of a decode step written into its bucket's buffers, for :meth:`__call__`; None where
-        they do not take it (no rotary tables, a position past them, a wider page table). The plan holds until
-        the bucket's next step is staged."""
-        if self._tables is None or not start_pos:
+        they do not take it (a position past the rotary tables, a wider page table). The plan holds until the
+        bucket's next step is staged."""
+        if not start_pos:
             return None
         inputs = self._inputs_of(bucket_of(len(start_pos)))
         if not inputs.stage(tokens, start_pos, caches, *self._tables):
