@@ -4,9 +4,10 @@
 # Logs and results go under $OUT (default ./out/gpu).
 #
 #   bash benchmarks/gpu_session.sh [all|env|tests|bench|profile]   (all: env, tests, bench)
-#   PMX_GPU_TESTS="pytest args"      (default: the GPU test set below)
-#   PMX_GPU_TESTS_TIMEOUT=300  PMX_GPU_BENCH_TIMEOUT=300  (seconds)
-#   PMX_GPU_BENCH_ARGS="--batches '1 8 64' ..."  (extra gpu_generate.py flags)
+#   PMX_GPU_TESTS="test files", PMX_GPU_TESTS_K="-k expression", PMX_GPU_TEST_WORKERS=8  (default: the GPU set below)
+#   PMX_GPU_TESTS_TIMEOUT=300  PMX_GPU_BENCH_TIMEOUT=300  PMX_GPU_PROFILE_TIMEOUT=240  (seconds)
+#   PMX_GPU_BENCH_ARGS="--batches '1 8 64' ..."  (extra gpu_generate.py flags; vLLM is off: the lent machines
+#   have none and cannot install it)    PMX_GPU_PROFILE_ARGS="--gen_len 32 ..."  (extra gpu_profile.py flags)
 #
 # Packages missing there travel as wheels in .whl/ (installed to /tmp/site), the real checkpoints in
 # .gpu_shared/models (linked as ../shared when there is none), both ignored by git.
@@ -34,8 +35,8 @@ round(p.total_memory / 2**30, 1), "GiB")'
 fi
 
 if [[ $stage == all || $stage == tests ]]; then
-  # the GPU test set: every test that runs on CUDA when it is there (multi-rank CPU launches are left out: with
-  # --device auto they would put two NCCL ranks on the one GPU)
+  # the GPU test set: every test that runs on CUDA when it is there (the multi-rank launches written for the CPU are
+  # left out: with --device auto they would ask NCCL for two ranks on the one GPU, which is refused)
   tests=${PMX_GPU_TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_gpu_tp.py tests/test_gpu_generate.py tests/test_quant_engine.py}
   kexpr=${PMX_GPU_TESTS_K:-not tensor_parallel and not dump_and_replay and not quantized_moe}
   timeout -k 10 "${PMX_GPU_TESTS_TIMEOUT:-300}" $PY -m pytest -q -ra -p no:cacheprovider -n "${PMX_GPU_TEST_WORKERS:-8}" \
