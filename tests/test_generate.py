@@ -81,6 +81,19 @@ def test_real_model_reference_ids(split_models, name, launcher, n):
     assert "Warning" not in res.stderr.replace("OMP_NUM_THREADS", ""), res.stderr
 
 
+def test_comm_backend_flag(split_models):
+    """--comm_backend gloo gives one rank a torch.distributed group (on CPU here) and the same ids; a backend that
+    does not exist is refused by name before anything loads."""
+    if ("stories260k", 1) not in split_models:
+        pytest.skip("../shared/models/stories260k not found")
+    res = demo("single", 1, split_models[("stories260k", 1)], "--prompt", "Once upon a time", "--max_gen_len", 40,
+               "--show_ids", "--comm_backend", "gloo")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert ids_of(res.stdout) == [REFERENCE["stories260k"]]
+    res = demo("single", 1, split_models[("stories260k", 1)], "--comm_backend", "ucc")
+    assert res.returncode == 2 and "--comm_backend must be one of auto, mpi, torch, nccl, gloo, got 'ucc'" in res.stderr
+
+
 def stories_engine(split_models, **options) -> Transformer:
     if ("stories260k", 1) not in split_models:
         pytest.skip("../shared/models/stories260k not found")
