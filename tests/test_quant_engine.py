@@ -123,15 +123,17 @@ def test_triton_kernel_matches_reference(method, group, dtype):
 # --- the engine ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("scheme", [QuantScheme("int8", 0, True), QuantScheme("int4", 32, True)])
 def test_engine_kernels_compiled_and_reference_agree(make_hf, tmp_path, scheme):
-    """Eager fast kernels, the compiled decode step and the reference kernels give the same logits; and the
-    quantised model stays close to the float one."""
+    """The one-call decode step (runner.engine.fused_decode), the compiled torch step and the reference kernels give
+    the same logits; and the quantised model stays close to the float one."""
     src, model = make_hf("llama_mha")
     convert(str(src), str(tmp_path / "q"), progress=False, quant=scheme)
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     ref = torch.stack(teacher_forced_logits(engine(tmp_path / "q", kernels="reference"), prompts, conts))
-    fast = torch.stack(teacher_forced_logits(engine(tmp_path / "q", compile="off"), prompts, conts))
+    fused_engine = engine(tmp_path / "q", compile="off")
+    assert fused_engine._fused is not None
+    fast = torch.stack(teacher_forced_logits(fused_engine, prompts, conts))
     torch._dynamo.reset()
-    compiled_engine = engine(tmp_path / "q", compile="on")
+    compiled_engine = engine(tmp_path / "q", compile="on", fused_decode=False)
     assert compiled_engine._compiled is not None
     compiled = torch.stack(teacher_forced_logits(compiled_engine, prompts, conts))
     torch._dynamo.reset()

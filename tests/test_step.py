@@ -47,7 +47,7 @@ def test_compiled_decode_step_matches_eager_and_transformers(make_hf, tmp_path, 
     convert(str(src), str(tmp_path / "pmx"), progress=False)
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     eager = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", compile="off", **options), prompts, conts))
-    compiled_engine = engine(tmp_path / "pmx", compile="on", **options)
+    compiled_engine = engine(tmp_path / "pmx", compile="on", fused_decode=False, **options)
     assert compiled_engine._compiled is not None
     assert {m.kernel for m in compiled_engine.modules() if isinstance(m, linear_mod.Linear)} == {linear}
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -73,7 +73,7 @@ def test_compiled_engines_never_share_graphs(make_hf, tmp_path):
         eager = torch.stack(teacher_forced_logits(Transformer(p, dict(w), SingleComm(), EngineOptions(compile="off")),
                                                   prompts, conts))
         logits[eps] = torch.stack(teacher_forced_logits(
-            Transformer(p, dict(w), SingleComm(), EngineOptions(compile="on")), prompts, conts))
+            Transformer(p, dict(w), SingleComm(), EngineOptions(compile="on", fused_decode=False)), prompts, conts))
         assert rel_err(logits[eps], eager) < 1e-5
     assert rel_err(logits[0.5], logits[1e-5]) > 1e-3
 
@@ -86,9 +86,9 @@ def test_compiled_decode_step_tensor_parallel(make_hf, tmp_path):
     reshard(str(tmp_path / "pmx"), str(tmp_path / "pmx2"), 2, progress=False)
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     tp1 = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", compile="off"), prompts, conts))
-    got = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"compile": "on", "cache_layout": 1}], prompts, conts)[0]
+    got = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"compile": "on", "fused_decode": False, "cache_layout": 1}], prompts, conts)[0]
     assert rel_err(got, tp1) < 1e-5
-    over_mpi = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"compile": "on", "cache_layout": 1}], prompts, conts,
+    over_mpi = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"compile": "on", "fused_decode": False, "cache_layout": 1}], prompts, conts,
                       env={"PMX_SHM_COMM": "0"})[0]
     assert torch.equal(over_mpi, got)
 

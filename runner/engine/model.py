@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.engine.cache import KVCache, new_cache
+from runner.engine.fused_decode import fused_decode
 from runner.engine.graphs import DecodeGraphs
 from runner.engine.plan import DecodeBuffers, StepPlan, make_plan, plan_from_inputs
 from runner.errors import PmxError
@@ -61,6 +62,9 @@ class EngineOptions:
                                   # bucket and replay it (runner.engine.graphs); no effect elsewhere
     decode_linears: bool = True   # CUDA with the Triton kernels, float16 / bfloat16: one-row (batch-1 decode)
                                   # linears on triton_ops.decode_linear (the down projection fused with SwiGLU)
+    fused_decode: bool = True     # CPU float32: a step where every sequence decodes one token runs as one C++ call
+                                  # (runner.engine.fused_decode) where the model allows; False: the torch step
+                                  # (compiled per --compile, or eager)
 
     def __post_init__(self):
         if self.cache_layout not in (0, 1, 2, 3):
@@ -398,6 +402,7 @@ class Transformer(nn.Module):
             for m in self.modules():
                 if isinstance(m, Linear) and m.kernel == "plain" and m.weight.dtype in (torch.float16, torch.bfloat16):
                     m.use_small_rows(ops.decode_linear, ops.DECODE_LINEAR_ROWS)
+        self._fused = fused_decode(self)  # the decode step in one C++ call (CPU), or None
         self._compiled = self._compile_decode(num_params)
         # (B == 1, no row table, no mask, one page): the graphs compiled so far (size 1 specialises)
         self._compiled_variants = set()
@@ -475,6 +480,10 @@ class Transformer(nn.Module):
             logits = self._graphs(tokens, plan, cache)  # replays (captures on a bucket's first step) asynchronously
             if logits is not None:
                 return logits
+        if (self._fused is not None and plan.decode_only and plan.decode.kv_slots is None
+                and cache.data.dtype == (torch.int8 if kv_scale is not None else torch.float32)):
+            with self.comm.guard("decode step"):
+                return self._fused(tokens, plan, cache)
         if self._compiled is not None and plan.decode_only:
             d = plan.decode
             variant = (d.batch == 1, d.kv_slots is None, d.mask is None,

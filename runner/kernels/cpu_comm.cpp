@@ -28,6 +28,8 @@
 #include <immintrin.h>
 #include <sched.h>
 
+#include "cpu_kernels.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -134,27 +136,43 @@ void shm_all_reduce_(at::Tensor t, const at::Tensor& ws, int64_t rank, int64_t w
   }
 }
 
-// [numel] of each rank -> [world * numel], rank-major (any dtype: bytes are moved, not added).
-at::Tensor shm_all_gather(const at::Tensor& t, const at::Tensor& ws, int64_t rank, int64_t world, double timeout_s) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "shm_all_gather: t must be a contiguous CPU tensor");
-  const Workspace w(ws, rank, world);
-  at::Tensor out = at::empty({world * t.numel()}, t.options());
-  const int64_t bytes = t.numel() * t.element_size();
-  const uint8_t* src = static_cast<const uint8_t*>(t.data_ptr());
-  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
+void all_gather_bytes(const Workspace& w, const uint8_t* src, int64_t bytes, uint8_t* dst, double timeout_s) {
   for (int64_t off = 0; off < bytes; off += w.slot) {
     const int64_t n = std::min(w.slot, bytes - off);
     const int64_t seq = __atomic_load_n(w.counter(w.rank), __ATOMIC_RELAXED) + 1;
     std::memcpy(w.data(seq & 1, w.rank), src + off, n);
     arrive_and_wait(w, seq, timeout_s, "all_gather");
-    for (int64_t r = 0; r < world; ++r) std::memcpy(dst + r * bytes + off, w.data(seq & 1, r), n);
+    for (int64_t r = 0; r < w.world; ++r) std::memcpy(dst + r * bytes + off, w.data(seq & 1, r), n);
   }
+}
+
+// [numel] of each rank -> [world * numel], rank-major (any dtype: bytes are moved, not added).
+at::Tensor shm_all_gather(const at::Tensor& t, const at::Tensor& ws, int64_t rank, int64_t world, double timeout_s) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "shm_all_gather: t must be a contiguous CPU tensor");
+  const Workspace w(ws, rank, world);
+  at::Tensor out = at::empty({world * t.numel()}, t.options());
+  all_gather_bytes(w, static_cast<const uint8_t*>(t.data_ptr()), t.numel() * t.element_size(),
+                   static_cast<uint8_t*>(out.data_ptr()), timeout_s);
   return out;
 }
 
 int64_t shm_header_bytes() { return HEADER; }
 
 }  // namespace
+
+namespace pmx_cpu {
+
+void shm_all_reduce_f32(const at::Tensor& ws, int64_t rank, int64_t world, float* t, int64_t numel, double timeout_s) {
+  all_reduce_typed(Workspace(ws, rank, world), t, numel, timeout_s);
+}
+
+void shm_all_gather_bytes(const at::Tensor& ws, int64_t rank, int64_t world, const void* src, int64_t bytes, void* out,
+                          double timeout_s) {
+  all_gather_bytes(Workspace(ws, rank, world), static_cast<const uint8_t*>(src), bytes, static_cast<uint8_t*>(out),
+                   timeout_s);
+}
+
+}  // namespace pmx_cpu
 
 TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
   m.def("shm_all_reduce_(Tensor(a!) t, Tensor ws, int rank, int world, float timeout_s) -> ()");

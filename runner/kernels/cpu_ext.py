@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("cpu_linear.cpp", "cpu_step.cpp", "cpu_comm.cpp")
+SOURCES = ("cpu_linear.cpp", "cpu_step.cpp", "cpu_comm.cpp", "cpu_decode.cpp")
 CPU_BLOCK = 64  # output channels per block of the packed weights
 HUGE_PAGE = 2 << 20            # bytes of a transparent huge page (x86-64, arm64 with 4K pages)
 HUGE_PAGE_MIN_BYTES = HUGE_PAGE  # weights from one huge page up go in memory advised for transparent huge pages

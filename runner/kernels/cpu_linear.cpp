@@ -25,6 +25,8 @@
 
 #include <immintrin.h>
 
+#include "cpu_kernels.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -302,14 +304,7 @@ void check(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t bytes_pe
 // k is walked in chunks whose part of a block (KC x 64 floats = 512 KiB) stays in L2 across the row passes.
 constexpr int64_t KC_F32 = 2048;
 
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t N) {
-  check(x, w, N, NB);
-  TORCH_CHECK(w.scalar_type() == at::kFloat, "packed weight must be float32");
-  const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+void f32_into(const float* xp, int64_t M, int64_t K, const float* wp, int64_t blocks, int64_t N, float* op) {
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
@@ -323,6 +318,13 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t N) {
       }
     }
   });
+}
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+  check(x, w, N, NB);
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "packed weight must be float32");
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  f32_into(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), w.size(0), N, out.data_ptr<float>());
   return out;
 }
 
@@ -332,14 +334,8 @@ void check_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scal
               "int8: packed weight must be int8 and scale float32 [N]");
 }
 
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t N) {
-  check_int8(x, w, scale, N);
-  const int64_t M = x.size(0), K = x.size(1), blocks = w.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+void int8_into(const float* xp, int64_t M, int64_t K, const int8_t* wp, const float* sp, int64_t blocks, int64_t N,
+               float* op) {
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
@@ -350,15 +346,14 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       });
     }
   });
-  return out;
 }
 
-// The int4 layout the kernels read for groups of `group_size`: 1 (VNNI) where it takes the group, else 0.
-int64_t int4_layout(int64_t group_size) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PMX_NO_VNNI)
-  if (group_size % 4 == 0 && group_size <= VNNI_MAX_GROUP) return 1;
-#endif
-  return 0;
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t N) {
+  check_int8(x, w, scale, N);
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  int8_into(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(0), N,
+            out.data_ptr<float>());
+  return out;
 }
 
 // Checks the arguments of an int4 kernel and returns the layout of its packed weight.
@@ -366,7 +361,7 @@ int64_t check_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   const int64_t K = x.size(1);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   TORCH_CHECK(G > 0 && G % 2 == 0 && K % G == 0, "int4: K (", K, ") must be a multiple of the even group size ", G);
-  const int64_t layout = int4_layout(G), rows_per_k = layout == 1 ? 2 : 1;  // layout 1: 2 rows of 64 bytes per 4 k
+  const int64_t layout = pmx_cpu::int4_layout(G), rows_per_k = layout == 1 ? 2 : 1;  // layout 1: 2 rows of 64 B per 4 k
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == K / rows_per_k &&
                   w.size(2) == NB * rows_per_k / 2 && w.size(0) * NB >= N && (w.size(0) - 1) * NB < N,
               "int4: packed weight must be contiguous uint8 [N/64, K/", rows_per_k, ", ", NB * rows_per_k / 2,
@@ -377,19 +372,12 @@ int64_t check_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   return layout;
 }
 
-at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t group_size,
-                       int64_t N) {
-  const int64_t layout = check_int4(x, w, scale, group_size, N);
-  const int64_t M = x.size(0), K = x.size(1), G = group_size;
-  const int64_t blocks = w.size(0), groups = K / G, lds = blocks * NB;
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+void int4_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, const float* sp, int64_t G, int64_t blocks,
+               int64_t N, float* op) {
+  const int64_t groups = K / G, lds = blocks * NB;
   std::vector<float> xs(M * groups);  // layout 0: sum of x per group (the -8 offset); 1: s / 256
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PMX_NO_VNNI)
-  if (layout == 1) {
+  if (pmx_cpu::int4_layout(G) == 1) {
     std::vector<int8_t> q(2 * M * K);
     std::vector<int32_t> off(M * groups);
     quantize_x2(xp, M, K, G, q.data(), xs.data(), off.data());
@@ -409,7 +397,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         }
       }
     });
-    return out;
+    return;
   }
 #endif
   for (int64_t m = 0; m < M; ++m)
@@ -426,6 +414,14 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       });
     }
   });
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t group_size,
+                       int64_t N) {
+  check_int4(x, w, scale, group_size, N);
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  int4_into(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<uint8_t>(), scale.data_ptr<float>(), group_size,
+            w.size(0), N, out.data_ptr<float>());
   return out;
 }
 
@@ -433,16 +429,9 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // float32 buffer of its own (K x 64, in L2) and multiplied by every row with the float32 GEMM tiles above; no
 // dequantised copy of the whole weight is made. method 8: int8 blocks [N/64, K, 64], scale [N]; method 4: int4
 // blocks of int4_layout(group_size), scale [K/G, N/64*64].
-at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t method,
-                          int64_t group_size, int64_t N) {
-  TORCH_CHECK(method == 8 || method == 4, "linear_dequant: method must be 8 or 4, got ", method);
-  if (method == 8) check_int8(x, w, scale, N);
-  const int64_t layout = method == 4 ? check_int4(x, w, scale, group_size, N) : 0;
-  const int64_t M = x.size(0), K = x.size(1), G = group_size, blocks = w.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+void dequant_into(const float* xp, int64_t M, int64_t K, const void* w, const float* sp, int64_t method, int64_t G,
+                  int64_t blocks, int64_t N, float* op) {
+  const int64_t layout = method == 4 ? pmx_cpu::int4_layout(G) : 0;
   const int64_t lds = blocks * NB;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(K * NB);
@@ -450,13 +439,13 @@ at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& w, const at::Te
       const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
       float* d = buf.data();
       if (method == 8) {
-        const int8_t* wb = w.data_ptr<int8_t>() + b * K * NB;
+        const int8_t* wb = static_cast<const int8_t*>(w) + b * K * NB;
         float s[NB] = {};
         for (int64_t j = 0; j < ncols; ++j) s[j] = sp[n0 + j];
         for (int64_t k = 0; k < K; ++k)
           for (int64_t j = 0; j < NB; ++j) d[k * NB + j] = wb[k * NB + j] * s[j];
       } else if (layout == 0) {  // row k: byte j = channel j (low nibble), j + 32 (high)
-        const uint8_t* wb = w.data_ptr<uint8_t>() + b * K * (NB / 2);
+        const uint8_t* wb = static_cast<const uint8_t*>(w) + b * K * (NB / 2);
         for (int64_t k = 0; k < K; ++k) {
           const float* s = sp + (k / G) * lds + n0;
           for (int64_t j = 0; j < NB / 2; ++j) {
@@ -466,7 +455,7 @@ at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& w, const at::Te
           }
         }
       } else {  // layout 1: row 2 q + h, byte 4 c + t = channels 32 h + c (low), 32 h + 16 + c (high) of k = 4 q + t
-        const uint8_t* wb = w.data_ptr<uint8_t>() + b * (K / 2) * NB;
+        const uint8_t* wb = static_cast<const uint8_t*>(w) + b * (K / 2) * NB;
         for (int64_t r = 0; r < K / 2; ++r) {
           const int64_t q = r / 2, h = r % 2;
           for (int64_t c = 0; c < 16; ++c)
@@ -489,17 +478,51 @@ at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& w, const at::Te
       }
     }
   });
+}
+
+at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t method,
+                          int64_t group_size, int64_t N) {
+  TORCH_CHECK(method == 8 || method == 4, "linear_dequant: method must be 8 or 4, got ", method);
+  if (method == 8) check_int8(x, w, scale, N);
+  if (method == 4) check_int4(x, w, scale, group_size, N);
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  dequant_into(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr(), scale.data_ptr<float>(), method, group_size,
+               w.size(0), N, out.data_ptr<float>());
   return out;
 }
 
 }  // namespace
+
+namespace pmx_cpu {
+
+// The int4 layout the kernels read for groups of `group_size`: 1 (VNNI) where it takes the group, else 0.
+int64_t int4_layout(int64_t group_size) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PMX_NO_VNNI)
+  if (group_size % 4 == 0 && group_size <= VNNI_MAX_GROUP) return 1;
+#endif
+  return 0;
+}
+
+void linear_into(const PackedLinear& lin, const float* x, int64_t M, float* y, int64_t dequant_above) {
+  if (lin.kind == 32) {
+    f32_into(x, M, lin.k, static_cast<const float*>(lin.w), lin.blocks, lin.n, y);
+  } else if (M > dequant_above) {
+    dequant_into(x, M, lin.k, lin.w, lin.scale, lin.kind, lin.group, lin.blocks, lin.n, y);
+  } else if (lin.kind == 8) {
+    int8_into(x, M, lin.k, static_cast<const int8_t*>(lin.w), lin.scale, lin.blocks, lin.n, y);
+  } else {
+    int4_into(x, M, lin.k, static_cast<const uint8_t*>(lin.w), lin.scale, lin.group, lin.blocks, lin.n, y);
+  }
+}
+
+}  // namespace pmx_cpu
 
 TORCH_LIBRARY(pmx_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor w, int n) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");
   m.def("linear_dequant(Tensor x, Tensor w, Tensor scale, int method, int group_size, int n) -> Tensor");
-  m.def("int4_layout(int group_size) -> int", &int4_layout);
+  m.def("int4_layout(int group_size) -> int", &pmx_cpu::int4_layout);
 }
 
 TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) {

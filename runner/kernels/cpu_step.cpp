@@ -28,6 +28,8 @@
 
 #include <immintrin.h>
 
+#include "cpu_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -119,22 +121,9 @@ constexpr int64_t PF_ROWS = 4;  // 2, 4 and 8 measured alike; none: 2x slower at
 
 // One layer's K or V: [MaxT, KV, D], float32 (rows used in place) or int8 with float16 scales per group of 8
 // (QUANT_GROUP, reference.quantize_int8: dequantised row by row into a buffer, q * scale in float32 as the spec).
-struct CacheRows {
-  const float* f = nullptr;
-  const int8_t* q = nullptr;
-  const at::Half* s = nullptr;
-  int64_t row_stride = 0, head_stride = 0, srow_stride = 0, shead_stride = 0, KV = 0, D = 0;
+struct CacheRows : pmx_cpu::KVRows {
+  explicit CacheRows(const pmx_cpu::KVRows& r) : pmx_cpu::KVRows(r) {}
 
-  CacheRows(const at::Tensor& t, const c10::optional<at::Tensor>& scale) {
-    row_stride = t.stride(0), head_stride = t.stride(1), KV = t.size(1), D = t.size(2);
-    if (t.scalar_type() == at::kFloat) {
-      f = t.data_ptr<float>();
-      return;
-    }
-    q = t.data_ptr<int8_t>();
-    s = scale->data_ptr<at::Half>();
-    srow_stride = scale->stride(0), shead_stride = scale->stride(1);
-  }
   const float* get(int64_t row, int64_t head, float* buf) const {
     if (f != nullptr) return f + row * row_stride + head * head_stride;
     const int8_t* r = q + row * row_stride + head * head_stride;
@@ -166,6 +155,27 @@ constexpr int64_t MIN_PART_ROWS = 32;
 // The first position a query at position len - 1 sees: all of them, or the last `window`.
 inline int64_t first_seen(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
 
+// The cache row of position j of sequence b.
+inline int64_t row_at(const pmx_cpu::HistoryRows& h, int64_t b, int64_t j) {
+  if (h.offsets) return h.rows[b] + j;
+  if (h.table) return h.rows[b * h.row_stride + j];
+  return h.rows[b * h.row_stride + j / h.page_size] + j % h.page_size;
+}
+
+// A [MaxT, KV, D] view of one layer's K or V (strided, head_dim contiguous) and its scales as kernel arguments.
+pmx_cpu::KVRows kv_rows(const at::Tensor& t, const c10::optional<at::Tensor>& scale) {
+  pmx_cpu::KVRows r;
+  r.row_stride = t.stride(0), r.head_stride = t.stride(1), r.KV = t.size(1), r.D = t.size(2), r.rows = t.size(0);
+  if (t.scalar_type() == at::kFloat) {
+    r.f = t.data_ptr<float>();
+  } else {
+    r.q = t.data_ptr<int8_t>();
+    r.s = scale->data_ptr<at::Half>();
+    r.srow_stride = scale->stride(0), r.shead_stride = scale->stride(1);
+  }
+  return r;
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                             const at::Tensor& rows, const at::Tensor& kvlens, int64_t window, double scale,
@@ -185,105 +195,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                 "int8 cache: k_scale and v_scale must be float16 [MaxT, KV, D/8] with the last dim contiguous");
   const int64_t KV = k.size(1);
   TORCH_CHECK(KV > 0 && H % KV == 0, "query heads (", H, ") must be a multiple of the KV heads (", KV, ")");
-  const int64_t G = H / KV;
-  const bool table = rows.dim() == 2 && page_size == 0, offsets = rows.dim() == 1 && page_size == 0;
-  TORCH_CHECK((table || offsets || (rows.dim() == 2 && page_size > 0)) && rows.size(0) == B &&
+  pmx_cpu::HistoryRows h;
+  h.table = rows.dim() == 2 && page_size == 0, h.offsets = rows.dim() == 1 && page_size == 0;
+  TORCH_CHECK((h.table || h.offsets || (rows.dim() == 2 && page_size > 0)) && rows.size(0) == B &&
                   rows.scalar_type() == at::kLong && rows.stride(-1) == 1,
               "rows must be int64 with a contiguous last dim: a row table [B, N] (page_size 0), offsets [B] (page_size "
               "0) or page starts [B, MaxP] (page_size > 0); got ", rows.sizes(), " with page_size ", page_size);
   TORCH_CHECK(kvlens.dim() == 1 && kvlens.size(0) == B && kvlens.scalar_type() == at::kLong, "kvlens must be int64 [B]");
-  const int64_t N = offsets ? std::numeric_limits<int64_t>::max() : rows.size(1) * (table ? 1 : page_size);
-  const int64_t maxt = k.size(0), rs = offsets ? 0 : rows.stride(0);
-  at::Tensor kl = kvlens.contiguous();
-  const int64_t* lens = kl.data_ptr<int64_t>();
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  // the cache row of position j of sequence b
-  auto row_at = [&](int64_t b, int64_t j) -> int64_t {
-    if (offsets) return rp[b] + j;
-    if (table) return rp[b * rs + j];
-    return rp[b * rs + j / page_size] + j % page_size;
-  };
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= N, "kvlens[", b, "] = ", lens[b], " must be in [1, ", N, "]");
-    for (int64_t j = first_seen(lens[b], window); j < lens[b]; ++j)
-      TORCH_CHECK(row_at(b, j) >= 0 && row_at(b, j) < maxt, "cache row ", row_at(b, j), " of sequence ", b,
-                  " is outside the cache's ", maxt, " rows");
-  }
-  // parts: each sequence's seen rows [lo, len) cut into `parts` pieces
-  const int64_t threads = at::get_num_threads();
-  int64_t parts = 1;
-  for (int64_t b = 0; b < B; ++b)
-    parts = std::max(parts, std::min(threads, (lens[b] - first_seen(lens[b], window)) / MIN_PART_ROWS));
-  if (B >= threads) parts = 1;
+  h.rows = rows.data_ptr<int64_t>(), h.page_size = page_size;
+  h.row_stride = h.offsets ? 0 : rows.stride(0), h.width = h.offsets ? 0 : rows.size(1);
+  const at::Tensor kl = kvlens.contiguous();
+  pmx_cpu::check_history(h, kl.data_ptr<int64_t>(), B, window, k.size(0));
   at::Tensor out = at::empty({B, H, D}, q.options());
-  std::vector<float> part_out(parts > 1 ? B * parts * H * D : 0), part_max(B * parts * H), part_sum(B * parts * H);
-  const float* qp = q.data_ptr<float>();
-  const CacheRows K(k, k_scale), V(v, v_scale);
-  float* op = out.data_ptr<float>();
-  const float sc = (float)scale;
-  at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s, buf(D);
-    std::vector<int64_t> rowbuf;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / parts, p = t % parts, len = lens[b];
-      const int64_t lo = first_seen(len, window), seen = len - lo;
-      const int64_t j0 = lo + seen * p / parts, j1 = lo + seen * (p + 1) / parts, n = j1 - j0;
-      float* o = parts > 1 ? part_out.data() + t * H * D : op + b * H * D;
-      std::fill(o, o + H * D, 0.0f);
-      if (n == 0) {
-        std::fill(part_max.begin() + t * H, part_max.begin() + (t + 1) * H, -std::numeric_limits<float>::infinity());
-        std::fill(part_sum.begin() + t * H, part_sum.begin() + (t + 1) * H, 0.0f);
-        continue;
-      }
-      const int64_t* r;  // this part's rows: the table's, or worked out from the offset / pages
-      if (table) {
-        r = rp + b * rs + j0;
-      } else {
-        rowbuf.resize(n);
-        for (int64_t j = 0; j < n; ++j) rowbuf[j] = row_at(b, j0 + j);
-        r = rowbuf.data();
-      }
-      const float* qb = qp + b * H * D;
-      s.resize(H * n);
-      for (int64_t j = 0; j < n; ++j) {  // row by row: all heads of a row are next to each other in the cache
-        if (j + PF_ROWS < n) K.prefetch(r[j + PF_ROWS]);
-        for (int64_t kh = 0; kh < KV; ++kh) {
-          const float* kr = K.get(r[j], kh, buf.data());
-          for (int64_t h = kh * G; h < (kh + 1) * G; ++h) s[h * n + j] = dot(qb + h * D, kr, D) * sc;
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) softmax_part(s.data() + h * n, n, &part_max[t * H + h], &part_sum[t * H + h]);
-      for (int64_t j = 0; j < n; ++j) {
-        if (j + PF_ROWS < n) V.prefetch(r[j + PF_ROWS]);
-        for (int64_t kh = 0; kh < KV; ++kh) {
-          const float* vr = V.get(r[j], kh, buf.data());
-          for (int64_t h = kh * G; h < (kh + 1) * G; ++h) axpy(o + h * D, s[h * n + j], vr, D);
-        }
-      }
-      if (parts == 1)
-        for (int64_t h = 0; h < H; ++h) {
-          const float inv = 1.0f / part_sum[t * H + h];
-          for (int64_t i = 0; i < D; ++i) o[h * D + i] *= inv;
-        }
-    }
-  });
-  if (parts > 1)  // merge the parts of each sequence and head: rescale each to the common max
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < H; ++h) {
-        float mx = -std::numeric_limits<float>::infinity(), total = 0;
-        for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, part_max[(b * parts + p) * H + h]);
-        float* o = op + (b * H + h) * D;
-        std::fill(o, o + D, 0.0f);
-        for (int64_t p = 0; p < parts; ++p) {
-          const int64_t t = b * parts + p;
-          if (part_sum[t * H + h] == 0) continue;
-          const float w = std::exp(part_max[t * H + h] - mx);
-          total += w * part_sum[t * H + h];
-          axpy(o, w, part_out.data() + (t * H + h) * D, D);
-        }
-        const float inv = 1.0f / total;
-        for (int64_t i = 0; i < D; ++i) o[i] *= inv;
-      }
+  pmx_cpu::decode_attention_into(q.data_ptr<float>(), H * D, B, H, kv_rows(k, k_scale), kv_rows(v, v_scale), h,
+                                 kl.data_ptr<int64_t>(), window, (float)scale, out.data_ptr<float>());
   return out;
 }
 
@@ -305,15 +230,121 @@ std::tuple<at::Tensor, at::Tensor> skip_rms_norm(const at::Tensor& x, const c10:
     TORCH_CHECK(skip->sizes() == x.sizes() && skip->scalar_type() == at::kFloat && skip->is_contiguous(),
                 "skip_rms_norm: the residual must be contiguous float32 of x's shape");
   at::Tensor r = has_skip ? at::empty_like(x) : at::empty({0}, x.options()), y = at::empty_like(x);  // r: x + skip
-  const float* xp = x.data_ptr<float>();
-  const float* sp = has_skip ? skip->data_ptr<float>() : nullptr;
-  const float* wp = weight.data_ptr<float>();
-  float* rp = r.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  pmx_cpu::skip_rms_norm_into(x.data_ptr<float>(), has_skip ? skip->data_ptr<float>() : nullptr,
+                              weight.data_ptr<float>(), M, D, (float)eps, has_skip ? r.data_ptr<float>() : nullptr,
+                              y.data_ptr<float>());
+  return {y, r};
+}
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.sizes() == up.sizes() &&
+                  gate.dim() >= 1 && gate.stride(-1) == 1 && up.stride(-1) == 1,
+              "swiglu: float32 gate and up of one shape, last dim contiguous");
+  const int64_t D = gate.size(-1), M = D ? gate.numel() / D : 0;
+  const at::Tensor g2 = gate.reshape({M, D}), u2 = up.reshape({M, D});  // views where the rows are strided alike
+  at::Tensor out = at::empty({M, D}, gate.options());
+  pmx_cpu::swiglu_into(g2.data_ptr<float>(), g2.stride(0), u2.data_ptr<float>(), u2.stride(0), M, D,
+                       out.data_ptr<float>());
+  return out.view(gate.sizes());
+}
+
+}  // namespace
+
+namespace pmx_cpu {
+
+void check_history(const HistoryRows& h, const int64_t* lens, int64_t B, int64_t window, int64_t maxt) {
+  const int64_t N = h.offsets ? std::numeric_limits<int64_t>::max() : h.width * (h.table ? 1 : h.page_size);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= N, "kvlens[", b, "] = ", lens[b], " must be in [1, ", N, "]");
+    for (int64_t j = first_seen(lens[b], window); j < lens[b]; ++j)
+      TORCH_CHECK(row_at(h, b, j) >= 0 && row_at(h, b, j) < maxt, "cache row ", row_at(h, b, j), " of sequence ", b,
+                  " is outside the cache's ", maxt, " rows");
+  }
+}
+
+void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t H, const KVRows& k, const KVRows& v,
+                           const HistoryRows& h, const int64_t* lens, int64_t window, float sc, float* op) {
+  const int64_t D = k.D, KV = k.KV, G = H / KV;
+  // parts: each sequence's seen rows [lo, len) cut into `parts` pieces
+  const int64_t threads = at::get_num_threads();
+  int64_t parts = 1;
+  for (int64_t b = 0; b < B; ++b)
+    parts = std::max(parts, std::min(threads, (lens[b] - first_seen(lens[b], window)) / MIN_PART_ROWS));
+  if (B >= threads) parts = 1;
+  std::vector<float> part_out(parts > 1 ? B * parts * H * D : 0), part_max(B * parts * H), part_sum(B * parts * H);
+  const CacheRows K(k), V(v);
+  at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s, buf(D);
+    std::vector<int64_t> rowbuf;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / parts, p = t % parts, len = lens[b];
+      const int64_t lo = first_seen(len, window), seen = len - lo;
+      const int64_t j0 = lo + seen * p / parts, j1 = lo + seen * (p + 1) / parts, n = j1 - j0;
+      float* o = parts > 1 ? part_out.data() + t * H * D : op + b * H * D;
+      std::fill(o, o + H * D, 0.0f);
+      if (n == 0) {
+        std::fill(part_max.begin() + t * H, part_max.begin() + (t + 1) * H, -std::numeric_limits<float>::infinity());
+        std::fill(part_sum.begin() + t * H, part_sum.begin() + (t + 1) * H, 0.0f);
+        continue;
+      }
+      const int64_t* r;  // this part's rows: the table's, or worked out from the offset / pages
+      if (h.table) {
+        r = h.rows + b * h.row_stride + j0;
+      } else {
+        rowbuf.resize(n);
+        for (int64_t j = 0; j < n; ++j) rowbuf[j] = row_at(h, b, j0 + j);
+        r = rowbuf.data();
+      }
+      const float* qb = qp + b * q_stride;
+      s.resize(H * n);
+      for (int64_t j = 0; j < n; ++j) {  // row by row: all heads of a row are next to each other in the cache
+        if (j + PF_ROWS < n) K.prefetch(r[j + PF_ROWS]);
+        for (int64_t kh = 0; kh < KV; ++kh) {
+          const float* kr = K.get(r[j], kh, buf.data());
+          for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) s[hh * n + j] = dot(qb + hh * D, kr, D) * sc;
+        }
+      }
+      for (int64_t hh = 0; hh < H; ++hh)
+        softmax_part(s.data() + hh * n, n, &part_max[t * H + hh], &part_sum[t * H + hh]);
+      for (int64_t j = 0; j < n; ++j) {
+        if (j + PF_ROWS < n) V.prefetch(r[j + PF_ROWS]);
+        for (int64_t kh = 0; kh < KV; ++kh) {
+          const float* vr = V.get(r[j], kh, buf.data());
+          for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) axpy(o + hh * D, s[hh * n + j], vr, D);
+        }
+      }
+      if (parts == 1)
+        for (int64_t hh = 0; hh < H; ++hh) {
+          const float inv = 1.0f / part_sum[t * H + hh];
+          for (int64_t i = 0; i < D; ++i) o[hh * D + i] *= inv;
+        }
+    }
+  });
+  if (parts > 1)  // merge the parts of each sequence and head: rescale each to the common max
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t hh = 0; hh < H; ++hh) {
+        float mx = -std::numeric_limits<float>::infinity(), total = 0;
+        for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, part_max[(b * parts + p) * H + hh]);
+        float* o = op + (b * H + hh) * D;
+        std::fill(o, o + D, 0.0f);
+        for (int64_t p = 0; p < parts; ++p) {
+          const int64_t t = b * parts + p;
+          if (part_sum[t * H + hh] == 0) continue;
+          const float w = std::exp(part_max[t * H + hh] - mx);
+          total += w * part_sum[t * H + hh];
+          axpy(o, w, part_out.data() + (t * H + hh) * D, D);
+        }
+        const float inv = 1.0f / total;
+        for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+      }
+}
+
+void skip_rms_norm_into(const float* xp, const float* sp, const float* wp, int64_t M, int64_t D, float eps, float* rp,
+                        float* yp) {
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* a = xp + m * D;
-      float* o = rp + m * D;
+      float* o = sp ? rp + m * D : nullptr;
       v16f ss = v16f{};
       float tail = 0;
       int64_t i = 0;
@@ -331,27 +362,16 @@ std::tuple<at::Tensor, at::Tensor> skip_rms_norm(const at::Tensor& x, const c10:
         tail += v * v;
       }
       for (int j = 0; j < 16; ++j) tail += ss[j];
-      const float inv = 1.0f / std::sqrt(tail / D + (float)eps);
+      const float inv = 1.0f / std::sqrt(tail / D + eps);
       const float* src = sp ? o : a;
       float* out = yp + m * D;
       for (i = 0; i + 16 <= D; i += 16) storev(out + i, loadv(wp + i) * (loadv(src + i) * inv));
       for (; i < D; ++i) out[i] = wp[i] * (src[i] * inv);
     }
   });
-  return {y, r};
 }
 
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.sizes() == up.sizes() &&
-                  gate.dim() >= 1 && gate.stride(-1) == 1 && up.stride(-1) == 1,
-              "swiglu: float32 gate and up of one shape, last dim contiguous");
-  const int64_t D = gate.size(-1), M = D ? gate.numel() / D : 0;
-  const at::Tensor g2 = gate.reshape({M, D}), u2 = up.reshape({M, D});  // views where the rows are strided alike
-  at::Tensor out = at::empty({M, D}, gate.options());
-  const float* gp = g2.data_ptr<float>();
-  const float* upp = u2.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t gs = g2.stride(0), us = u2.stride(0);
+void swiglu_into(const float* gp, int64_t gs, const float* upp, int64_t us, int64_t M, int64_t D, float* op) {
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* g = gp + m * gs;
@@ -371,10 +391,9 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
       }
     }
   });
-  return out.view(gate.sizes());
 }
 
-}  // namespace
+}  // namespace pmx_cpu
 
 TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, Tensor rows, Tensor kvlens, "

@@ -241,6 +241,11 @@ class MpiComm:
     def shared_memory(self) -> bool:
         return self._shm is not None
 
+    @property
+    def shm(self) -> Optional[SharedMemory]:
+        """The ranks' shared-memory workspace (C++ callers run their collectives on it), or None."""
+        return self._shm
+
     @staticmethod
     def _np(t: torch.Tensor):
         if t.dtype == torch.bfloat16:
@@ -325,6 +330,11 @@ class TorchComm:
                      "barrier": dist.barrier}
         self._shm = self._shared_memory(timeout_s, environ) if device.type == "cpu" else None
 
+    @property
+    def shm(self) -> Optional[SharedMemory]:
+        """The ranks' shared-memory workspace on CPU (C++ callers run their collectives on it), or None."""
+        return self._shm
+
     def _shared_memory(self, timeout_s: float, environ) -> Optional[SharedMemory]:
         dist = self.dist
         machines = [None] * self.world_size
@@ -345,6 +355,11 @@ class TorchComm:
     @property
     def shared_memory(self) -> bool:
         return self._shm is not None
+
+    @property
+    def shm(self) -> Optional[SharedMemory]:
+        """The ranks' shared-memory workspace (C++ callers run their collectives on it), or None."""
+        return self._shm
 
     def _run(self, what: str, *args, guarded: bool = True, **kwargs) -> None:
         """One collective under the watchdog; a peer that has gone shows as an error naming the collective."""

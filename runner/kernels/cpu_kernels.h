@@ -1,0 +1,67 @@
+// The CPU kernels of this project as plain functions on raw pointers, for C++ callers: the ops in
+// cpu_linear.cpp, cpu_step.cpp and cpu_comm.cpp are thin wrappers (argument checks, output allocation) around
+// them, and the whole-decode-step op of cpu_decode.cpp chains them without going back to Python or torch's
+// dispatcher between two kernels. Every function runs its own at::parallel_for where it is parallel.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace pmx_cpu {
+
+// The packed weight of a linear layer: kind 32 float32 blocks [N/64, K, 64]; kind 8 int8 blocks [N/64, K, 64] with
+// a float32 scale per channel [N]; kind 4 int4 blocks in the layout int4_layout(group) gives, scales
+// [K/G, N/64*64]. cpu_linear.cpp's packing code (runner/kernels/cpu_ext.py, quant_linear.py) writes them.
+struct PackedLinear {
+  const void* w = nullptr;
+  const float* scale = nullptr;
+  int64_t kind = 32, group = 0, n = 0, k = 0, blocks = 0;
+};
+
+// y [M, N] = x [M, K] W^T, with what the linear op of the layer's kind runs at M rows: linear_f32 / linear_int8 /
+// linear_int4, and for the quantised kinds above `dequant_above` rows linear_dequant (prefill sizes).
+void linear_into(const PackedLinear& lin, const float* x, int64_t M, float* y, int64_t dequant_above);
+
+int64_t int4_layout(int64_t group_size);
+
+// One layer's K or V: [MaxT, KV, D] with head_dim contiguous, float32 (f) or int8 (q) with float16 scales per group of
+// 8 (s: [MaxT, KV, D/8], last dim contiguous).
+struct KVRows {
+  const float* f = nullptr;
+  const int8_t* q = nullptr;
+  const at::Half* s = nullptr;
+  int64_t row_stride = 0, head_stride = 0, srow_stride = 0, shead_stride = 0, KV = 0, D = 0, rows = 0;
+};
+
+// Where each decoding sequence's history lies: rows [B, N] a row table (page_size 0), [B] offsets (page_size 0) or
+// [B, MaxP] page starts (page_size > 0); row_stride is rows' stride between sequences (0 for offsets).
+struct HistoryRows {
+  const int64_t* rows = nullptr;
+  int64_t row_stride = 0, width = 0, page_size = 0;
+  bool table = false, offsets = false;
+};
+
+// Checks that every position a sequence sees maps to a row inside the cache's `maxt` rows (TORCH_CHECK).
+void check_history(const HistoryRows& h, const int64_t* kvlens, int64_t B, int64_t window, int64_t maxt);
+
+// out [B, H, D] = decode attention of q (row b at q + b * q_stride, H x D contiguous) over the history rows, read in
+// place (cpu_step.cpp, pmx_cpu::decode_attention); the rows must have been checked (check_history).
+void decode_attention_into(const float* q, int64_t q_stride, int64_t B, int64_t H, const KVRows& k, const KVRows& v,
+                           const HistoryRows& h, const int64_t* kvlens, int64_t window, float scale, float* out);
+
+// r = x + skip (skip may be null: r = x; r may alias x or skip), y = rms_norm(r) * w, rows of D.
+void skip_rms_norm_into(const float* x, const float* skip, const float* w, int64_t M, int64_t D, float eps, float* r,
+                        float* y);
+
+// out [M, D] = silu(gate) * up, rows of gate / up at strides gs / us.
+void swiglu_into(const float* gate, int64_t gs, const float* up, int64_t us, int64_t M, int64_t D, float* out);
+
+// Shared-memory collectives (cpu_comm.cpp) on raw buffers: a float32 sum in place, and a rank-major gather of
+// `bytes` from every rank into out [world * bytes].
+void shm_all_reduce_f32(const at::Tensor& ws, int64_t rank, int64_t world, float* t, int64_t numel, double timeout_s);
+void shm_all_gather_bytes(const at::Tensor& ws, int64_t rank, int64_t world, const void* src, int64_t bytes, void* out,
+                          double timeout_s);
+
+}  // namespace pmx_cpu

@@ -1,0 +1,118 @@
+"""The decode step in one C++ call (runner.engine.fused_decode, runner/kernels/cpu_decode.cpp): the same logits as the
+torch step and transformers, for every feature the engine has on CPU, at TP=1 and TP=2; which engines take it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.engine import fused_decode as fd
+from runner.kernels import linear as linear_mod
+from runner.kernels.cpu_ext import cpu_ops
+from runner.pmx.convert import convert, reshard
+from runner.pmx.quant import QuantScheme
+from test_engine import engine, hf_logits, prompts_and_conts, rel_err, run_tp
+from test_quant_engine import model_tol
+from tp_worker import teacher_forced_logits
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="this project's CPU kernels cannot be built here")
+
+
+def counted(model):
+    """Counts the engine's one-call decode steps."""
+    calls = []
+    inner = model._fused
+
+    def run(*args):
+        calls.append(1)
+        return inner(*args)
+    model._fused = run
+    return calls
+
+
+@pytest.mark.parametrize("arch,options", [
+    ("llama_gqa_odd", dict(cache_layout=0)),
+    ("llama_bias", dict(cache_layout=1, cache_mode=1)),             # q/k/v biases; pages out of order
+    ("qwen3", dict(cache_layout=3, cache_mode=1)),                   # q/k norms
+    ("mistral_window", dict(cache_layout=2)),                        # sliding window
+    ("mistral_window", dict(cache_layout=1, cache_mode=1, quantized_cache=True)),  # int8 cache: rows quantised in C++
+    ("qwen3", dict(cache_layout=0, quantized_cache=True)),
+])
+def test_one_call_decode_matches_the_torch_step_and_transformers(make_hf, tmp_path, arch, options):
+    """Teacher-forced decode of 3 sequences of different lengths: every decode step goes through the one call, and its
+    logits are the eager torch step's (the same kernels, called one by one) and transformers'."""
+    src, model = make_hf(arch)
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    fused = engine(tmp_path / "pmx", **options)
+    calls = counted(fused)
+    got = torch.stack(teacher_forced_logits(fused, prompts, conts))
+    assert len(calls) == len(conts[0])  # every step but the prefill
+    torch_step = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", fused_decode=False, compile="off",
+                                                          **options), prompts, conts))
+    assert rel_err(got, torch_step) < 1e-5
+    single = torch.stack(teacher_forced_logits(fused, prompts[1:2], conts[1:2]))  # batch 1
+    assert rel_err(single, torch_step[:, 1:2]) < 1e-5
+    if not options.get("quantized_cache"):
+        assert rel_err(got, hf_logits(model, prompts, conts)) < 1e-4
+
+
+@pytest.mark.parametrize("scheme", [None, QuantScheme("int8", 0, True), QuantScheme("int4", 32, True)])
+def test_one_call_decode_on_packed_and_quantised_weights(make_hf, tmp_path, monkeypatch, scheme):
+    """float32 weights packed at load (as every weight of a real model is: these test weights are under the size),
+    and int8 / int4 weights, lm head included: the packed kernels of the eager step, chained."""
+    monkeypatch.setattr(linear_mod, "PREPACK_MIN_NUMEL", 0)
+    src, model = make_hf("llama_mha")
+    convert(str(src), str(tmp_path / "q"), progress=False, quant=scheme)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    fused = engine(tmp_path / "q")
+    if scheme is None:
+        assert {m.kernel for m in fused.modules() if isinstance(m, linear_mod.Linear)} == {"pmx"}
+    calls = counted(fused)
+    got = torch.stack(teacher_forced_logits(fused, prompts, conts))
+    assert len(calls) == len(conts[0])
+    want = torch.stack(teacher_forced_logits(engine(tmp_path / "q", fused_decode=False, compile="off"), prompts, conts))
+    assert rel_err(got, want) < model_tol(scheme.method if scheme else "float32")
+
+
+def test_one_call_decode_tensor_parallel(make_hf, tmp_path):
+    """TP=2 under mpirun: the all-reduces and the embedding / logits all-gathers run from C++ on the shared-memory
+    workspace; logits as TP=1's and as the torch step's at TP=2. Without shared memory (PMX_SHM_COMM=0) the engine
+    keeps the torch step, with the same logits."""
+    src, model = make_hf("llama_gqa_odd")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    reshard(str(tmp_path / "pmx"), str(tmp_path / "pmx2"), 2, progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    tp1 = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", fused_decode=False), prompts, conts))
+    fused, torch_step = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"cache_layout": 1}, {"cache_layout": 1,
+                                                                                        "fused_decode": False}],
+                               prompts, conts)
+    assert rel_err(fused, tp1) < 1e-5 and rel_err(torch_step, tp1) < 1e-5
+    no_shm = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"cache_layout": 1}], prompts, conts, env={"PMX_SHM_COMM": "0"})[0]
+    assert rel_err(no_shm, tp1) < 1e-5
+
+
+def test_which_engines_take_the_one_call_step(make_hf, tmp_path):
+    src, _ = make_hf("llama_gqa_odd")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    assert engine(tmp_path / "pmx")._fused is not None
+    assert fd.why_not(engine(tmp_path / "pmx", fused_decode=False)) == "turned off (fused_decode=False)"
+    assert "does not read the cache in place" in fd.why_not(engine(tmp_path / "pmx", kernels="reference"))
+    assert "fused_qkv" in fd.why_not(engine(tmp_path / "pmx", fused_qkv=False))
+    src, _ = make_hf("mixtral")
+    convert(str(src), str(tmp_path / "moe"), progress=False)
+    assert fd.why_not(engine(tmp_path / "moe")) == "mixture-of-experts layers"
+
+
+def test_one_call_decode_refuses_bad_steps_by_name(make_hf, tmp_path):
+    src, _ = make_hf("llama_gqa_odd")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    model = engine(tmp_path / "pmx")
+    kv, scale = model.new_cache(64)
+    toks, plan = model.step_inputs([3], [1], [4], [0], 1)
+    bad = torch.tensor([model.params.vocab_size])
+    with pytest.raises(RuntimeError, match=f"token id {model.params.vocab_size} is outside the vocabulary"):
+        model.step(bad, plan, kv, scale)
+    toks, plan = model.step_inputs([3], [1], [4], [62], 1)  # history rows 62..66 of a 64-row cache
+    with pytest.raises(RuntimeError, match="cache row 64 of sequence 0 is outside the cache's 64 rows"):
+        model.step(toks, plan, kv, scale)
