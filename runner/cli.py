@@ -182,7 +182,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
           cache_layout: CacheLayout = 0, cache_mode: CacheMode = 0, device: Device = "auto", dtype: Dtype = "auto",
           seed: int = 0, csv: Optional[str] = None, progress: bool = True, kernels: Kernels = "auto",
           collective_timeout: Optional[Seconds] = None, compile: Compile = "auto", cuda_graphs: bool = True,
-          comm_backend: CommBackend = "auto") -> None:
+          fused_decode: bool = True, comm_backend: CommBackend = "auto") -> None:
     """Throughput per batch size (ppl.llm.serving's benchmark_llama); one CSV line per batch size:
     batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib). Run under mpirun -np N for tensor parallelism.
 
@@ -207,6 +207,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
         collective_timeout: seconds a collective may wait for the other ranks (default $PMX_COLLECTIVE_TIMEOUT or 30).
         compile: torch.compile the decode step: auto (on CPU, for models of 32M+ parameters per rank), on, off.
         cuda_graphs: on CUDA with the Triton kernels, replay the decode step from a CUDA graph per batch bucket.
+        fused_decode: on CPU (float32), run each decode step as one C++ call (false: the torch step, per --compile).
         comm_backend: auto (none for one rank, mpi4py on CPU under mpirun, else NCCL on CUDA / gloo on CPU), mpi,
             torch, nccl or gloo (that torch.distributed backend even for one rank; gloo lets several ranks share
             one GPU, which NCCL refuses).
@@ -214,7 +215,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
     from runner.engine.bench import bench as _bench
     _bench(model, random_weights, batch_sizes, input_len, tokens_file, gen_len, warmup_loops, benchmark_loops,
            quantized_cache, cache_layout, cache_mode, device, dtype, seed, csv, progress, kernels, collective_timeout,
-           compile, cuda_graphs, comm_backend)
+           compile, cuda_graphs, fused_decode, comm_backend)
 
 
 def perplexity(ckpt_dir: str, text_file: str, tokenizer_path: Optional[str] = None, window: PositiveInt = 256,

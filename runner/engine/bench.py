@@ -68,14 +68,15 @@ def bench(model: str, random_weights: bool = False, batch_sizes: Union[str, int,
           benchmark_loops: int = 1, quantized_cache: bool = False, cache_layout: int = 0, cache_mode: int = 0,
           device: str = "auto", dtype: str = "auto", seed: int = 0, csv: Optional[str] = None,
           progress: bool = True, kernels: str = "auto", collective_timeout: Optional[float] = None,
-          compile: str = "auto", cuda_graphs: bool = True, comm_backend: str = "auto") -> list[dict]:
+          compile: str = "auto", cuda_graphs: bool = True, fused_decode: bool = True,
+          comm_backend: str = "auto") -> list[dict]:
     from runner.engine.generator import Generator
     from runner.engine.model import EngineOptions
     from runner.engine.session import open_session
 
     batches = int_list(batch_sizes, "batch_sizes", minimum=1, allow_empty=False)
     options = EngineOptions(quantized_cache=quantized_cache, cache_layout=cache_layout, cache_mode=cache_mode,
-                            kernels=kernels, compile=compile, cuda_graphs=cuda_graphs)
+                            kernels=kernels, compile=compile, cuda_graphs=cuda_graphs, fused_decode=fused_decode)
     sess = open_session(model, options, device=device, dtype=dtype, random_weights=random_weights, seed=seed,
                         timeout_s=collective_timeout, comm_backend=comm_backend, progress=progress)
     p = sess.model.params

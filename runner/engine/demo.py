@@ -67,6 +67,7 @@ def generate(
     kernels: Kernels = "auto",
     compile: Compile = "auto",
     cuda_graphs: bool = True,
+    fused_decode: bool = True,
     show_ids: bool = False,
     progress: bool = True,
     collective_timeout: Optional[Seconds] = None,
@@ -108,6 +109,8 @@ def generate(
         compile: torch.compile the decode step: auto (on CPU, for models of 32M+ parameters per rank), on, off.
         cuda_graphs: on CUDA with the Triton kernels, replay the decode step from a CUDA graph per batch bucket
             (1, 2, 4, ...); false runs every step eagerly.
+        fused_decode: on CPU (float32), run each decode step as one C++ call, from token ids to logits, collectives
+            included (runner.engine.fused_decode); false runs the torch step (compiled per --compile, or eager).
         show_ids: also print the generated token ids.
         progress: progress bars on stderr (rank 0): loading, then sequences done and tokens/s.
         collective_timeout: seconds a collective may wait for the other ranks (default $PMX_COLLECTIVE_TIMEOUT or 30).
@@ -135,7 +138,7 @@ def generate(
     options = EngineOptions(fused_qkv=fused_qkv, fused_ffn_glu=fused_ffn_glu, fused_kvcache=fused_kvcache,
                             friendly_gqa=friendly_gqa, auto_causal=auto_causal, quantized_cache=quantized_cache,
                             cache_layout=cache_layout, cache_mode=cache_mode, kernels=kernels,
-                            compile=compile, cuda_graphs=cuda_graphs)
+                            compile=compile, cuda_graphs=cuda_graphs, fused_decode=fused_decode)
     env = detect()
     params = PmxParams.load(Path(ckpt_dir))
     check_world_size(ckpt_dir, params.num_shards, env)

@@ -6,9 +6,10 @@ replicated KV head), intermediate F/N, vocabulary V/N, embedding columns D/N.
 
 A step is a plan made on the host (`runner.engine.plan`) and the device step `Transformer.step`,
 which reads only the plan, the weights and the cache. The step where every sequence decodes one
-token has static structure (shapes vary, control flow does not) and runs under
-`torch.compile(fullgraph=True)` on CPU, and from CUDA graphs (one per batch bucket, runner.engine.graphs) on
-CUDA with the Triton kernels; every other step runs eagerly through the same modules.
+token has static structure (shapes vary, control flow does not): on CPU it is one C++ call over the same kernels
+(runner.engine.fused_decode) where the engine allows, else it runs under `torch.compile(fullgraph=True)`; on
+CUDA with the Triton kernels it replays from CUDA graphs (one per batch bucket, runner.engine.graphs); every
+other step runs eagerly through the same modules.
 """
 
 from __future__ import annotations

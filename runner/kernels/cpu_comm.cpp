@@ -57,17 +57,6 @@ struct Workspace {
   uint8_t* data(int64_t parity, int64_t r) const { return base + HEADER + (parity * world + r) * slot; }
 };
 
-// Releases the GIL for as long as it lives, if this thread holds it (callers may come from Python or not).
-struct GilRelease {
-  PyThreadState* state = nullptr;
-  GilRelease() {
-    if (Py_IsInitialized() && PyGILState_Check()) state = PyEval_SaveThread();
-  }
-  ~GilRelease() {
-    if (state != nullptr) PyEval_RestoreThread(state);
-  }
-};
-
 // Publishes `seq` for this rank and waits until every rank has published it.
 void arrive_and_wait(const Workspace& w, int64_t seq, double timeout_s, const char* what) {
   __atomic_store_n(w.counter(w.rank), seq, __ATOMIC_RELEASE);
@@ -78,7 +67,7 @@ void arrive_and_wait(const Workspace& w, int64_t seq, double timeout_s, const ch
       if (__atomic_load_n(w.counter(r), __ATOMIC_ACQUIRE) >= seq) break;
     }
     if (__atomic_load_n(w.counter(r), __ATOMIC_ACQUIRE) >= seq) continue;
-    GilRelease unlocked;  // a longer wait: let other threads run, give the core away between looks
+    pmx_cpu::GilRelease unlocked;  // a longer wait: let other threads run, give the core away between looks
     const auto t0 = std::chrono::steady_clock::now();
     for (int64_t i = 1; __atomic_load_n(w.counter(r), __ATOMIC_ACQUIRE) < seq; ++i) {
       sched_yield();
@@ -161,6 +150,14 @@ int64_t shm_header_bytes() { return HEADER; }
 }  // namespace
 
 namespace pmx_cpu {
+
+GilRelease::GilRelease() {
+  if (Py_IsInitialized() && PyGILState_Check()) state = PyEval_SaveThread();
+}
+
+GilRelease::~GilRelease() {
+  if (state != nullptr) PyEval_RestoreThread(static_cast<PyThreadState*>(state));
+}
 
 void shm_all_reduce_f32(const at::Tensor& ws, int64_t rank, int64_t world, float* t, int64_t numel, double timeout_s) {
   all_reduce_typed(Workspace(ws, rank, world), t, numel, timeout_s);

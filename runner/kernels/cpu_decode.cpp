@@ -200,7 +200,6 @@ struct DecodeModel : torch::CustomClassHolder {
   at::Tensor step(const at::Tensor& tokens, const at::Tensor& cache, const c10::optional<at::Tensor>& cache_scale,
                   int64_t layout, const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin,
                   const at::Tensor& cachestarts, const at::Tensor& kvlens, int64_t page_size) {
-    std::lock_guard<std::mutex> lock(busy);
     const int64_t B = tokens.numel(), D = hidden, H = heads, KV = kv_heads, hd = head_dim, F = ffn;
     auto int64_vec = [&](const at::Tensor& t, const char* what) {
       TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.numel() == B && t.is_contiguous(), "decode step: ",
@@ -239,6 +238,8 @@ struct DecodeModel : torch::CustomClassHolder {
       TORCH_CHECK(slot[b] >= 0 && slot[b] < cv.T, "decode step: cache row ", slot[b], " is outside the cache's ", cv.T,
                   " rows");
     }
+    const pmx_cpu::GilRelease unlocked;  // the step touches no Python object: other threads run meanwhile
+    std::lock_guard<std::mutex> lock(busy);  // (after the GIL is released: a second caller waits without holding it)
     const Linear& out_lin = lins[4 * L];
     const int64_t NQKV = (H + 2 * KV) * hd, Vn = out_lin.p.n;
     // scratch: x, resid, h [B, D]; qkv [B, NQKV]; attn [B, H hd]; gu [B, 2F]; act [B, F]; gathered [world B max(Dn, Vn)]

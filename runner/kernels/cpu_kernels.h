@@ -58,6 +58,16 @@ void skip_rms_norm_into(const float* x, const float* skip, const float* w, int64
 // out [M, D] = silu(gate) * up, rows of gate / up at strides gs / us.
 void swiglu_into(const float* gate, int64_t gs, const float* up, int64_t us, int64_t M, int64_t D, float* out);
 
+// Releases the GIL for as long as it lives, if this thread holds it (callers may come from Python or not), so other
+// Python threads (the communicator's watchdog, a server's event loop) run meanwhile.
+struct GilRelease {
+  void* state = nullptr;  // PyThreadState*
+  GilRelease();
+  ~GilRelease();
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+};
+
 // Shared-memory collectives (cpu_comm.cpp) on raw buffers: a float32 sum in place, and a rank-major gather of
 // `bytes` from every rank into out [world * bytes].
 void shm_all_reduce_f32(const at::Tensor& ws, int64_t rank, int64_t world, float* t, int64_t numel, double timeout_s);

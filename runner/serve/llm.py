@@ -31,16 +31,17 @@ class LLM:
         max_num_batched_tokens: tokens in one step at most (long prompts are prefilled in chunks).
         kv_cache_tokens: KV-cache budget in tokens (pages of 128); default: a share of the memory.
         gpu_memory_utilization: on CUDA, the share of the device memory for weights and cache.
-        device, dtype, kernels, compile, quantized_cache, cache_layout, cuda_graphs: as for `python -m runner generate`.
+        device, dtype, kernels, compile, quantized_cache, cache_layout, cuda_graphs, fused_decode: as for
+            `python -m runner generate`.
     """
 
     def __init__(self, ckpt_dir: str, tokenizer_path: Optional[str] = None, max_batch: int = 64,
                  max_num_batched_tokens: int = 512, kv_cache_tokens: Optional[int] = None,
                  gpu_memory_utilization: float = 0.9, device: str = "auto", dtype: str = "auto",
                  kernels: str = "auto", compile: str = "auto", quantized_cache: bool = False, cache_layout: int = 0,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, fused_decode: bool = True):
         args = EngineArgs(tokenizer_path, max_batch, max_num_batched_tokens, kv_cache_tokens, gpu_memory_utilization,
-                          device, dtype, kernels, compile, quantized_cache, cache_layout, cuda_graphs)
+                          device, dtype, kernels, compile, quantized_cache, cache_layout, cuda_graphs, fused_decode)
         self._loaded = load(ckpt_dir, args)
         self.engine = self._loaded.engine
         self.tokenizer = self._loaded.tokenizer

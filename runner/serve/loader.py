@@ -33,6 +33,7 @@ class EngineArgs:
     quantized_cache: bool = False
     cache_layout: int = 0
     cuda_graphs: bool = True
+    fused_decode: bool = True
 
     def check(self) -> None:
         for flag in ("max_batch", "max_num_batched_tokens", "kv_cache_tokens", "cache_layout"):
@@ -110,7 +111,8 @@ def load(ckpt_dir: str, args: EngineArgs, metrics=None) -> Loaded:
     template = ChatTemplate.load(Path(tok_dir)) or (ChatTemplate.load(Path(ckpt_dir)) if args.tokenizer_path else None)
     eos = sorted(set(params.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
     options = EngineOptions(cache_mode=1, quantized_cache=args.quantized_cache, cache_layout=args.cache_layout,
-                            kernels=args.kernels, compile=args.compile, cuda_graphs=args.cuda_graphs)
+                            kernels=args.kernels, compile=args.compile, cuda_graphs=args.cuda_graphs,
+                            fused_decode=args.fused_decode)
     sess = open_session(ckpt_dir, options, device=args.device, dtype=args.dtype)
     pages = kv_cache_pages(sess.model, sess.comm, args)
     engine = Engine(sess.model, sess.comm, tok, eos, pages, args.max_batch, args.max_num_batched_tokens, metrics)

@@ -24,7 +24,8 @@ def serve(ckpt_dir: str, tokenizer_path: Optional[str] = None, host: str = "127.
           served_model_name: Optional[str] = None, max_batch: int = 64, kv_cache_tokens: Optional[int] = None,
           max_num_batched_tokens: int = 512, max_waiting: int = 256, gpu_memory_utilization: float = 0.9,
           drain_timeout: float = 5.0, device: str = "auto", dtype: str = "auto", kernels: str = "auto",
-          compile: str = "auto", quantized_cache: bool = False, cache_layout: int = 0, cuda_graphs: bool = True) -> None:
+          compile: str = "auto", quantized_cache: bool = False, cache_layout: int = 0, cuda_graphs: bool = True,
+          fused_decode: bool = True) -> None:
     """Serve a PMX model over OpenAI's HTTP API (completions, chat completions, streaming) on 1 or N ranks.
 
     Args:
@@ -48,6 +49,7 @@ def serve(ckpt_dir: str, tokenizer_path: Optional[str] = None, host: str = "127.
         quantized_cache: int8 KV cache.
         cache_layout: 0..3.
         cuda_graphs: on CUDA with the Triton kernels, replay the decode steps from CUDA graphs (true/false).
+        fused_decode: on CPU (float32), run each decode step as one C++ call (true/false).
     """
     from runner.serve.params import is_int, is_number
     if not (is_int(port) and 0 <= port <= 65535):
@@ -62,7 +64,7 @@ def serve(ckpt_dir: str, tokenizer_path: Optional[str] = None, host: str = "127.
     from runner.serve.metrics import Metrics
 
     args = EngineArgs(tokenizer_path, max_batch, max_num_batched_tokens, kv_cache_tokens, gpu_memory_utilization,
-                      device, dtype, kernels, compile, quantized_cache, cache_layout, cuda_graphs)
+                      device, dtype, kernels, compile, quantized_cache, cache_layout, cuda_graphs, fused_decode)
     metrics = Metrics()
     loaded = load(ckpt_dir, args, metrics)
     sess, engine = loaded.session, loaded.engine
