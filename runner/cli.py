@@ -205,7 +205,8 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
         progress: progress lines on stderr.
         kernels: auto (Triton on CUDA, fast torch elsewhere), triton, torch or reference (the spec).
         collective_timeout: seconds a collective may wait for the other ranks (default $PMX_COLLECTIVE_TIMEOUT or 30).
-        compile: torch.compile the decode step: auto (on CPU, for models of 32M+ parameters per rank), on, off.
+        compile: torch.compile the decode step (where --fused_decode does not run it): auto (on CPU, for models of
+            32M+ parameters per rank), on, off.
         cuda_graphs: on CUDA with the Triton kernels, replay the decode step from a CUDA graph per batch bucket.
         fused_decode: on CPU (float32), run each decode step as one C++ call (false: the torch step, per --compile).
         comm_backend: auto (none for one rank, mpi4py on CPU under mpirun, else NCCL on CUDA / gloo on CPU), mpi,

@@ -106,7 +106,8 @@ def generate(
         device: auto, cpu or cuda (rank r uses cuda:local_rank).
         dtype: compute dtype: auto (float32 on CPU, the checkpoint's on GPU), float32, float16, bfloat16.
         kernels: auto (fused Triton kernels on CUDA, fast torch ops elsewhere), triton, torch or reference (the spec).
-        compile: torch.compile the decode step: auto (on CPU, for models of 32M+ parameters per rank), on, off.
+        compile: torch.compile the decode step (where --fused_decode does not run it): auto (on CPU, for models of
+            32M+ parameters per rank), on, off.
         cuda_graphs: on CUDA with the Triton kernels, replay the decode step from a CUDA graph per batch bucket
             (1, 2, 4, ...); false runs every step eagerly.
         fused_decode: on CPU (float32), run each decode step as one C++ call, from token ids to logits, collectives

@@ -45,7 +45,7 @@ def serve(ckpt_dir: str, tokenizer_path: Optional[str] = None, host: str = "127.
         device: auto, cpu or cuda.
         dtype: auto, float32, float16 or bfloat16.
         kernels: auto, triton, torch or reference.
-        compile: torch.compile the decode step: auto, on or off.
+        compile: torch.compile the decode step (where --fused_decode does not run it): auto, on or off.
         quantized_cache: int8 KV cache.
         cache_layout: 0..3.
         cuda_graphs: on CUDA with the Triton kernels, replay the decode steps from CUDA graphs (true/false).
