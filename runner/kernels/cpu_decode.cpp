@@ -242,9 +242,10 @@ struct DecodeModel : torch::CustomClassHolder {
     std::lock_guard<std::mutex> lock(busy);  // (after the GIL is released: a second caller waits without holding it)
     const Linear& out_lin = lins[4 * L];
     const int64_t NQKV = (H + 2 * KV) * hd, Vn = out_lin.p.n;
-    // scratch: x, resid, h [B, D]; qkv [B, NQKV]; attn [B, H hd]; gu [B, 2F]; act [B, F]; gathered [world B max(Dn, Vn)]
+    // scratch: x, resid, h [B, D]; qkv [B, NQKV]; attn [B, H hd]; gu [B, 2F]; act [B, F]; gathered [world B max(Dn, Vn)],
+    // local [B max(Dn, Vn)] (this rank's embedding columns or vocabulary part before a gather)
     const int64_t sizes[] = {B * D, B * D, B * D, B * NQKV, B * H * hd, B * 2 * F, B * F,
-                             world * B * std::max(Dn, Vn), B * Vn};
+                             world * B * std::max(Dn, Vn), B * std::max(Dn, Vn)};
     int64_t total = 0;
     for (int64_t s : sizes) total += (s + 15) / 16 * 16;
     if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
