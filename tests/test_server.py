@@ -88,7 +88,7 @@ def tp2_server(stories, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("srv2")
     reshard(str(stories["pmx"]), str(tmp / "pmx2"), 2, progress=False)
     srv = start(tmp, "mpich", 2, tmp / "pmx2", "--kv_cache_tokens", 256, "--max_batch", 4,
-                "--max_num_batched_tokens", 64, "--max_waiting", 6, "--drain_timeout", 0.5)
+                "--max_num_batched_tokens", 64, "--max_waiting", 6, "--drain_timeout", 0.1)
     try:
         yield srv
     finally:
@@ -296,7 +296,9 @@ def test_tp2_port_in_use_fails_cleanly(tp2_server, tmp_path):
 
 
 def test_tp2_sigterm_drains_then_cancels_and_every_rank_exits(tp2_server):
-    """SIGTERM with 6 long streams running or queued: the server drains for --drain_timeout (0.5 s), cancels
+    """SIGTERM with 6 long streams running or queued: the server drains for --drain_timeout (0.1 s: the 1500 tokens,
+    with preemptions in a 2-page cache, took 0.65 s after the first chunk at the one-call decode step's speed; 0.5 s
+    let them all finish), cancels
     the rest (their streams end with an error event), and every rank exits 0."""
     first = asyncio.Event()
 
