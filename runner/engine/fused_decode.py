@@ -74,8 +74,9 @@ def why_not(model) -> Optional[str]:
 
 
 class FusedDecode:
-    """A model's decode step as one `pmx_cpu.DecodeModel.step` call (see the module's docstring). Holds no weights of
-    its own: the C++ object points at the engine's packed weights (and keeps them alive)."""
+    """A model's decode step as one `pmx_cpu.DecodeModel.step` call (see the module's docstring). The C++ object
+    points at the engine's packed weights (and keeps them alive); only float32 weights too small to have been packed
+    at load get packed copies of their own."""
 
     def __init__(self, model):
         p, comm = model.params, model.comm

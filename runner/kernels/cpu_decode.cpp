@@ -305,7 +305,7 @@ struct DecodeModel : torch::CustomClassHolder {
       pmx_cpu::KVRows kr[2];
       for (int64_t which = 0; which < 2; ++which) {
         pmx_cpu::KVRows& r = kr[which];
-        r.row_stride = cv.sT, r.head_stride = cv.sH, r.KV = KV, r.D = hd, r.rows = cv.T;
+        r.row_stride = cv.sT, r.head_stride = cv.sH, r.KV = KV, r.D = hd;
         if (quant) {
           r.q = cv.row<int8_t>(l, which, 0, 0), r.s = sv.row<at::Half>(l, which, 0, 0);
           r.srow_stride = sv.sT, r.shead_stride = sv.sH;

@@ -32,7 +32,7 @@ struct KVRows {
   const float* f = nullptr;
   const int8_t* q = nullptr;
   const at::Half* s = nullptr;
-  int64_t row_stride = 0, head_stride = 0, srow_stride = 0, shead_stride = 0, KV = 0, D = 0, rows = 0;
+  int64_t row_stride = 0, head_stride = 0, srow_stride = 0, shead_stride = 0, KV = 0, D = 0;
 };
 
 // Where each decoding sequence's history lies: rows [B, N] a row table (page_size 0), [B] offsets (page_size 0) or

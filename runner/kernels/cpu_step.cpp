@@ -165,7 +165,7 @@ inline int64_t row_at(const pmx_cpu::HistoryRows& h, int64_t b, int64_t j) {
 // A [MaxT, KV, D] view of one layer's K or V (strided, head_dim contiguous) and its scales as kernel arguments.
 pmx_cpu::KVRows kv_rows(const at::Tensor& t, const c10::optional<at::Tensor>& scale) {
   pmx_cpu::KVRows r;
-  r.row_stride = t.stride(0), r.head_stride = t.stride(1), r.KV = t.size(1), r.D = t.size(2), r.rows = t.size(0);
+  r.row_stride = t.stride(0), r.head_stride = t.stride(1), r.KV = t.size(1), r.D = t.size(2);
   if (t.scalar_type() == at::kFloat) {
     r.f = t.data_ptr<float>();
   } else {
