@@ -23,10 +23,12 @@ load average at start and end. About 2 minutes a round for base on 2 cores, plus
         [--json_path out/cpu_peers_SHAPE.json] [--workdir ~/.cache/pmx-runner/peers] [--llama_cpp DIR] [--install True]
     python benchmarks/cpu_peers.py paired [--shape base|gqa] [--pmx pmx1|pmx1-int8|pmx1-int4]
         [--peer llama.cpp|llama.cpp-q8_0|llama.cpp-q4_0] [--pairs 12] [--tokens 64]
+    python benchmarks/cpu_peers.py tp_paired [--shape gqa|base] [--pairs 12] [--quant int8|int4]
 
 `paired` measures batch-1 decode of pmx-runner TP=1 and llama.cpp in alternating slices of a few seconds and
 reports the median of the per-pair ratios: on a box whose memory bandwidth swings between rounds, this
-resolves differences of a few percent that round medians cannot.
+resolves differences of a few percent that round medians cannot. `tp_paired` does the same for pmx-runner TP=2
+against TP=1 at every point (decode batch 1 and 16, prefill 512): both jobs stay loaded and take turns.
 
 One shape per invocation (base: dim 768, 12 layers, 12 heads MHA, intermediate 2048, vocab 32000;
 gqa: dim 1024, 10 layers, 16 heads / 4 KV heads, intermediate 2816, vocab 32000); run it twice for
@@ -489,6 +491,126 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
           f"{statistics.median(ratios):.3f}, geometric mean {statistics.geometric_mean(ratios):.3f}")
 
 
+def tp_worker(model: str, ctl: str, tokens: int = 64, engine_options="{}") -> None:
+    """Every rank of one pmx-runner job of `tp_paired`: loads the model, then measures what the command files
+    ctl/cmd.K (K = 0, 1, ...) ask for, writing the rate to ctl/res.K (rank 0), until one says quit. Ranks wait for
+    a command by polling every 2 ms, so the job does not take cycles from the one being measured."""
+    from runner.engine.generator import Generator
+    from runner.engine.model import EngineOptions
+    from runner.engine.session import open_session
+    ctl = Path(ctl)
+    sess = open_session(model, options=EngineOptions(**_engine_options(engine_options)))
+    gen = lambda p, n: Generator(sess.model).generate(p, n)  # noqa: E731
+    prompts = {1: _prompts(1, PROMPT), 16: _prompts(16, PROMPT), "long": _prompts(1, LONG_PROMPT)}
+
+    def timed(p, n) -> float:
+        t0 = time.perf_counter()
+        gen(p, n)
+        return time.perf_counter() - t0
+
+    def rate(metric: str) -> float:
+        if metric == "prefill_512":
+            return 2 * LONG_PROMPT / (timed(prompts["long"], 1) + timed(prompts["long"], 1))
+        b = int(metric.removeprefix("decode_b"))
+        n = tokens if b == 1 else tokens // 2
+        t1 = timed(prompts[b], 1)
+        return b * n / (timed(prompts[b], n + 1) - t1)
+
+    for m in METRICS:  # warm-up
+        rate(m)
+    if sess.is_main:
+        (ctl / "ready").write_text("")
+    for k in range(1 << 30):
+        cmd = ctl / f"cmd.{k}"
+        while not cmd.exists():
+            time.sleep(0.002)
+        what = cmd.read_text()
+        if what == "quit":
+            break
+        r = rate(what)
+        if sess.is_main:
+            (ctl / f"res.{k}.tmp").write_text(repr(r))
+            (ctl / f"res.{k}.tmp").rename(ctl / f"res.{k}")
+    sess.close()
+
+
+def tp_paired(shape: str = "gqa", pairs: int = 12, tokens: int = 64, threads: int = 2, quant: str | None = None,
+              engine_options="{}", workdir: str = str(CACHE / "peers")) -> None:
+    """pmx-runner TP=2 (2 ranks x threads/2) against TP=1 (threads) at every point, in alternating slices: both
+    jobs stay loaded and take turns, so each pair sees the same minute of the box. Prints the median of the
+    per-pair TP=2 / TP=1 ratios for decode at batch 1 and 16 and a 512-token prefill.
+
+        python benchmarks/cpu_peers.py tp_paired [--shape gqa|base] [--pairs 12] [--quant int8|int4]
+    """
+    import tempfile
+    from runner.pmx.random_model import make_random_model
+    if shape not in SHAPES or quant not in (None, "int8", "int4"):
+        raise SystemExit("tp_paired: --shape base|gqa, --quant int8|int4 (or none)")
+    work = Path(workdir).expanduser() / shape
+    if not (work / "hf" / "config.json").exists():
+        make_random_model(str(work / "hf"), **SHAPES[shape], overwrite=True)
+    a = dict(work=work, hf=work / "hf")
+    opts = json.dumps(_engine_options(engine_options))
+    jobs = {}
+    with tempfile.TemporaryDirectory(prefix="pmx-tp-paired-") as tmp:
+        for n in (1, 2):
+            ctl = Path(tmp) / f"tp{n}"
+            ctl.mkdir()
+            head = [REPO / "scripts" / "mpirun.sh", "-np", n] if n > 1 else []
+            cmd = head + [sys.executable, SELF, "tp_worker", "--model", _pmx_model(n, a, quant), "--ctl", ctl,
+                          "--tokens", tokens, "--engine_options", opts]
+            env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads // n))}
+            jobs[n] = (ctl, subprocess.Popen([str(c) for c in cmd], env=env, cwd=REPO, start_new_session=True))
+        try:
+            for n, (ctl, proc) in jobs.items():  # loaded one after the other: their warm-ups do not overlap
+                while not (ctl / "ready").exists():
+                    if proc.poll() is not None:
+                        raise SystemExit(f"tp_paired: the TP={n} job exited ({proc.returncode}) before it was ready")
+                    time.sleep(0.05)
+            count = {1: 0, 2: 0}
+
+            def measure(n: int, metric: str) -> float:
+                ctl, proc = jobs[n]
+                k = count[n]
+                count[n] += 1
+                (ctl / f"cmd.{k}.tmp").write_text(metric)
+                (ctl / f"cmd.{k}.tmp").rename(ctl / f"cmd.{k}")
+                while not (ctl / f"res.{k}").exists():
+                    if proc.poll() is not None:
+                        raise SystemExit(f"tp_paired: the TP={n} job exited ({proc.returncode}) measuring {metric}")
+                    time.sleep(0.002)
+                return float((ctl / f"res.{k}").read_text())
+
+            ratios = {m: [] for m in METRICS}
+            rates = {(n, m): [] for n in (1, 2) for m in METRICS}
+            for i in range(pairs):
+                for m in METRICS:
+                    order = (1, 2) if i % 2 == 0 else (2, 1)
+                    got = {n: measure(n, m) for n in order}
+                    for n in (1, 2):
+                        rates[n, m].append(got[n])
+                    ratios[m].append(got[2] / got[1])
+                print(f"pair {i + 1}/{pairs}: " + ", ".join(f"{m} TP1 {rates[1, m][-1]:.1f} TP2 {rates[2, m][-1]:.1f}"
+                                                           f" ({ratios[m][-1]:.3f})" for m in METRICS),
+                      file=sys.stderr, flush=True)
+        finally:
+            for n, (ctl, proc) in jobs.items():
+                count_n = len(list(ctl.glob("cmd.*")))
+                (ctl / f"cmd.{count_n}").write_text("quit")
+            for n, (ctl, proc) in jobs.items():
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+                    proc.wait()
+    print(f"shape {shape}{' ' + quant if quant else ''}, {pairs} pairs, TP=2 ({max(1, threads // 2)} thread(s) a rank)"
+          f" / TP=1 ({threads} threads):")
+    for m in METRICS:
+        print(f"  {m}: TP1 {statistics.median(rates[1, m]):.1f}, TP2 {statistics.median(rates[2, m]):.1f} tok/s "
+              f"(medians); ratio median {statistics.median(ratios[m]):.3f}, geometric mean "
+              f"{statistics.geometric_mean(ratios[m]):.3f}, range {min(ratios[m]):.2f}-{max(ratios[m]):.2f}")
+
+
 def _cpu_name() -> str:
     try:
         return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
@@ -497,5 +619,5 @@ def _cpu_name() -> str:
 
 
 if __name__ == "__main__":
-    commands = {"main": main, "worker": worker, "paired": paired}
-    fire.Fire(commands if len(sys.argv) > 1 and sys.argv[1] in ("worker", "paired") else main)
+    commands = {"main": main, "worker": worker, "paired": paired, "tp_worker": tp_worker, "tp_paired": tp_paired}
+    fire.Fire(commands if len(sys.argv) > 1 and sys.argv[1] in set(commands) - {"main"} else main)

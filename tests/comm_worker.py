@@ -6,7 +6,9 @@ Every rank can make every rank's input (seeded by rank), so each rank checks its
 sum in rank order 0..N-1 (float32; half types summed in float32 and rounded once), all_gather the inputs cat
 rank-major. A workspace with small slots makes the larger tensors go in several chunks, and the collectives are
 mixed, many times over, so both parities of the workspace are reused. Then rank 0 waits for a collective that
-rank 1 never joins and must get the deadline error, while another thread of it keeps running. Prints `rank R: ok` per rank.
+rank 1 never joins and must get the deadline error, while another thread of it keeps running. reduce_norm (sequence
+parallelism) against all_reduce + skip_rms_norm made locally: the same bits, for each rank's rows. Prints `rank R: ok`
+per rank.
 Under torchrun: the CPU communicator (gloo) shares memory too, and its all-reduce and all-gather are exact.
 Usage: mpirun -np N python tests/comm_worker.py | torchrun --nproc_per_node N tests/comm_worker.py
 """
@@ -23,6 +25,7 @@ from runner.parallel.comm import MpiComm, SharedMemory, TorchComm
 from runner.parallel.launch import detect, mpi
 
 SLOT = 4096  # bytes per rank and parity: 1024 float32
+AREA = 65536  # bytes per reduce_norm area: 16384 float32
 
 
 def data(rank: int, step: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -47,6 +50,37 @@ def under_torchrun() -> None:
     comm.close()
 
 
+def check_reduce_norm(shm: SharedMemory, rank: int, world: int) -> None:
+    """reduce_norm against the sum in rank order and skip_rms_norm on every row, made locally: the same bits for this
+    rank's rows and every row's output, for row counts that do and do not divide among the ranks (and fewer rows than
+    ranks), with the partial copied in or written in place; shapes past the area and wrong residuals are refused."""
+    ops = cpu_ops()
+    for step, (m, d) in enumerate([(1, 64), (5, 96), (37, 64), (128, 128), (2, 16)] * 3):
+        seed = 100 + step
+        partial = data(rank, seed, m * d, torch.float32).view(m, d)
+        total = data(0, seed, m * d, torch.float32).view(m, d)
+        for r in range(1, world):
+            total = total + data(r, seed, m * d, torch.float32).view(m, d)
+        residual = data(world, seed, m * d, torch.float32).view(m, d)  # the same on every rank
+        weight = data(world + 1, seed, d, torch.float32)
+        want_y, want_r = ops.skip_rms_norm(total, residual, weight, 1e-5)
+        rows = shm.rows(m)
+        assert rows.start == min(m, rank * -(-m // world)) and rows.stop - rows.start <= -(-m // world)
+        mine = residual[rows].clone()
+        src = partial if step % 2 == 0 else shm.partial(m, d).copy_(partial)  # in place: no copy in the collective
+        y = shm.reduce_norm(src, mine, weight, 1e-5)
+        assert torch.equal(y, want_y), f"reduce_norm step {step}: normed rows differ"
+        assert torch.equal(mine, want_r[rows]), f"reduce_norm step {step}: residual rows differ"
+    big = shm.rows(200)
+    for bad, message in [((torch.ones(200, 128), torch.ones(big.stop - big.start, 128)), "do not fit the region's areas"),
+                         ((torch.ones(4, 8), torch.ones(3, 8)), "residual must be contiguous float32")]:
+        try:
+            shm.reduce_norm(*bad, torch.ones(bad[0].shape[1]), 1e-5)
+            raise AssertionError(f"reduce_norm took {message}")
+        except RuntimeError as e:
+            assert message in str(e), e
+
+
 def main() -> None:
     if detect().launcher == "torchrun":
         return under_torchrun()
@@ -56,7 +90,8 @@ def main() -> None:
     assert MpiComm(detect()).shared_memory, "the ranks of one machine do not share memory"
     assert not MpiComm(detect(), environ={"PMX_SHM_COMM": "0"}).shared_memory
     shm = SharedMemory.open(rank, world, lambda obj: comm.bcast(obj, root=0),
-                            lambda flag: comm.allreduce(bool(flag), op=MPI.LAND), True, 10.0, slot_bytes=SLOT)
+                            lambda flag: comm.allreduce(bool(flag), op=MPI.LAND), True, 10.0, slot_bytes=SLOT,
+                            area_bytes=AREA)
     ws, ops = shm.workspace, cpu_ops()
     sizes = (1, 768, 1024, 1025, 5000)  # inside one slot, exactly one, just over, several chunks
     for step in range(40):
@@ -74,6 +109,7 @@ def main() -> None:
             out = ops.shm_all_gather(mine, ws, rank, world, 10.0)
             want = torch.cat([data(r, step, n, dtype) for r in range(world)])
             assert torch.equal(out, want), f"all_gather step {step}"
+    check_reduce_norm(shm, rank, world)
     ids = ops.shm_all_gather(torch.arange(3, dtype=torch.int64) + 10 * rank, ws, rank, world, 10.0)
     assert ids.tolist() == [10 * r + i for r in range(world) for i in range(3)], ids
     comm.Barrier()

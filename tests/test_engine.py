@@ -86,7 +86,10 @@ def test_int8_cache_close_to_transformers(make_hf, tmp_path):
         assert rel_err(got, ref) > 0  # it really is quantised
 
 
-def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun", env=None, comm_backend="auto"):
+def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun", env=None, comm_backend="auto",
+           with_info=False):
+    """Rank 0's logits [option sets, steps, B, V] of tests/tp_worker.py on n ranks; with_info: and, per option set,
+    which steps the engine took ({"fused_decode": bool, "seq_parallel": bool})."""
     out = tmp_path / f"logits-{launcher}-{n}-{uuid.uuid4().hex[:8]}.pt"
     worker = [str(ROOT / "tests" / "tp_worker.py"), str(pmx), str(out), json.dumps(options),
               json.dumps({"prompts": prompts, "conts": conts}), comm_backend]
@@ -96,7 +99,8 @@ def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun", env=Non
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *worker]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     assert res.returncode == 0, res.stderr[-3000:]
-    return torch.load(out, weights_only=True)
+    logits = torch.load(out, weights_only=True)
+    return (logits, json.loads(Path(f"{out}.json").read_text())) if with_info else logits
 
 
 ALL_CACHES = [{"cache_layout": l, "cache_mode": m, "fused_kvcache": f}

@@ -14,7 +14,9 @@ from runner.engine.generator import Generator
 from runner.engine.model import EngineOptions, Transformer, load_shard, random_shard
 from runner.engine.perplexity import evaluate, perplexity, windows
 from runner.errors import PmxError
-from runner.kernels.quant_linear import QuantLinear, QuantWeight, aten_int4_takes, cpu_ops, reference_linear
+from runner.kernels.linear import Linear
+from runner.kernels.quant_linear import (CPU_KERNEL_MAX_ROWS, QuantLinear, QuantWeight, aten_int4_takes, cpu_ops,
+                                         make_linear, packed_args, reference_linear)
 from runner.parallel.comm import SingleComm
 from runner.pmx.convert import convert, quantize_model, reshard
 from runner.pmx.quant import QuantScheme, quantize
@@ -252,3 +254,23 @@ def test_quantized_dump_and_replay(tiny, tmp_path):
                       "OUTPUT_DIR": str(tmp_path / "replay"), "MIN_PROFILING_SECONDS": "0.1",
                       "PYTHON": sys.executable})
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="this project's CPU extension could not be built here")
+@pytest.mark.parametrize("method,group", [("float32", 0), ("int8", 0), ("int4", 32), ("int4", 2)])
+@pytest.mark.parametrize("m", [3, CPU_KERNEL_MAX_ROWS + 8])
+def test_linear_into_writes_what_the_layer_returns(method, group, m):
+    """pmx_cpu.linear_into_ (sequence parallelism's GEMM into a shared-memory area) on a packed layer of any kind: the
+    bits the layer's own forward returns, at streaming and at prefill (dequantising) row counts; a wrong buffer is
+    refused by name."""
+    lin = Linear(torch.randn(130, 96) * 0.05, kernel="pmx") if method == "float32" else \
+        make_linear(weight(method, 130, 96, group))
+    args, x = packed_args(lin), torch.randn(m, 96)
+    assert args is not None and args[2] == {"float32": 32, "int8": 8, "int4": 4}[method]
+    out = torch.full((m, 130), float("nan"))
+    torch.ops.pmx_cpu.linear_into_(x, *args, 130, CPU_KERNEL_MAX_ROWS, out)
+    assert torch.equal(out, lin(x))
+    with pytest.raises(RuntimeError, match="linear_into_: out must be contiguous float32 of"):
+        torch.ops.pmx_cpu.linear_into_(x, *args, 130, CPU_KERNEL_MAX_ROWS, torch.empty(m, 129))
+    with pytest.raises(RuntimeError, match=r"linear_into_: x must be contiguous float32 \[M, 96\]"):
+        torch.ops.pmx_cpu.linear_into_(torch.randn(m, 95), *args, 130, CPU_KERNEL_MAX_ROWS, out)

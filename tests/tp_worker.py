@@ -3,7 +3,8 @@
 Used by the tests: prefill of several prompts of different lengths packed in one step, then decode
 steps fed with given tokens (teacher forcing), so logits can be compared with transformers' and with
 TP=1. Usage: python tests/tp_worker.py CKPT OUT.pt '[{"cache_layout": 2, ...}, ...]' PROMPTS_JSON [COMM_BACKEND]
-(saves [option sets, steps, B, V] on the CPU)
+(saves [option sets, steps, B, V] on the CPU, and in OUT.pt.json which step each engine took: one-call decode,
+sequence parallelism)
 """
 
 from __future__ import annotations
@@ -54,12 +55,15 @@ def main(ckpt: str, out: str, options: str, prompts: str, comm_backend: str = "a
     from runner.engine.session import open_session
     spec, option_sets = json.loads(prompts), json.loads(options)
     sess = open_session(ckpt, EngineOptions(**option_sets[0]), comm_backend=comm_backend)
-    results = []
+    results, info = [], []
     for opts in option_sets:  # one launch, every option set: the same shard under each engine setting
         model = Transformer(sess.model.params, _weights(ckpt, sess), sess.comm, EngineOptions(**opts))
         results.append(torch.stack(teacher_forced_logits(model, spec["prompts"], spec["conts"])))
+        info.append({"fused_decode": model._fused is not None, "seq_parallel": model._sp is not None})
     if sess.is_main:
         torch.save(torch.stack(results).cpu(), out)
+        with open(out + ".json", "w") as f:
+            json.dump(info, f)
     sess.close()
 
 

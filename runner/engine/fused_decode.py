@@ -23,7 +23,7 @@ import torch
 from runner.kernels import reference as ref
 from runner.kernels.cpu_ext import cpu_ops, pack_blocks
 from runner.kernels.linear import PREPACK_MIN_NUMEL, Linear
-from runner.kernels.quant_linear import CPU_KERNEL_MAX_ROWS, QuantLinear
+from runner.kernels.quant_linear import CPU_KERNEL_MAX_ROWS, packed_args
 
 _NONE = torch.empty(0)  # "no tensor" in the class's tensor lists (no scale, no bias, no q/k norm)
 
@@ -32,19 +32,16 @@ def _kind(lin) -> Optional[int]:
     """The C++ kernel kind of a linear layer: 32 float32, 8 int8, 4 int4; None where it has none. A float32 weight left
     plain for its size (under PREPACK_MIN_NUMEL elements: MKL is as fast on it alone, but not worth a call of its own
     here) is taken too, packed into a copy."""
-    if isinstance(lin, Linear) and (lin.kernel == "pmx" or (lin.kernel == "plain" and lin.weight.dtype == torch.float32
-                                                            and lin.weight.numel() < PREPACK_MIN_NUMEL)):
+    if isinstance(lin, Linear) and lin.kernel == "plain" and lin.weight.dtype == torch.float32 \
+            and lin.weight.numel() < PREPACK_MIN_NUMEL:
         return 32
-    if isinstance(lin, QuantLinear) and lin.kernel == "cpu":
-        return 8 if lin.method == "int8" else 4
-    return None
+    args = packed_args(lin)
+    return None if args is None else args[2]
 
 
 def _packed(lin) -> tuple:
     """(packed weight, scale, kind, group) of a linear that has a :func:`_kind`."""
-    if isinstance(lin, QuantLinear):
-        return lin.qweight, lin.scale, _kind(lin), lin.group_size if lin.method == "int4" else 0
-    return (lin.packed if lin.kernel == "pmx" else pack_blocks(lin.weight)), _NONE, 32, 0
+    return packed_args(lin) or (pack_blocks(lin.weight), _NONE, 32, 0)
 
 
 def why_not(model) -> Optional[str]:

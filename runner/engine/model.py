@@ -9,7 +9,8 @@ which reads only the plan, the weights and the cache. The step where every seque
 token has static structure (shapes vary, control flow does not): on CPU it is one C++ call over the same kernels
 (runner.engine.fused_decode) where the engine allows, else it runs under `torch.compile(fullgraph=True)`; on
 CUDA with the Triton kernels it replays from CUDA graphs (one per batch bucket, runner.engine.graphs); every
-other step runs eagerly through the same modules.
+other step runs eagerly through the same modules (at TP > 1 on CPU, sequence-parallel between the row-parallel
+linears: SeqParallel).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from runner.errors import PmxError
 from runner.kernels import reference as ref
 from runner.kernels import torch_ops
 from runner.kernels.linear import Linear
-from runner.kernels.quant_linear import cat_weights, make_linear, pop_weight
+from runner.kernels.quant_linear import CPU_KERNEL_MAX_ROWS, cat_weights, make_linear, packed_args, pop_weight
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from runner.pmx.params import PmxParams, shard_file
 from runner.pmx.quant import is_quant_tensor, quantize, scheme_of, tensor_dtype
@@ -66,6 +67,8 @@ class EngineOptions:
     fused_decode: bool = True     # CPU float32: a step where every sequence decodes one token runs as one C++ call
                                   # (runner.engine.fused_decode) where the model allows; False: the torch step
                                   # (compiled per --compile, or eager)
+    seq_parallel: bool = True     # CPU float32, TP > 1 on shared memory: steps on the torch path keep the residual
+                                  # stream cut by rows between the ranks (SeqParallel); the same bits either way
 
     def __post_init__(self):
         if self.cache_layout not in (0, 1, 2, 3):
@@ -151,15 +154,48 @@ def pick_kernels(kind: str, device: torch.device):
     return triton_ops
 
 
+class SeqParallel:
+    """Sequence parallelism between the row-parallel linears (as Megatron's, on the ranks' shared memory), for the
+    steps of the torch path at TP > 1 on CPU: each rank keeps the residual stream of its own rows only
+    (comm.SharedMemory.rows), and the all-reduce of a row-parallel linear's partial sums, the residual add and the
+    next RMSNorm become one `reduce_norm`, whose output every rank's next linear reads in place. A rank moves about a
+    third of the bytes of all-reduce + norm and norms 1/N of the rows; the logits are the same bits."""
+
+    def __init__(self, shm, comm, ops):
+        self.shm, self.comm, self.ops = shm, comm, ops
+
+    def partial(self, lin, x: torch.Tensor) -> torch.Tensor:
+        """x W_r^T of a row-parallel layer's linear `lin`: this rank's partial sum, written straight into its shared
+        area where the kernel takes an output buffer (else reduce_norm copies it there)."""
+        args, m = packed_args(lin), x.shape[0]
+        if args is None or x.dim() != 2 or not self.shm.fits(m, lin.out_features):
+            return lin(x)
+        out = self.shm.partial(m, lin.out_features)
+        torch.ops.pmx_cpu.linear_into_(x.contiguous(), *args, lin.out_features, CPU_KERNEL_MAX_ROWS, out)
+        return out
+
+    def norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
+        """(rms_norm(sum of x + residual) of every row, this rank's rows of that residual); residual None: x is
+        the embedding, whole on every rank."""
+        if residual is None:
+            y, r = self.ops.skip_rms_norm(x, None, weight, eps)
+            return y, r[self.shm.rows(x.shape[0])].contiguous()
+        with self.comm.guard("all_reduce"):
+            return self.shm.reduce_norm(x, residual, weight, eps), residual
+
+
 class SkipRMSNorm(nn.Module):
-    """(norm(x + residual), x + residual): the residual add fused with RMSNorm."""
+    """(norm(x + residual), x + residual): the residual add fused with RMSNorm; with `sp`, x holds the ranks'
+    partial sums and the residual this rank's rows (SeqParallel.norm)."""
 
     def __init__(self, weight: torch.Tensor, eps: float, ops):
         super().__init__()
         self.register_buffer("weight", weight, persistent=False)
         self.eps, self.ops = eps, ops
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, sp: Optional[SeqParallel] = None):
+        if sp is not None:
+            return sp.norm(x, residual, self.weight, self.eps)
         return self.ops.skip_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -176,7 +212,8 @@ class Attention(nn.Module):
         self.register_buffer("k_norm", k_norm, persistent=False)
         self.eps, self.window, self.options, self.ops = eps, sliding_window, options, ops
 
-    def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None
+                ) -> torch.Tensor:
         q, k, v = self._qkv_stored(x, plan, cache)                                # (T, H|KV|KV, D)
         if plan.packed is not None:
             out = self._packed(q, plan, cache)
@@ -188,7 +225,7 @@ class Attention(nn.Module):
                 rows = slice(g.row0, g.row0 + g.n * g.seqlen)
                 parts.append(self._prefill(q[rows], k[rows], v[rows], g, cache))
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.wo(out)                                                       # (T, hidden)
+        return self.wo(out, sp=sp)                                                # (T, hidden)
 
     def _qkv_stored(self, x, plan, cache):
         """q, k, v (T, H|KV|KV, D) of the new tokens, q and k rotated, k and v written to the cache."""
@@ -282,15 +319,16 @@ class FeedForward(nn.Module):
         super().__init__()
         self.gate_up, self.w2, self.ops = nn.ModuleList(gate_up), w2, ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sp: Optional[SeqParallel] = None) -> torch.Tensor:
+        w2 = self.w2 if sp is None else partial(self.w2, sp=sp)  # (sp: w2 is row-parallel; an expert's is plain)
         if len(self.gate_up) == 1:
             gate_up = self.gate_up[0](x)
             if getattr(self.w2, "takes_swiglu", None) is not None and self.w2.takes_swiglu(gate_up):
-                return self.w2(gate_up, swiglu=True)  # SwiGLU computed as the down projection loads its input
+                return w2(gate_up, swiglu=True)  # SwiGLU computed as the down projection loads its input
             gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = (lin(x) for lin in self.gate_up)
-        return self.w2(self.ops.swiglu(gate, up))
+        return w2(self.ops.swiglu(gate, up))
 
 
 class MoE(nn.Module):
@@ -303,7 +341,7 @@ class MoE(nn.Module):
         self.register_buffer("router", router, persistent=False)
         self.experts, self.top_k, self.comm = nn.ModuleList(experts), top_k, comm
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, sp: None = None) -> torch.Tensor:  # (a MoE model runs without SeqParallel)
         probs = F.linear(h, self.router).float().softmax(-1)                     # (T, E)
         weight, chosen = probs.topk(self.top_k, dim=-1)                           # (T, k)
         weight = (weight / weight.sum(-1, keepdim=True)).to(h.dtype)
@@ -320,10 +358,12 @@ class Block(nn.Module):
         self.attention_norm, self.attention = attention_norm, attention
         self.ffn_norm, self.feed_forward = ffn_norm, feed_forward
 
-    def forward(self, x, residual, plan: StepPlan, cache: KVCache):
-        h, residual = self.attention_norm(x, residual)
-        h, residual = self.ffn_norm(self.attention(h, plan, cache), residual)
-        return self.feed_forward(h), residual
+    def forward(self, x, residual, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None):
+        """(the MLP's output, the residual stream): with `sp`, partial sums the next norm reduces and this rank's
+        rows of the residual."""
+        h, residual = self.attention_norm(x, residual, sp)
+        h, residual = self.ffn_norm(self.attention(h, plan, cache, sp), residual, sp)
+        return self.feed_forward(h, sp), residual
 
 
 class Transformer(nn.Module):
@@ -404,6 +444,7 @@ class Transformer(nn.Module):
                 if isinstance(m, Linear) and m.kernel == "plain" and m.weight.dtype in (torch.float16, torch.bfloat16):
                     m.use_small_rows(ops.decode_linear, ops.DECODE_LINEAR_ROWS)
         self._fused = fused_decode(self)  # the decode step in one C++ call (CPU), or None
+        self._sp = self._seq_parallel()
         self._compiled = self._compile_decode(num_params)
         # (B == 1, no row table, no mask, one page): the graphs compiled so far (size 1 specialises)
         self._compiled_variants = set()
@@ -496,16 +537,33 @@ class Transformer(nn.Module):
                 return logits
             with self.comm.guard("decode step"):
                 return self._compiled(tokens, plan, cache)
-        return self._run(tokens, plan, cache)
+        sp = self._sp if self._sp is not None and self._sp.shm.fits(tokens.shape[0], self.params.hidden_dim) else None
+        return self._run(tokens, plan, cache, sp)
 
-    def _run(self, tokens: torch.Tensor, plan: StepPlan, cache: KVCache) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None
+             ) -> torch.Tensor:
         x, residual = self.tok_embeddings(tokens), None                            # (T, hidden)
         for layer in self.layers:
-            x, residual = layer(x, residual, plan, cache)
-        if plan.last is not None:
-            x, residual = x[plan.last], residual[plan.last]                         # (B, hidden)
-        h, _ = self.norm(x, residual)
+            x, residual = layer(x, residual, plan, cache, sp)
+        if sp is not None:  # the final norm reduces the last partial sums (every row, each rank its own)
+            h, _ = self.norm(x, residual, sp)
+            h = h if plan.last is None else h[plan.last]                           # (B, hidden)
+        else:
+            if plan.last is not None:
+                x, residual = x[plan.last], residual[plan.last]                     # (B, hidden)
+            h, _ = self.norm(x, residual)
         return self.output(h)[:, : self.params.vocab_size].float()
+
+    def _seq_parallel(self) -> Optional[SeqParallel]:
+        """Sequence parallelism for the torch path's steps (EngineOptions.seq_parallel), or None: it needs TP > 1 on
+        the ranks' shared memory, float32 on CPU with the fast torch kernels, and row-parallel linears without
+        biases (a bias is added once, after the all-reduce) in a dense model."""
+        p, shm = self.params, getattr(self.comm, "shm", None)
+        if (not self.options.seq_parallel or shm is None or self.comm.world_size == 1 or self.device.type != "cpu"
+                or self.dtype != torch.float32 or self.ops is not torch_ops or p.o_bias or p.ffn_bias
+                or p.num_experts):
+            return None
+        return SeqParallel(shm, self.comm, self.ops)
 
     def _cuda_graphs(self) -> Optional[DecodeGraphs]:
         """The CUDA graphs of the decode step, or None: they need CUDA, the Triton kernels (the decode attention
@@ -534,7 +592,8 @@ class Transformer(nn.Module):
         # gets a code object of its own: another engine in the process (other constants, same shapes) can never
         # reuse its graphs. cpp_wrapper: the graph's ~110 kernel and op calls are made from C++, not Python
         # (another ~0.3 ms a step, measured; the same cold compile time).
-        run = MethodType(FunctionType(Transformer._run.__code__.replace(), Transformer._run.__globals__, "_run"), self)
+        run = MethodType(FunctionType(Transformer._run.__code__.replace(), Transformer._run.__globals__, "_run",
+                                      Transformer._run.__defaults__), self)
         compiled = torch.compile(run, fullgraph=True,
                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                                           "cpp_wrapper": True})

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -47,29 +48,7 @@ Linear make_linear(const at::Tensor& w, const at::Tensor& scale, const at::Tenso
                    int64_t n, int64_t index) {
   Linear l;
   l.weight = w, l.scale = scale, l.bias = bias;
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(0) * NB >= n && (w.size(0) - 1) * NB < n,
-              "DecodeModel: linear ", index, ": packed weight must be contiguous [N/64, ., .] for N=", n);
-  l.p.w = w.data_ptr(), l.p.kind = kind, l.p.group = group, l.p.n = n, l.p.blocks = w.size(0);
-  if (kind == 32) {
-    TORCH_CHECK(w.scalar_type() == at::kFloat && w.size(2) == NB, "DecodeModel: linear ", index,
-                ": float32 blocks [N/64, K, 64] expected");
-    l.p.k = w.size(1);
-  } else if (kind == 8) {
-    TORCH_CHECK(w.scalar_type() == at::kChar && w.size(2) == NB && scale.scalar_type() == at::kFloat &&
-                    scale.is_contiguous() && scale.numel() == n,
-                "DecodeModel: linear ", index, ": int8 blocks [N/64, K, 64] and float32 scales [N] expected");
-    l.p.k = w.size(1), l.p.scale = scale.data_ptr<float>();
-  } else {
-    TORCH_CHECK(kind == 4, "DecodeModel: linear ", index, ": kind must be 32, 8 or 4, got ", kind);
-    const int64_t rows_per_k = pmx_cpu::int4_layout(group) == 1 ? 2 : 1;
-    l.p.k = w.size(1) * rows_per_k;
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) == NB * rows_per_k / 2 && group > 0 && l.p.k % group == 0 &&
-                    scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
-                    scale.size(0) == l.p.k / group && scale.size(1) == w.size(0) * NB,
-                "DecodeModel: linear ", index, ": int4 blocks of layout ", rows_per_k - 1, " and float32 scales [K/G, ",
-                "N/64*64] expected for groups of ", group);
-    l.p.scale = scale.data_ptr<float>();
-  }
+  l.p = pmx_cpu::packed_linear(w, scale, kind, group, n, "DecodeModel: linear " + std::to_string(index));
   if (bias.numel() > 0) {
     TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == n, "DecodeModel: linear ",
                 index, ": bias must be contiguous float32 [", n, "]");

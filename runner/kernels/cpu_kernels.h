@@ -8,6 +8,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <string>
 
 namespace pmx_cpu {
 
@@ -19,6 +20,11 @@ struct PackedLinear {
   const float* scale = nullptr;
   int64_t kind = 32, group = 0, n = 0, k = 0, blocks = 0;
 };
+
+// The PackedLinear of a packed weight `w` (and `scale`) of kind 32 / 8 / 4 for N = n outputs, after checking that
+// the tensors have that kind's layout (errors begin with `what`). Points into the tensors: the caller keeps them.
+PackedLinear packed_linear(const at::Tensor& w, const at::Tensor& scale, int64_t kind, int64_t group, int64_t n,
+                           const std::string& what);
 
 // y [M, N] = x [M, K] W^T, with what the linear op of the layer's kind runs at M rows: linear_f32 / linear_int8 /
 // linear_int4, and for the quantised kinds above `dequant_above` rows linear_dequant (prefill sizes).

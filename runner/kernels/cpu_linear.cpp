@@ -503,6 +503,34 @@ int64_t int4_layout(int64_t group_size) {
   return 0;
 }
 
+PackedLinear packed_linear(const at::Tensor& w, const at::Tensor& scale, int64_t kind, int64_t group, int64_t n,
+                           const std::string& what) {
+  PackedLinear p;
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(0) * NB >= n && (w.size(0) - 1) * NB < n, what,
+              ": packed weight must be contiguous [N/64, ., .] for N=", n);
+  p.w = w.data_ptr(), p.kind = kind, p.group = group, p.n = n, p.blocks = w.size(0);
+  if (kind == 32) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.size(2) == NB, what, ": float32 blocks [N/64, K, 64] expected");
+    p.k = w.size(1);
+  } else if (kind == 8) {
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.size(2) == NB && scale.scalar_type() == at::kFloat &&
+                    scale.is_contiguous() && scale.numel() == n,
+                what, ": int8 blocks [N/64, K, 64] and float32 scales [N] expected");
+    p.k = w.size(1), p.scale = scale.data_ptr<float>();
+  } else {
+    TORCH_CHECK(kind == 4, what, ": kind must be 32, 8 or 4, got ", kind);
+    const int64_t rows_per_k = int4_layout(group) == 1 ? 2 : 1;
+    p.k = w.size(1) * rows_per_k;
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) == NB * rows_per_k / 2 && group > 0 && p.k % group == 0 &&
+                    scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
+                    scale.size(0) == p.k / group && scale.size(1) == w.size(0) * NB,
+                what, ": int4 blocks of layout ", rows_per_k - 1, " and float32 scales [K/G, N/64*64] expected for ",
+                "groups of ", group);
+    p.scale = scale.data_ptr<float>();
+  }
+  return p;
+}
+
 void linear_into(const PackedLinear& lin, const float* x, int64_t M, float* y, int64_t dequant_above) {
   if (lin.kind == 32) {
     f32_into(x, M, lin.k, static_cast<const float*>(lin.w), lin.blocks, lin.n, y);
@@ -517,12 +545,30 @@ void linear_into(const PackedLinear& lin, const float* x, int64_t M, float* y, i
 
 }  // namespace pmx_cpu
 
+namespace {
+
+// out [M, n] = x [M, K] W^T into a given buffer (runner.engine.model.SeqParallel: a shared-memory area), on the packed
+// weight of any kind, with what the kind's own op runs at M rows.
+void linear_into_(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t kind, int64_t group,
+                  int64_t n, int64_t dequant_above, at::Tensor out) {
+  const pmx_cpu::PackedLinear p = pmx_cpu::packed_linear(w, scale, kind, group, n, "linear_into_");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == p.k,
+              "linear_into_: x must be contiguous float32 [M, ", p.k, "]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == x.size(0) * n,
+              "linear_into_: out must be contiguous float32 of ", x.size(0), " x ", n, " elements");
+  pmx_cpu::linear_into(p, x.data_ptr<float>(), x.size(0), out.data_ptr<float>(), dequant_above);
+}
+
+}  // namespace
+
 TORCH_LIBRARY(pmx_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor w, int n) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");
   m.def("linear_dequant(Tensor x, Tensor w, Tensor scale, int method, int group_size, int n) -> Tensor");
   m.def("int4_layout(int group_size) -> int", &pmx_cpu::int4_layout);
+  m.def("linear_into_(Tensor x, Tensor w, Tensor scale, int kind, int group, int n, int dequant_above, "
+        "Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) {
@@ -530,4 +576,5 @@ TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) {
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
   m.impl("linear_dequant", &linear_dequant);
+  m.impl("linear_into_", &linear_into_);
 }

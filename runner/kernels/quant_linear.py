@@ -183,6 +183,20 @@ class QuantLinear(torch.nn.Module):
         return F.linear(x, dequantize(self.qweight, self.scale, self.method, x.dtype))
 
 
+def packed_args(lin) -> Optional[tuple]:
+    """(packed weight, scale, kind, group) of a linear layer on this project's packed CPU kernels, as the C++ callers
+    take them (runner/kernels/cpu_kernels.h, PackedLinear: kind 32 float32 with an empty scale, 8 int8, 4 int4 with
+    its group size), or None for a layer on another kernel."""
+    if isinstance(lin, Linear) and lin.kernel == "pmx":
+        return lin.packed, _NO_SCALE, 32, 0
+    if isinstance(lin, QuantLinear) and lin.kernel == "cpu":
+        return lin.qweight, lin.scale, 8 if lin.method == "int8" else 4, lin.group_size if lin.method == "int4" else 0
+    return None
+
+
+_NO_SCALE = torch.empty(0)
+
+
 def make_linear(weight, bias: Optional[torch.Tensor] = None, prepack: bool = True) -> torch.nn.Module:
     """The layer for `weight`: a float tensor (runner.kernels.linear.Linear) or a :class:`QuantWeight`."""
     if isinstance(weight, QuantWeight):

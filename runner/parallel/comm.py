@@ -40,6 +40,7 @@ DEFAULT_TIMEOUT_S = 30.0
 TIMEOUT_ENV = "PMX_COLLECTIVE_TIMEOUT"
 SHM_ENV = "PMX_SHM_COMM"       # 0: the CPU communicators never use shared memory (mpi4py / gloo only)
 SHM_SLOT_BYTES = 4 << 20       # per rank and parity: larger collectives go in chunks of this size
+SHM_AREA_BYTES = 8 << 20       # per area of reduce_norm (world + 1 areas): the most floats [M, D] it takes
 PROCESS_GROUP_TIMEOUT = timedelta(days=1)  # torch.distributed's own deadline; the watchdog enforces ours
 
 
@@ -153,28 +154,36 @@ def _cat_gathered(flat: torch.Tensor, world: int, t: torch.Tensor, dim: int) -> 
 
 
 class SharedMemory:
-    """All-reduce and all-gather between the ranks of one machine through a workspace every rank maps
+    """All-reduce, all-gather and reduce_norm between the ranks of one machine through a workspace every rank maps
     (runner/kernels/cpu_comm.cpp). Made by :meth:`open`; None there (on every rank alike) where the ranks are not
     all on this machine, the C++ extension is missing, /dev/shm cannot be used or PMX_SHM_COMM=0.
 
     The communicator's watchdog (which a wait lets run: the C++ wait releases the GIL) ends a job whose peer
     hangs, with its message; the wait's own deadline, `deadline_s`, is a backstop behind it."""
 
-    def __init__(self, workspace: torch.Tensor, rank: int, world: int, deadline_s: float):
-        self.workspace, self.rank, self.world, self.deadline_s = workspace, rank, world, deadline_s
+    def __init__(self, workspace: torch.Tensor, region: torch.Tensor, area: int, rank: int, world: int,
+                 deadline_s: float):
+        self.workspace, self.region, self.area = workspace, region, area
+        self.rank, self.world, self.deadline_s = rank, world, deadline_s
 
     @classmethod
     def open(cls, rank: int, world: int, bcast, all_true, on_one_machine: bool, deadline_s: float,
-             environ=os.environ, slot_bytes: int = SHM_SLOT_BYTES) -> Optional["SharedMemory"]:
+             environ=os.environ, slot_bytes: int = SHM_SLOT_BYTES, area_bytes: int = SHM_AREA_BYTES
+             ) -> Optional["SharedMemory"]:
         """Collective: every rank calls it. `bcast(obj)` returns rank 0's obj on every rank, `all_true(flag)`
         whether every rank's flag is true. The file is unlinked as soon as all ranks have mapped it, so nothing
-        is left in /dev/shm however the job ends."""
+        is left in /dev/shm however the job ends. Pages are only used as collectives touch them, but /dev/shm
+        must have room for the whole file (a page past a full tmpfs would kill the rank with SIGBUS)."""
         if not all_true(on_one_machine and environ.get(SHM_ENV, "1") != "0" and cpu_ops() is not None):
             return None
-        size = cpu_ops().shm_header_bytes() + 2 * world * slot_bytes
+        slots = cpu_ops().shm_header_bytes() + 2 * world * slot_bytes
+        size = slots + (world + 1) * area_bytes
         path = None
         if rank == 0:
             try:
+                st = os.statvfs("/dev/shm")
+                if st.f_bavail * st.f_frsize < size:
+                    raise OSError("not enough room")
                 fd, path = tempfile.mkstemp(prefix="pmx-comm-", dir="/dev/shm")
                 os.ftruncate(fd, size)
                 os.close(fd)
@@ -193,7 +202,8 @@ class SharedMemory:
             os.unlink(path)
         if not mapped:
             return None
-        return cls(torch.frombuffer(mm, dtype=torch.uint8), rank, world, deadline_s)  # the tensor keeps `mm` alive
+        mapping = torch.frombuffer(mm, dtype=torch.uint8)  # (the tensor keeps `mm` alive)
+        return cls(mapping[:slots], mapping[slots:], area_bytes, rank, world, deadline_s)
 
     def all_reduce_(self, t: torch.Tensor) -> None:
         torch.ops.pmx_cpu.shm_all_reduce_(t, self.workspace, self.rank, self.world, self.deadline_s)
@@ -201,6 +211,33 @@ class SharedMemory:
     def all_gather(self, flat: torch.Tensor) -> torch.Tensor:
         """[numel] of each rank -> [world * numel], rank-major."""
         return torch.ops.pmx_cpu.shm_all_gather(flat, self.workspace, self.rank, self.world, self.deadline_s)
+
+    def rows(self, m: int) -> slice:
+        """This rank's rows of an m-row reduce_norm: a contiguous 1/world of them (as cpu_comm.cpp's rows_of_rank)."""
+        per = -(-m // self.world)
+        first = min(m, self.rank * per)
+        return slice(first, min(m, first + per))
+
+    def partial(self, m: int, d: int) -> torch.Tensor:
+        """This rank's partial area as float32 [m, d]: a caller that writes its partial sum here saves reduce_norm
+        the copy."""
+        return self.region[self.rank * self.area: self.rank * self.area + m * d * 4].view(torch.float32).view(m, d)
+
+    def fits(self, m: int, d: int) -> bool:
+        """Whether reduce_norm takes [m, d] float32."""
+        return m * d * 4 <= self.area
+
+    def reduce_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                    ) -> torch.Tensor:
+        """Sequence parallelism's step between two row-parallel linears: with every rank's partial [M, D] summed,
+        `residual` (this rank's rows, float32 [len(rows(M)), D]) += that sum on those rows, in place; returns the
+        RMSNorm of every row's residual (weight `weight`), [M, D] float32 read in place from the shared area: valid
+        until the next reduce_norm. Bit for bit all_reduce_ and skip_rms_norm on those rows."""
+        m, d = partial.shape
+        torch.ops.pmx_cpu.shm_reduce_norm_(partial, residual, weight, eps, self.workspace, self.region, self.area,
+                                           self.rank, self.world, self.deadline_s)
+        start = self.world * self.area
+        return self.region[start: start + m * d * 4].view(torch.float32).view(m, d)
 
 
 def _guarded(dog: "Watchdog", what: str, collective, *args):
@@ -329,11 +366,6 @@ class TorchComm:
         self._ops = {"all_reduce": dist.all_reduce, "all_gather": gather, "broadcast": dist.broadcast,
                      "barrier": dist.barrier}
         self._shm = self._shared_memory(timeout_s, environ) if device.type == "cpu" else None
-
-    @property
-    def shm(self) -> Optional[SharedMemory]:
-        """The ranks' shared-memory workspace on CPU (C++ callers run their collectives on it), or None."""
-        return self._shm
 
     def _shared_memory(self, timeout_s: float, environ) -> Optional[SharedMemory]:
         dist = self.dist

@@ -38,8 +38,15 @@ class RowParallelLinear(nn.Module):
         """Whether forward(x, swiglu=True) runs: x is a fused gate/up output its kernel activates as it loads."""
         return getattr(self.linear, "takes_swiglu", None) is not None and self.linear.takes_swiglu(x)
 
-    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-        y = self.comm.all_reduce_(self.linear(x, swiglu=True) if swiglu else self.linear(x))
+    def forward(self, x: torch.Tensor, swiglu: bool = False, sp=None) -> torch.Tensor:
+        """x W_r^T, all-reduced, plus the bias; with `sp` (runner.engine.model.SeqParallel: no bias) this rank's
+        partial sum, which sp's next norm reduces (written straight into its shared area where the kernel can)."""
+        if sp is not None and not swiglu:
+            return sp.partial(self.linear, x)
+        y = self.linear(x, swiglu=True) if swiglu else self.linear(x)
+        if sp is not None:
+            return y
+        y = self.comm.all_reduce_(y)
         return y if self.bias is None else y + self.bias
 
 
