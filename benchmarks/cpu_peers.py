@@ -561,13 +561,13 @@ def tp_paired(shape: str = "gqa", pairs: int = 12, tokens: int = 64, threads: in
                           "--tokens", tokens, "--engine_options", opts]
             env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads // n))}
             jobs[n] = (ctl, subprocess.Popen([str(c) for c in cmd], env=env, cwd=REPO, start_new_session=True))
+        count = {1: 0, 2: 0}  # commands sent to each job
         try:
             for n, (ctl, proc) in jobs.items():  # loaded one after the other: their warm-ups do not overlap
                 while not (ctl / "ready").exists():
                     if proc.poll() is not None:
                         raise SystemExit(f"tp_paired: the TP={n} job exited ({proc.returncode}) before it was ready")
                     time.sleep(0.05)
-            count = {1: 0, 2: 0}
 
             def measure(n: int, metric: str) -> float:
                 ctl, proc = jobs[n]
@@ -595,8 +595,9 @@ def tp_paired(shape: str = "gqa", pairs: int = 12, tokens: int = 64, threads: in
                       file=sys.stderr, flush=True)
         finally:
             for n, (ctl, proc) in jobs.items():
-                count_n = len(list(ctl.glob("cmd.*")))
-                (ctl / f"cmd.{count_n}").write_text("quit")
+                k = count[n]
+                (ctl / f"cmd.{k}.tmp").write_text("quit")
+                (ctl / f"cmd.{k}.tmp").rename(ctl / f"cmd.{k}")
             for n, (ctl, proc) in jobs.items():
                 try:
                     proc.wait(timeout=30)

@@ -7,9 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT
 from jobs import has_open_mpi, launch_cmd, run_job
+from runner.kernels.cpu_ext import cpu_ops
+from runner.parallel.comm import SharedMemory
 
 OPEN_MPI = pytest.param("openmpi", marks=pytest.mark.skipif(not has_open_mpi(), reason="Open MPI is not installed"))
 
@@ -72,3 +75,18 @@ def test_nccl_needs_a_gpu_per_rank_on_a_machine():
     check_gpus_for_nccl(two, gpus=2)
     check_gpus_for_nccl(LaunchEnv("mpi", 3, 4, 1, 2), gpus=2)
     check_gpus_for_nccl(LaunchEnv("single", 0, 1, 0, 1), gpus=1)
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="this project's CPU extension could not be built here")
+def test_shared_memory_without_room_for_the_reduce_norm_areas_keeps_the_collectives(capfd):
+    """/dev/shm too small for the areas of sequence parallelism (a page touched past a full tmpfs kills the rank):
+    the workspace keeps its all-reduce and all-gather slots, takes no reduce_norm, and rank 0 says why."""
+    before = _shm_files()
+    shm = SharedMemory.open(0, 1, lambda obj: obj, bool, True, 5.0, area_bytes=1 << 50)
+    assert shm is not None and shm.area == 0 and not shm.fits(1, 1)
+    t = torch.arange(5.0)
+    shm.all_reduce_(t)
+    assert torch.equal(t, torch.arange(5.0)) and torch.equal(shm.all_gather(t), t)
+    err = capfd.readouterr().err
+    assert "/dev/shm has no room for" in err and "without sequence parallelism" in err, err
+    assert _shm_files() <= before

@@ -89,7 +89,8 @@ def test_int8_cache_close_to_transformers(make_hf, tmp_path):
 def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun", env=None, comm_backend="auto",
            with_info=False):
     """Rank 0's logits [option sets, steps, B, V] of tests/tp_worker.py on n ranks; with_info: and, per option set,
-    which steps the engine took ({"fused_decode": bool, "seq_parallel": bool})."""
+    which steps the engine took ({"fused_decode": bool, "seq_parallel": bool, "reduce_norm": calls, "in_place":
+    calls whose partial was written in the shared area}: tests/tp_worker.py)."""
     out = tmp_path / f"logits-{launcher}-{n}-{uuid.uuid4().hex[:8]}.pt"
     worker = [str(ROOT / "tests" / "tp_worker.py"), str(pmx), str(out), json.dumps(options),
               json.dumps({"prompts": prompts, "conts": conts}), comm_backend]

@@ -104,10 +104,11 @@ def test_a_rank_that_hangs_makes_the_others_end_the_job_after_the_collective_tim
         os.kill(victim, signal.SIGSTOP)
         rc = ended_within(job, 2 + END_WITHIN, t0)
     assert rc != 0
-    # where it stopped: a prefill step's all-reduces or all-gathers (embedding, logits), or a decode step (its
-    # collectives run inside the one C++ call of runner.engine.fused_decode, watched as a whole)
+    # where it stopped: a prefill step's reduce_norms (sequence parallelism) or all-gathers (embedding, logits), or a
+    # decode step (its collectives run inside the one C++ call of runner.engine.fused_decode, watched as a whole)
     lines = error_lines(job.stderr, 0)
-    assert len(lines) == 1 and re.fullmatch(r"rank 0: error: (all_(reduce|gather)|decode step) did not complete within 2s "
+    assert len(lines) == 1 and re.fullmatch(r"rank 0: error: (all_(reduce|gather)|reduce_norm|decode step) did not "
+                                            r"complete within 2s "
                                             r"\(--collective_timeout\); another rank has probably died or hung",
                                             lines[0]), job.stderr
 

@@ -3,8 +3,8 @@
 Used by the tests: prefill of several prompts of different lengths packed in one step, then decode
 steps fed with given tokens (teacher forcing), so logits can be compared with transformers' and with
 TP=1. Usage: python tests/tp_worker.py CKPT OUT.pt '[{"cache_layout": 2, ...}, ...]' PROMPTS_JSON [COMM_BACKEND]
-(saves [option sets, steps, B, V] on the CPU, and in OUT.pt.json which step each engine took: one-call decode,
-sequence parallelism)
+(saves [option sets, steps, B, V] on the CPU, and in OUT.pt.json which steps each engine took: one-call decode,
+sequence parallelism, with its collectives counted and how many found the partial sums already in place)
 """
 
 from __future__ import annotations
@@ -58,8 +58,18 @@ def main(ckpt: str, out: str, options: str, prompts: str, comm_backend: str = "a
     results, info = [], []
     for opts in option_sets:  # one launch, every option set: the same shard under each engine setting
         model = Transformer(sess.model.params, _weights(ckpt, sess), sess.comm, EngineOptions(**opts))
+        calls = {"reduce_norm": 0, "in_place": 0}
+        shm = getattr(sess.comm, "shm", None)
+        if shm is not None:  # count sequence parallelism's collectives, and the partials already in the shared area
+            def counted(partial, *args, _run=shm.reduce_norm):
+                calls["reduce_norm"] += 1
+                calls["in_place"] += partial.data_ptr() == shm.partial(*partial.shape).data_ptr()
+                return _run(partial, *args)
+            shm.reduce_norm = counted
         results.append(torch.stack(teacher_forced_logits(model, spec["prompts"], spec["conts"])))
-        info.append({"fused_decode": model._fused is not None, "seq_parallel": model._sp is not None})
+        if shm is not None:
+            del shm.reduce_norm
+        info.append({"fused_decode": model._fused is not None, "seq_parallel": model._sp is not None, **calls})
     if sess.is_main:
         torch.save(torch.stack(results).cpu(), out)
         with open(out + ".json", "w") as f:

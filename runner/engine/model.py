@@ -180,7 +180,7 @@ class SeqParallel:
         if residual is None:
             y, r = self.ops.skip_rms_norm(x, None, weight, eps)
             return y, r[self.shm.rows(x.shape[0])].contiguous()
-        with self.comm.guard("all_reduce"):
+        with self.comm.guard("reduce_norm"):
             return self.shm.reduce_norm(x, residual, weight, eps), residual
 
 

@@ -17,8 +17,10 @@
 // residual of those rows (which only this rank keeps), applies RMSNorm, writes the rows' normed output into the
 // normed area and waits for all again; every rank then reads all M normed rows in place as its next linear's input.
 // Against all_reduce_ + skip_rms_norm on every row, a rank moves about a third of the bytes and norms 1/N of the rows,
-// and the results are the same bits. A rank writes the areas again only in its next reduce_norm, and passes that
-// call's first wait only when every rank has arrived there, that is has finished reading this call's areas.
+// and the results are the same bits. The rank's next writes to the areas come after this call's second wait, which
+// every rank passes only once it has read the other ranks' partials: its GEMM into its partial area (the caller may
+// write the partial there itself, saving the copy), then its rows of the normed area in the next call, after that
+// call's first wait, which every rank reaches only once its linear has read this call's normed rows.
 //
 // Waiting spins (pause), then yields the core (sched_yield: ranks may outnumber cores), and, while it waits,
 // lets other Python threads run (the GIL is released, so the communicator's watchdog can end a job whose peer
@@ -185,23 +187,28 @@ void shm_reduce_norm_(const at::Tensor& partial, at::Tensor residual, const at::
   float* normed = reinterpret_cast<float*>(reg + world * area);
   if (partial.data_ptr<float>() != part(rank)) std::memcpy(part(rank), partial.data_ptr<float>(), M * D * 4);
   const int64_t seq = __atomic_load_n(w.counter(rank), __ATOMIC_RELAXED) + 1;
-  arrive_and_wait(w, seq, timeout_s, "all_reduce");
+  arrive_and_wait(w, seq, timeout_s, "reduce_norm");
   float* mine = part(rank) + r0 * D;  // my rows of my partial area: nobody else reads them
-  if (world > 1) {
-    const float *p0 = part(0), *p1 = part(1);
-    float* pm = part(rank);
+  if (world > 1) {  // (p0 + p1) + p2 ...: all_reduce_'s order, in runs of CHUNK (my area is one of the inputs)
+    constexpr int64_t CHUNK = 1024;
     at::parallel_for(r0 * D, r1 * D, 16384, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {  // (p0 + p1) + p2 ...: all_reduce_'s order
-        float acc = p0[i] + p1[i];
-        for (int64_t r = 2; r < world; ++r) acc += part(r)[i];
-        pm[i] = acc;
+      float acc[CHUNK];
+      for (int64_t c0 = i0; c0 < i1; c0 += CHUNK) {
+        const int64_t n = std::min(CHUNK, i1 - c0);
+        const float *p0 = part(0) + c0, *p1 = part(1) + c0;
+        for (int64_t i = 0; i < n; ++i) acc[i] = p0[i] + p1[i];
+        for (int64_t r = 2; r < world; ++r) {
+          const float* pr = part(r) + c0;
+          for (int64_t i = 0; i < n; ++i) acc[i] += pr[i];
+        }
+        std::memcpy(part(rank) + c0, acc, n * sizeof(float));
       }
     });
   }
   float* res = residual.data_ptr<float>();
   pmx_cpu::skip_rms_norm_into(mine, res, weight.data_ptr<float>(), r1 - r0, D, static_cast<float>(eps), res,
                               normed + r0 * D);
-  arrive_and_wait(w, seq + 1, timeout_s, "all_reduce");
+  arrive_and_wait(w, seq + 1, timeout_s, "reduce_norm");
 }
 
 int64_t shm_header_bytes() { return HEADER; }
@@ -234,7 +241,7 @@ TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
   m.def("shm_all_reduce_(Tensor(a!) t, Tensor ws, int rank, int world, float timeout_s) -> ()");
   m.def("shm_all_gather(Tensor t, Tensor ws, int rank, int world, float timeout_s) -> Tensor");
   m.def("shm_header_bytes() -> int", &shm_header_bytes);
-  m.def("shm_reduce_norm_(Tensor partial, Tensor(a!) residual, Tensor weight, float eps, Tensor ws, Tensor(b!) region, "
+  m.def("shm_reduce_norm_(Tensor(c!) partial, Tensor(a!) residual, Tensor weight, float eps, Tensor ws, Tensor(b!) region, "
         "int area, int rank, int world, float timeout_s) -> ()");
 }
 

@@ -22,6 +22,7 @@ import mmap
 import os
 import re
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -172,38 +173,42 @@ class SharedMemory:
              ) -> Optional["SharedMemory"]:
         """Collective: every rank calls it. `bcast(obj)` returns rank 0's obj on every rank, `all_true(flag)`
         whether every rank's flag is true. The file is unlinked as soon as all ranks have mapped it, so nothing
-        is left in /dev/shm however the job ends. Pages are only used as collectives touch them, but /dev/shm
-        must have room for the whole file (a page past a full tmpfs would kill the rank with SIGBUS)."""
+        is left in /dev/shm however the job ends. Pages are used only as collectives touch them; the reduce_norm
+        areas are added only where /dev/shm has room for the whole file (a page touched past a full tmpfs would
+        kill the rank with SIGBUS), else `area` is 0 and reduce_norm takes nothing (see `fits`)."""
         if not all_true(on_one_machine and environ.get(SHM_ENV, "1") != "0" and cpu_ops() is not None):
             return None
         slots = cpu_ops().shm_header_bytes() + 2 * world * slot_bytes
-        size = slots + (world + 1) * area_bytes
-        path = None
+        made = None  # (path, bytes per reduce_norm area)
         if rank == 0:
-            try:
+            try:  # the areas only where /dev/shm has room for the whole file (pages are used as they are touched)
                 st = os.statvfs("/dev/shm")
-                if st.f_bavail * st.f_frsize < size:
-                    raise OSError("not enough room")
+                area = area_bytes if st.f_bavail * st.f_frsize >= slots + (world + 1) * area_bytes else 0
                 fd, path = tempfile.mkstemp(prefix="pmx-comm-", dir="/dev/shm")
-                os.ftruncate(fd, size)
+                os.ftruncate(fd, slots + (world + 1) * area)
                 os.close(fd)
+                made = (path, area)
             except OSError:
-                path = None
-        path = bcast(path)
+                made = None
+        made = bcast(made)
         mm = None
-        if path is not None:
+        if made is not None:
             try:
-                with open(path, "r+b") as f:
-                    mm = mmap.mmap(f.fileno(), size)
+                with open(made[0], "r+b") as f:
+                    mm = mmap.mmap(f.fileno(), slots + (world + 1) * made[1])
             except OSError:
                 mm = None
         mapped = all_true(mm is not None)  # also: every rank has opened the file
-        if rank == 0 and path is not None:
-            os.unlink(path)
+        if rank == 0 and made is not None:
+            os.unlink(made[0])
         if not mapped:
             return None
+        if rank == 0 and made[1] == 0:
+            print(f"warning: /dev/shm has no room for {(world + 1) * area_bytes >> 20} MiB more of shared workspace: "
+                  f"prefill runs without sequence parallelism (a larger /dev/shm, e.g. docker --shm-size 1g, "
+                  f"gives it back)", file=sys.stderr, flush=True)
         mapping = torch.frombuffer(mm, dtype=torch.uint8)  # (the tensor keeps `mm` alive)
-        return cls(mapping[:slots], mapping[slots:], area_bytes, rank, world, deadline_s)
+        return cls(mapping[:slots], mapping[slots:], made[1], rank, world, deadline_s)
 
     def all_reduce_(self, t: torch.Tensor) -> None:
         torch.ops.pmx_cpu.shm_all_reduce_(t, self.workspace, self.rank, self.world, self.deadline_s)
@@ -225,14 +230,15 @@ class SharedMemory:
 
     def fits(self, m: int, d: int) -> bool:
         """Whether reduce_norm takes [m, d] float32."""
-        return m * d * 4 <= self.area
+        return 0 < m * d * 4 <= self.area
 
     def reduce_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                     ) -> torch.Tensor:
         """Sequence parallelism's step between two row-parallel linears: with every rank's partial [M, D] summed,
         `residual` (this rank's rows, float32 [len(rows(M)), D]) += that sum on those rows, in place; returns the
         RMSNorm of every row's residual (weight `weight`), [M, D] float32 read in place from the shared area: valid
-        until the next reduce_norm. Bit for bit all_reduce_ and skip_rms_norm on those rows."""
+        until the next reduce_norm. Bit for bit all_reduce_ and skip_rms_norm on those rows. A `partial` that is
+        :meth:`partial`'s area is not copied, and holds the sums on this rank's rows afterwards."""
         m, d = partial.shape
         torch.ops.pmx_cpu.shm_reduce_norm_(partial, residual, weight, eps, self.workspace, self.region, self.area,
                                            self.rank, self.world, self.deadline_s)

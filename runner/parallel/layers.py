@@ -41,6 +41,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, swiglu: bool = False, sp=None) -> torch.Tensor:
         """x W_r^T, all-reduced, plus the bias; with `sp` (runner.engine.model.SeqParallel: no bias) this rank's
         partial sum, which sp's next norm reduces (written straight into its shared area where the kernel can)."""
+        if sp is not None and self.bias is not None:
+            raise ValueError("a row-parallel linear with a bias adds it after the all-reduce: no sequence parallelism")
         if sp is not None and not swiglu:
             return sp.partial(self.linear, x)
         y = self.linear(x, swiglu=True) if swiglu else self.linear(x)
@@ -60,4 +62,4 @@ class ParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.comm.all_gather(F.embedding(ids, self.weight), dim=-1)
-        return x[..., : self.hidden_dim] if x.shape[-1] != self.hidden_dim else x
+        return x[..., : self.hidden_dim].contiguous() if x.shape[-1] != self.hidden_dim else x
