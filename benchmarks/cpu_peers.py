@@ -535,17 +535,20 @@ def tp_worker(model: str, ctl: str, tokens: int = 64, engine_options="{}") -> No
 
 
 def tp_paired(shape: str = "gqa", pairs: int = 12, tokens: int = 64, threads: int = 2, quant: str | None = None,
-              engine_options="{}", workdir: str = str(CACHE / "peers")) -> None:
+              metrics: str = ",".join(METRICS), engine_options="{}", workdir: str = str(CACHE / "peers")) -> None:
     """pmx-runner TP=2 (2 ranks x threads/2) against TP=1 (threads) at every point, in alternating slices: both
     jobs stay loaded and take turns, so each pair sees the same minute of the box. Prints the median of the
-    per-pair TP=2 / TP=1 ratios for decode at batch 1 and 16 and a 512-token prefill.
+    per-pair TP=2 / TP=1 ratios for decode at batch 1 and 16 and a 512-token prefill (`--metrics`: some of them).
 
         python benchmarks/cpu_peers.py tp_paired [--shape gqa|base] [--pairs 12] [--quant int8|int4]
+            [--metrics decode_b1,decode_b16,prefill_512]
     """
     import tempfile
     from runner.pmx.random_model import make_random_model
-    if shape not in SHAPES or quant not in (None, "int8", "int4"):
-        raise SystemExit("tp_paired: --shape base|gqa, --quant int8|int4 (or none)")
+    chosen = metrics.split(",") if isinstance(metrics, str) else list(metrics)
+    if shape not in SHAPES or quant not in (None, "int8", "int4") or not chosen or set(chosen) - set(METRICS):
+        raise SystemExit(f"tp_paired: --shape base|gqa, --quant int8|int4 (or none), --metrics some of "
+                         f"{','.join(METRICS)}")
     work = Path(workdir).expanduser() / shape
     if not (work / "hf" / "config.json").exists():
         make_random_model(str(work / "hf"), **SHAPES[shape], overwrite=True)
@@ -581,17 +584,17 @@ def tp_paired(shape: str = "gqa", pairs: int = 12, tokens: int = 64, threads: in
                     time.sleep(0.002)
                 return float((ctl / f"res.{k}").read_text())
 
-            ratios = {m: [] for m in METRICS}
-            rates = {(n, m): [] for n in (1, 2) for m in METRICS}
+            ratios = {m: [] for m in chosen}
+            rates = {(n, m): [] for n in (1, 2) for m in chosen}
             for i in range(pairs):
-                for m in METRICS:
+                for m in chosen:
                     order = (1, 2) if i % 2 == 0 else (2, 1)
                     got = {n: measure(n, m) for n in order}
                     for n in (1, 2):
                         rates[n, m].append(got[n])
                     ratios[m].append(got[2] / got[1])
                 print(f"pair {i + 1}/{pairs}: " + ", ".join(f"{m} TP1 {rates[1, m][-1]:.1f} TP2 {rates[2, m][-1]:.1f}"
-                                                           f" ({ratios[m][-1]:.3f})" for m in METRICS),
+                                                           f" ({ratios[m][-1]:.3f})" for m in chosen),
                       file=sys.stderr, flush=True)
         finally:
             for n, (ctl, proc) in jobs.items():
@@ -606,7 +609,7 @@ def tp_paired(shape: str = "gqa", pairs: int = 12, tokens: int = 64, threads: in
                     proc.wait()
     print(f"shape {shape}{' ' + quant if quant else ''}, {pairs} pairs, TP=2 ({max(1, threads // 2)} thread(s) a rank)"
           f" / TP=1 ({threads} threads):")
-    for m in METRICS:
+    for m in chosen:
         print(f"  {m}: TP1 {statistics.median(rates[1, m]):.1f}, TP2 {statistics.median(rates[2, m]):.1f} tok/s "
               f"(medians); ratio median {statistics.median(ratios[m]):.3f}, geometric mean "
               f"{statistics.geometric_mean(ratios[m]):.3f}, range {min(ratios[m]):.2f}-{max(ratios[m]):.2f}")
