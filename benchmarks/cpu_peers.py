@@ -22,11 +22,11 @@ load average at start and end. About 2 minutes a round for base on 2 cores, plus
         [--systems pmx1,pmx2,transformers,ct2,llama.cpp] [--engine_options '{"prepack": false}']
         [--json_path out/cpu_peers_SHAPE.json] [--workdir ~/.cache/pmx-runner/peers] [--llama_cpp DIR] [--install True]
     python benchmarks/cpu_peers.py paired [--shape base|gqa] [--pmx pmx1|pmx1-int8|pmx1-int4]
-        [--peer llama.cpp|llama.cpp-q8_0|llama.cpp-q4_0] [--pairs 12] [--tokens 64]
+        [--peer llama.cpp|llama.cpp-q8_0|llama.cpp-q4_0|ct2|ct2-int8] [--point decode_b1|prefill_512] [--pairs 12]
     python benchmarks/cpu_peers.py tp_paired [--shape gqa|base] [--pairs 12] [--quant int8|int4]
 
-`paired` measures batch-1 decode of pmx-runner TP=1 and llama.cpp in alternating slices of a few seconds and
-reports the median of the per-pair ratios: on a box whose memory bandwidth swings between rounds, this
+`paired` measures batch-1 decode (or a 512-token prefill) of pmx-runner TP=1 and one peer in alternating slices of
+a few seconds and reports the median of the per-pair ratios: on a box whose memory bandwidth swings between rounds, this
 resolves differences of a few percent that round medians cannot. `tp_paired` does the same for pmx-runner TP=2
 against TP=1 at every point (decode batch 1 and 16, prefill 512): both jobs stay loaded and take turns.
 
@@ -224,6 +224,10 @@ def _pip_install(package: str, module: str, a: dict) -> None:
 
 
 def _prepare_ct2(a: dict, quant: str = "float32"):
+    return _worker_round([], "ct2", _ct2_model(a, quant), a, a["threads"])
+
+
+def _ct2_model(a: dict, quant: str = "float32") -> Path:
     _pip_install("ctranslate2", "ctranslate2", a)
     out = a["work"] / ("ct2-f32" if quant == "float32" else f"ct2-{quant}")
     if not (out / "model.bin").exists():
@@ -235,7 +239,7 @@ def _prepare_ct2(a: dict, quant: str = "float32"):
         cfg.update(bos_token="<s>", eos_token="</s>", unk_token="<unk>")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         tmp.rename(out)
-    return _worker_round([], "ct2", out, a, a["threads"])
+    return out
 
 
 def _llama_cpp_source() -> Path:
@@ -432,16 +436,16 @@ def main(shape: str = "base", rounds: int = 5, threads: int = 2, decode_tokens: 
 
 
 def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pairs: int = 12, tokens: int = 64,
-           threads: int = 2, engine_options="{}", workdir: str = str(CACHE / "peers"), llama_cpp: str | None = None
-           ) -> None:
-    """Batch-1 decode of pmx-runner TP=1 against llama.cpp in alternating slices, a few seconds each: on a box
-    whose bandwidth swings from minute to minute, the median of per-pair ratios resolves what round medians
-    cannot. `pmx`: pmx1, pmx1-int8 or pmx1-int4; `peer`: llama.cpp, llama.cpp-q8_0 or llama.cpp-q4_0. Each slice
-    makes `tokens` tokens after an 8-token prompt (pmx-runner: generate(n + 1) - generate(1), in this process;
-    llama.cpp: llama-bench -n tokens -d 8 -r 1).
+           point: str = "decode_b1", threads: int = 2, engine_options="{}", workdir: str = str(CACHE / "peers"),
+           llama_cpp: str | None = None, install: bool = True) -> None:
+    """pmx-runner TP=1 against one peer in alternating slices, a few seconds each: on a box whose bandwidth swings
+    from minute to minute, the median of per-pair ratios resolves what round medians cannot. `pmx`: pmx1, pmx1-int8
+    or pmx1-int4; `peer`: llama.cpp, llama.cpp-q8_0, llama.cpp-q4_0, ct2 or ct2-int8; `point`: decode_b1 (`tokens`
+    tokens after an 8-token prompt: generate(n + 1) - generate(1) in this process, CTranslate2 likewise;
+    llama.cpp: llama-bench -n tokens -d 8 -r 1) or prefill_512 (two 512-token prompts; llama-bench -p 512 -n 0).
 
         python benchmarks/cpu_peers.py paired [--shape base|gqa] [--pmx pmx1-int4] [--peer llama.cpp-q4_0]
-            [--pairs 12] [--tokens 64]
+            [--point decode_b1|prefill_512] [--pairs 12] [--tokens 64]
     """
     import torch
     from runner.engine.generator import Generator
@@ -449,58 +453,86 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
     from runner.engine.session import open_session
     from runner.pmx.random_model import make_random_model
     quant = pmx.split("-", 1)[1] if "-" in pmx else None
-    if shape not in SHAPES or pmx not in ("pmx1", "pmx1-int8", "pmx1-int4") or \
-            peer not in ("llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0"):
-        raise SystemExit("paired: --shape base|gqa, --pmx pmx1|pmx1-int8|pmx1-int4, "
-                         "--peer llama.cpp|llama.cpp-q8_0|llama.cpp-q4_0")
+    peers = ("llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "ct2", "ct2-int8")
+    if shape not in SHAPES or pmx not in ("pmx1", "pmx1-int8", "pmx1-int4") or peer not in peers or \
+            point not in ("decode_b1", "prefill_512"):
+        raise SystemExit(f"paired: --shape base|gqa, --pmx pmx1|pmx1-int8|pmx1-int4, --peer {'|'.join(peers)}, "
+                         f"--point decode_b1|prefill_512")
     work = Path(workdir).expanduser() / shape
     if not (work / "hf" / "config.json").exists():
         make_random_model(str(work / "hf"), **SHAPES[shape], overwrite=True)
-    a = dict(work=work, hf=work / "hf", threads=threads, llama_cpp=llama_cpp or os.environ.get("PMX_LLAMA_CPP"))
+    a = dict(work=work, hf=work / "hf", threads=threads, install=install,
+             llama_cpp=llama_cpp or os.environ.get("PMX_LLAMA_CPP"))
+    prompts = _prompts(1, PROMPT) if point == "decode_b1" else _prompts(1, LONG_PROMPT)
+
+    def rate(generate) -> float:  # tokens/s of `point` for generate(prompts, n)
+        t0 = time.perf_counter()
+        generate(prompts, 1)
+        t1 = time.perf_counter()
+        if point == "prefill_512":
+            generate(prompts, 1)
+            return 2 * LONG_PROMPT / (time.perf_counter() - t0)
+        generate(prompts, tokens + 1)
+        return tokens / (time.perf_counter() - t1 - (t1 - t0))
+
+    if peer.startswith("ct2"):  # both in jobs of their own (in one process, the two OpenMP runtimes collide)
+        try:
+            ct2_dir = _ct2_model(a, "int8" if peer == "ct2-int8" else "float32")
+        except Skip as e:
+            raise SystemExit(f"paired: {LABELS[peer]} is not available: {e}") from None
+        head = [sys.executable, SELF, "job_worker", "--tokens", tokens, "--threads", threads]
+        rates, ratios = _alternate({"ct2": (head + ["ct2", ct2_dir], threads),
+                                    "pmx": (head + ["pmx", _pmx_model(1, a, quant), "--engine_options",
+                                                    json.dumps(_engine_options(engine_options))], threads)},
+                                   [point], pairs)
+        print(f"shape {shape}, {pairs} pairs, {LABELS[pmx]} / {LABELS[peer]}, {threads} threads each:")
+        _summary(rates, ratios, "ct2", "pmx")
+        return
     try:
         bindir, gguf = _llama_cpp_model(a, peer.split("-", 1)[1] if "-" in peer else None)
+        args = ("-p", "0", "-n", str(tokens), "-d", str(PROMPT)) if point == "decode_b1" else \
+            ("-p", str(LONG_PROMPT), "-n", "0")
+        peer_rate = lambda: _llama_bench(bindir, gguf, str(threads), *args)["avg_ts"]  # noqa: E731
     except Skip as e:
         raise SystemExit(f"paired: {LABELS[peer]} is not available: {e}") from None
     torch.set_num_threads(threads)
     sess = open_session(str(_pmx_model(1, a, quant)), options=EngineOptions(**_engine_options(engine_options)))
-    prompts = _prompts(1, PROMPT)
-    generate = lambda n: Generator(sess.model).generate(prompts, n)  # noqa: E731
-    generate(4)
-
-    def pmx_rate() -> float:
-        t0 = time.perf_counter()
-        generate(1)
-        t1 = time.perf_counter()
-        generate(tokens + 1)
-        return tokens / (time.perf_counter() - t1 - (t1 - t0))
-
-    def peer_rate() -> float:
-        return _llama_bench(bindir, gguf, str(threads), "-p", "0", "-n", str(tokens), "-d", str(PROMPT))["avg_ts"]
+    pmx_generate = lambda p, n: Generator(sess.model).generate(p, n)  # noqa: E731
+    pmx_generate(prompts, 4)
 
     ours, theirs = [], []
     for i in range(pairs):  # alternate who goes first
-        x, y = (pmx_rate(), peer_rate()) if i % 2 == 0 else reversed((peer_rate(), pmx_rate()))
+        x, y = (rate(pmx_generate), peer_rate()) if i % 2 == 0 else reversed((peer_rate(), rate(pmx_generate)))
         ours.append(x)
         theirs.append(y)
         print(f"pair {i + 1}/{pairs}: {LABELS[pmx]} {x:.1f}, {LABELS[peer]} {y:.1f} tok/s, ratio {x / y:.3f}",
               file=sys.stderr, flush=True)
     sess.close()
     ratios = [x / y for x, y in zip(ours, theirs)]
-    print(f"shape {shape}, batch 1, {tokens} tokens a slice, {pairs} pairs: {LABELS[pmx]} {statistics.median(ours):.1f}"
-          f" tok/s, {LABELS[peer]} {statistics.median(theirs):.1f} tok/s (medians); ratio median "
-          f"{statistics.median(ratios):.3f}, geometric mean {statistics.geometric_mean(ratios):.3f}")
+    what = f"batch 1, {tokens} tokens a slice" if point == "decode_b1" else "prefill of 512 tokens, 2 a slice"
+    print(f"shape {shape}, {what}, {pairs} pairs: {LABELS[pmx]} {statistics.median(ours):.1f} tok/s, {LABELS[peer]} "
+          f"{statistics.median(theirs):.1f} tok/s (medians); ratio median {statistics.median(ratios):.3f}, geometric "
+          f"mean {statistics.geometric_mean(ratios):.3f}")
 
 
-def tp_worker(model: str, ctl: str, tokens: int = 64, engine_options="{}") -> None:
-    """Every rank of one pmx-runner job of `tp_paired`: loads the model, then measures what the command files
-    ctl/cmd.K (K = 0, 1, ...) ask for, writing the rate to ctl/res.K (rank 0), until one says quit. Ranks wait for
-    a command by polling every 2 ms, so the job does not take cycles from the one being measured."""
-    from runner.engine.generator import Generator
-    from runner.engine.model import EngineOptions
-    from runner.engine.session import open_session
-    ctl = Path(ctl)
-    sess = open_session(model, options=EngineOptions(**_engine_options(engine_options)))
-    gen = lambda p, n: Generator(sess.model).generate(p, n)  # noqa: E731
+def job_worker(system: str, model: str, ctl: str, tokens: int = 64, threads: int = 2, engine_options="{}") -> None:
+    """One measured job of `tp_paired` / `paired` (every rank of it: system pmx, or ct2): loads the model, then
+    measures what the command files ctl/cmd.K (K = 0, 1, ...) ask for, writing the rate to ctl/res.K (rank 0), until
+    one says quit. It waits for a command by polling every 2 ms, so it takes no cycles from the job being measured."""
+    ctl, main_rank = Path(ctl), True
+    if system == "pmx":
+        from runner.engine.generator import Generator
+        from runner.engine.model import EngineOptions
+        from runner.engine.session import open_session
+        sess = open_session(model, options=EngineOptions(**_engine_options(engine_options)))
+        gen, main_rank, close = (lambda p, n: Generator(sess.model).generate(p, n)), sess.is_main, sess.close
+    else:
+        import ctranslate2
+        ct2 = ctranslate2.Generator(model, device="cpu", intra_threads=threads, inter_threads=1)
+        vocab = json.loads((Path(model) / "vocabulary.json").read_text())
+        gen = lambda p, n: ct2.generate_batch([[vocab[i] for i in x] for x in p], max_length=n,  # noqa: E731
+                                              min_length=n, include_prompt_in_result=False)
+        close = lambda: None  # noqa: E731
     prompts = {1: _prompts(1, PROMPT), 16: _prompts(16, PROMPT), "long": _prompts(1, LONG_PROMPT)}
 
     def timed(p, n) -> float:
@@ -518,7 +550,7 @@ def tp_worker(model: str, ctl: str, tokens: int = 64, engine_options="{}") -> No
 
     for m in METRICS:  # warm-up
         rate(m)
-    if sess.is_main:
+    if main_rank:
         (ctl / "ready").write_text("")
     for k in range(1 << 30):
         cmd = ctl / f"cmd.{k}"
@@ -528,10 +560,73 @@ def tp_worker(model: str, ctl: str, tokens: int = 64, engine_options="{}") -> No
         if what == "quit":
             break
         r = rate(what)
-        if sess.is_main:
+        if main_rank:
             (ctl / f"res.{k}.tmp").write_text(repr(r))
             (ctl / f"res.{k}.tmp").rename(ctl / f"res.{k}")
-    sess.close()
+    close()
+
+
+def _alternate(jobs: dict, metrics: list, pairs: int) -> tuple[dict, dict]:
+    """Starts `jobs` ({label: (command, threads)}, each running job_worker), lets them load one after the other,
+    then has them measure each metric in turn, `pairs` times, alternating who goes first. Returns
+    (rates {(label, metric): [...]}, ratios {metric: [second / first, ...]}) for the two labels in order."""
+    import tempfile
+    first, second = list(jobs)
+    rates = {(n, m): [] for n in jobs for m in metrics}
+    ratios = {m: [] for m in metrics}
+    with tempfile.TemporaryDirectory(prefix="pmx-paired-") as tmp:
+        procs, count = {}, {n: 0 for n in jobs}
+        for i, (n, (cmd, threads)) in enumerate(jobs.items()):
+            ctl = Path(tmp) / f"job{i}"
+            ctl.mkdir()
+            procs[n] = (ctl, subprocess.Popen([str(c) for c in cmd + ["--ctl", ctl]], cwd=REPO, start_new_session=True,
+                                              env={**os.environ, "OMP_NUM_THREADS": str(threads)}))
+        try:
+            for n, (ctl, proc) in procs.items():  # loaded one after the other: their warm-ups do not overlap
+                while not (ctl / "ready").exists():
+                    if proc.poll() is not None:
+                        raise SystemExit(f"{n}: the job exited ({proc.returncode}) before it was ready")
+                    time.sleep(0.05)
+
+            def measure(n: str, metric: str) -> float:
+                ctl, proc = procs[n]
+                k = count[n]
+                count[n] += 1
+                (ctl / f"cmd.{k}.tmp").write_text(metric)
+                (ctl / f"cmd.{k}.tmp").rename(ctl / f"cmd.{k}")
+                while not (ctl / f"res.{k}").exists():
+                    if proc.poll() is not None:
+                        raise SystemExit(f"{n}: the job exited ({proc.returncode}) measuring {metric}")
+                    time.sleep(0.002)
+                return float((ctl / f"res.{k}").read_text())
+
+            for i in range(pairs):
+                for m in metrics:
+                    got = {n: measure(n, m) for n in ((first, second) if i % 2 == 0 else (second, first))}
+                    for n in jobs:
+                        rates[n, m].append(got[n])
+                    ratios[m].append(got[second] / got[first])
+                print(f"pair {i + 1}/{pairs}: " + ", ".join(
+                    f"{m} {first} {rates[first, m][-1]:.1f} {second} {rates[second, m][-1]:.1f} ({ratios[m][-1]:.3f})"
+                    for m in metrics), file=sys.stderr, flush=True)
+        finally:
+            for n, (ctl, proc) in procs.items():
+                (ctl / f"cmd.{count[n]}.tmp").write_text("quit")
+                (ctl / f"cmd.{count[n]}.tmp").rename(ctl / f"cmd.{count[n]}")
+            for n, (ctl, proc) in procs.items():
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+                    proc.wait()
+    return rates, ratios
+
+
+def _summary(rates: dict, ratios: dict, first: str, second: str) -> None:
+    for m, r in ratios.items():
+        print(f"  {m}: {first} {statistics.median(rates[first, m]):.1f}, {second} {statistics.median(rates[second, m]):.1f}"
+              f" tok/s (medians); ratio median {statistics.median(r):.3f}, geometric mean "
+              f"{statistics.geometric_mean(r):.3f}, range {min(r):.2f}-{max(r):.2f}")
 
 
 def tp_paired(shape: str = "gqa", pairs: int = 12, tokens: int = 64, threads: int = 2, quant: str | None = None,
@@ -543,7 +638,6 @@ def tp_paired(shape: str = "gqa", pairs: int = 12, tokens: int = 64, threads: in
         python benchmarks/cpu_peers.py tp_paired [--shape gqa|base] [--pairs 12] [--quant int8|int4]
             [--metrics decode_b1,decode_b16,prefill_512]
     """
-    import tempfile
     from runner.pmx.random_model import make_random_model
     chosen = metrics.split(",") if isinstance(metrics, str) else list(metrics)
     if shape not in SHAPES or quant not in (None, "int8", "int4") or not chosen or set(chosen) - set(METRICS):
@@ -553,66 +647,16 @@ def tp_paired(shape: str = "gqa", pairs: int = 12, tokens: int = 64, threads: in
     if not (work / "hf" / "config.json").exists():
         make_random_model(str(work / "hf"), **SHAPES[shape], overwrite=True)
     a = dict(work=work, hf=work / "hf")
-    opts = json.dumps(_engine_options(engine_options))
     jobs = {}
-    with tempfile.TemporaryDirectory(prefix="pmx-tp-paired-") as tmp:
-        for n in (1, 2):
-            ctl = Path(tmp) / f"tp{n}"
-            ctl.mkdir()
-            head = [REPO / "scripts" / "mpirun.sh", "-np", n] if n > 1 else []
-            cmd = head + [sys.executable, SELF, "tp_worker", "--model", _pmx_model(n, a, quant), "--ctl", ctl,
-                          "--tokens", tokens, "--engine_options", opts]
-            env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads // n))}
-            jobs[n] = (ctl, subprocess.Popen([str(c) for c in cmd], env=env, cwd=REPO, start_new_session=True))
-        count = {1: 0, 2: 0}  # commands sent to each job
-        try:
-            for n, (ctl, proc) in jobs.items():  # loaded one after the other: their warm-ups do not overlap
-                while not (ctl / "ready").exists():
-                    if proc.poll() is not None:
-                        raise SystemExit(f"tp_paired: the TP={n} job exited ({proc.returncode}) before it was ready")
-                    time.sleep(0.05)
-
-            def measure(n: int, metric: str) -> float:
-                ctl, proc = jobs[n]
-                k = count[n]
-                count[n] += 1
-                (ctl / f"cmd.{k}.tmp").write_text(metric)
-                (ctl / f"cmd.{k}.tmp").rename(ctl / f"cmd.{k}")
-                while not (ctl / f"res.{k}").exists():
-                    if proc.poll() is not None:
-                        raise SystemExit(f"tp_paired: the TP={n} job exited ({proc.returncode}) measuring {metric}")
-                    time.sleep(0.002)
-                return float((ctl / f"res.{k}").read_text())
-
-            ratios = {m: [] for m in chosen}
-            rates = {(n, m): [] for n in (1, 2) for m in chosen}
-            for i in range(pairs):
-                for m in chosen:
-                    order = (1, 2) if i % 2 == 0 else (2, 1)
-                    got = {n: measure(n, m) for n in order}
-                    for n in (1, 2):
-                        rates[n, m].append(got[n])
-                    ratios[m].append(got[2] / got[1])
-                print(f"pair {i + 1}/{pairs}: " + ", ".join(f"{m} TP1 {rates[1, m][-1]:.1f} TP2 {rates[2, m][-1]:.1f}"
-                                                           f" ({ratios[m][-1]:.3f})" for m in chosen),
-                      file=sys.stderr, flush=True)
-        finally:
-            for n, (ctl, proc) in jobs.items():
-                k = count[n]
-                (ctl / f"cmd.{k}.tmp").write_text("quit")
-                (ctl / f"cmd.{k}.tmp").rename(ctl / f"cmd.{k}")
-            for n, (ctl, proc) in jobs.items():
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, 9)
-                    proc.wait()
+    for n in (1, 2):
+        head = [REPO / "scripts" / "mpirun.sh", "-np", n] if n > 1 else []
+        jobs[f"TP{n}"] = (head + [sys.executable, SELF, "job_worker", "pmx", _pmx_model(n, a, quant), "--tokens", tokens,
+                                  "--engine_options", json.dumps(_engine_options(engine_options))],
+                          max(1, threads // n))
+    rates, ratios = _alternate(jobs, chosen, pairs)
     print(f"shape {shape}{' ' + quant if quant else ''}, {pairs} pairs, TP=2 ({max(1, threads // 2)} thread(s) a rank)"
           f" / TP=1 ({threads} threads):")
-    for m in chosen:
-        print(f"  {m}: TP1 {statistics.median(rates[1, m]):.1f}, TP2 {statistics.median(rates[2, m]):.1f} tok/s "
-              f"(medians); ratio median {statistics.median(ratios[m]):.3f}, geometric mean "
-              f"{statistics.geometric_mean(ratios[m]):.3f}, range {min(ratios[m]):.2f}-{max(ratios[m]):.2f}")
+    _summary(rates, ratios, "TP1", "TP2")
 
 
 def _cpu_name() -> str:
@@ -623,5 +667,5 @@ def _cpu_name() -> str:
 
 
 if __name__ == "__main__":
-    commands = {"main": main, "worker": worker, "paired": paired, "tp_worker": tp_worker, "tp_paired": tp_paired}
+    commands = {"main": main, "worker": worker, "paired": paired, "job_worker": job_worker, "tp_paired": tp_paired}
     fire.Fire(commands if len(sys.argv) > 1 and sys.argv[1] in set(commands) - {"main"} else main)
