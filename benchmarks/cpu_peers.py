@@ -435,6 +435,24 @@ def main(shape: str = "base", rounds: int = 5, threads: int = 2, decode_tokens: 
     print(f"\nraw numbers: {path}")
 
 
+def _point_rate(gen, metric: str, tokens: int) -> float:
+    """Tokens/s of one point for `gen(prompts, n)` (n new tokens per prompt): decode_bB, B * n / (time for n + 1 -
+    time for 1) after an 8-token prompt, n = tokens at batch 1 and tokens / 2 above; prefill_512, two 512-token
+    prompts making one token each."""
+    def timed(p, n) -> float:
+        t0 = time.perf_counter()
+        gen(p, n)
+        return time.perf_counter() - t0
+
+    if metric == "prefill_512":
+        p = _prompts(1, LONG_PROMPT)
+        return 2 * LONG_PROMPT / (timed(p, 1) + timed(p, 1))
+    b = int(metric.removeprefix("decode_b"))
+    p, n = _prompts(b, PROMPT), tokens if b == 1 else tokens // 2
+    t1 = timed(p, 1)
+    return b * n / (timed(p, n + 1) - t1)
+
+
 def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pairs: int = 12, tokens: int = 64,
            point: str = "decode_b1", threads: int = 2, engine_options="{}", workdir: str = str(CACHE / "peers"),
            llama_cpp: str | None = None, install: bool = True) -> None:
@@ -463,18 +481,6 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
         make_random_model(str(work / "hf"), **SHAPES[shape], overwrite=True)
     a = dict(work=work, hf=work / "hf", threads=threads, install=install,
              llama_cpp=llama_cpp or os.environ.get("PMX_LLAMA_CPP"))
-    prompts = _prompts(1, PROMPT) if point == "decode_b1" else _prompts(1, LONG_PROMPT)
-
-    def rate(generate) -> float:  # tokens/s of `point` for generate(prompts, n)
-        t0 = time.perf_counter()
-        generate(prompts, 1)
-        t1 = time.perf_counter()
-        if point == "prefill_512":
-            generate(prompts, 1)
-            return 2 * LONG_PROMPT / (time.perf_counter() - t0)
-        generate(prompts, tokens + 1)
-        return tokens / (time.perf_counter() - t1 - (t1 - t0))
-
     if peer.startswith("ct2"):  # both in jobs of their own (in one process, the two OpenMP runtimes collide)
         try:
             ct2_dir = _ct2_model(a, "int8" if peer == "ct2-int8" else "float32")
@@ -498,11 +504,12 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
     torch.set_num_threads(threads)
     sess = open_session(str(_pmx_model(1, a, quant)), options=EngineOptions(**_engine_options(engine_options)))
     pmx_generate = lambda p, n: Generator(sess.model).generate(p, n)  # noqa: E731
-    pmx_generate(prompts, 4)
+    rate = partial(_point_rate, pmx_generate, point, tokens)
+    rate()  # warm-up
 
     ours, theirs = [], []
     for i in range(pairs):  # alternate who goes first
-        x, y = (rate(pmx_generate), peer_rate()) if i % 2 == 0 else reversed((peer_rate(), rate(pmx_generate)))
+        x, y = (rate(), peer_rate()) if i % 2 == 0 else reversed((peer_rate(), rate()))
         ours.append(x)
         theirs.append(y)
         print(f"pair {i + 1}/{pairs}: {LABELS[pmx]} {x:.1f}, {LABELS[peer]} {y:.1f} tok/s, ratio {x / y:.3f}",
@@ -533,23 +540,8 @@ def job_worker(system: str, model: str, ctl: str, tokens: int = 64, threads: int
         gen = lambda p, n: ct2.generate_batch([[vocab[i] for i in x] for x in p], max_length=n,  # noqa: E731
                                               min_length=n, include_prompt_in_result=False)
         close = lambda: None  # noqa: E731
-    prompts = {1: _prompts(1, PROMPT), 16: _prompts(16, PROMPT), "long": _prompts(1, LONG_PROMPT)}
-
-    def timed(p, n) -> float:
-        t0 = time.perf_counter()
-        gen(p, n)
-        return time.perf_counter() - t0
-
-    def rate(metric: str) -> float:
-        if metric == "prefill_512":
-            return 2 * LONG_PROMPT / (timed(prompts["long"], 1) + timed(prompts["long"], 1))
-        b = int(metric.removeprefix("decode_b"))
-        n = tokens if b == 1 else tokens // 2
-        t1 = timed(prompts[b], 1)
-        return b * n / (timed(prompts[b], n + 1) - t1)
-
     for m in METRICS:  # warm-up
-        rate(m)
+        _point_rate(gen, m, tokens)
     if main_rank:
         (ctl / "ready").write_text("")
     for k in range(1 << 30):
@@ -559,7 +551,7 @@ def job_worker(system: str, model: str, ctl: str, tokens: int = 64, threads: int
         what = cmd.read_text()
         if what == "quit":
             break
-        r = rate(what)
+        r = _point_rate(gen, what, tokens)
         if main_rank:
             (ctl / f"res.{k}.tmp").write_text(repr(r))
             (ctl / f"res.{k}.tmp").rename(ctl / f"res.{k}")

@@ -195,7 +195,7 @@ class SharedMemory:
         if made is not None:
             try:
                 with open(made[0], "r+b") as f:
-                    mm = mmap.mmap(f.fileno(), slots + (world + 1) * made[1])
+                    mm = mmap.mmap(f.fileno(), os.fstat(f.fileno()).st_size)
             except OSError:
                 mm = None
         mapped = all_true(mm is not None)  # also: every rank has opened the file
@@ -223,10 +223,14 @@ class SharedMemory:
         first = min(m, self.rank * per)
         return slice(first, min(m, first + per))
 
+    def _area(self, i: int, m: int, d: int) -> torch.Tensor:
+        """Area i of the region (rank i's partial sums; i = world: the normed rows) as float32 [m, d]."""
+        return self.region[i * self.area: i * self.area + m * d * 4].view(torch.float32).view(m, d)
+
     def partial(self, m: int, d: int) -> torch.Tensor:
         """This rank's partial area as float32 [m, d]: a caller that writes its partial sum here saves reduce_norm
         the copy."""
-        return self.region[self.rank * self.area: self.rank * self.area + m * d * 4].view(torch.float32).view(m, d)
+        return self._area(self.rank, m, d)
 
     def fits(self, m: int, d: int) -> bool:
         """Whether reduce_norm takes [m, d] float32."""
@@ -242,8 +246,7 @@ class SharedMemory:
         m, d = partial.shape
         torch.ops.pmx_cpu.shm_reduce_norm_(partial, residual, weight, eps, self.workspace, self.region, self.area,
                                            self.rank, self.world, self.deadline_s)
-        start = self.world * self.area
-        return self.region[start: start + m * d * 4].view(torch.float32).view(m, d)
+        return self._area(self.world, m, d)
 
 
 def _guarded(dog: "Watchdog", what: str, collective, *args):
