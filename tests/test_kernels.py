@@ -207,6 +207,9 @@ def test_row_parallel_sums_partials_then_adds_bias_once():
     torch.testing.assert_close(partial[0] + partial[1] + b, x @ w.T + b)
     parts[0](x[:, :4])
     assert parts[0].comm.calls == 1
+    with pytest.raises(ValueError, match="adds it after the all-reduce: no sequence parallelism"):
+        parts[0](x[:, :4], sp=object())  # a bias cannot ride on partial sums that a SeqParallel norm reduces
+    assert parts[0].comm.calls == 1
 
 
 def _vma_flags(addr: int) -> dict:
