@@ -9,6 +9,9 @@ signature so that fire (the dispatcher) hands it exactly what was typed.
   missing required flags before the command runs, since fire only notices leftovers afterwards.
 - :func:`help_text` is each command's `--help`: one line per flag with its type, default and meaning,
   from the signature and the docstring's `Args:` section.
+- A parameter typed as a dataclass whose fields are :func:`flag` fields (runner.config.EngineConfig) stands
+  for all of them: each field is a flag of its own (its help from the field), and :func:`flat` gathers them
+  back into the dataclass before the command runs. Such a dataclass validates itself with :func:`check_fields`.
 
 List-valued flags are strings here (e.g. `--dump_steps 0,1,39`), parsed with :func:`int_list`.
 """
@@ -20,7 +23,7 @@ import inspect
 import math
 import re
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Annotated, Any, Callable, Optional, Sequence
 
 from runner.errors import PmxError
@@ -184,21 +187,98 @@ def doc_lines(fn: Callable) -> tuple[str, dict[str, str]]:
     return summary, helps
 
 
+def flag(default, help: str):
+    """A dataclass field that is a command-line flag: its default and one line of help."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class Fields:
+    """``Annotated[SomeConfig, Fields("a", "b")]``: a command takes only these fields of the dataclass as flags."""
+    names: tuple
+
+    def __init__(self, *names):
+        object.__setattr__(self, "names", tuple(names))
+
+
+def _groups(fn: Callable) -> dict[str, tuple]:
+    """{parameter: (dataclass, its fields that are flags)} of the parameters of `fn` that stand for flags."""
+    out = {}
+    for name, hint in typing.get_type_hints(fn, include_extras=True).items():
+        extras = ()
+        if typing.get_origin(hint) is typing.Annotated:
+            hint, *extras = typing.get_args(hint)
+        if is_dataclass(hint):
+            only = next((e.names for e in extras if isinstance(e, Fields)), None)
+            out[name] = (hint, [f for f in fields(hint) if only is None or f.name in only])
+    return out
+
+
 def flags_of(fn: Callable) -> list[Flag]:
-    """The flags of command `fn`, in signature order."""
-    hints = typing.get_type_hints(fn, include_extras=True)
+    """The flags of command `fn`, in signature order (a dataclass parameter: its fields, in place)."""
+    hints, groups = typing.get_type_hints(fn, include_extras=True), _groups(fn)
     _, helps = doc_lines(fn)
     out = []
     for p in inspect.signature(fn).parameters.values():
+        if p.name in groups:
+            cls, chosen = groups[p.name]
+            sub = typing.get_type_hints(cls, include_extras=True)
+            out += [Flag(f.name, *_kind(sub[f.name]), getattr(p.default, f.name), f.metadata.get("help", ""))
+                    for f in chosen]
+            continue
         kind, check = _kind(hints.get(p.name, str))
         out.append(Flag(p.name, kind, p.default, helps.get(p.name, ""), check))
     return out
 
 
+def flat(fn: Callable) -> Callable:
+    """`fn` with each dataclass parameter spread into its fields: the flags fire hands over, gathered back into
+    the dataclass when it is called. The parameter's default instance gives the command's defaults."""
+    groups = _groups(fn)
+    if not groups:
+        return fn
+    sig = inspect.signature(fn)
+    params = []
+    for p in sig.parameters.values():
+        if p.name in groups:
+            params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(p.default, f.name))
+                       for f in groups[p.name][1]]
+        else:
+            params.append(p)
+    params.sort(key=lambda p: p.kind)  # (keyword-only ones last, as a signature wants them)
+    flat_sig = sig.replace(parameters=params)
+
+    def call(*args, **kwargs):
+        given = flat_sig.bind(*args, **kwargs).arguments
+        for name, (_, chosen) in groups.items():
+            given[name] = replace(sig.parameters[name].default,
+                                  **{f.name: given.pop(f.name) for f in chosen if f.name in given})
+        return fn(**given)
+    call.__signature__, call.__doc__, call.__name__ = flat_sig, fn.__doc__, fn.__name__
+    return call
+
+
+def check_fields(obj) -> None:
+    """Every field of the dataclass `obj` has its flag's type and bounds; PmxError naming the flag otherwise."""
+    hints = typing.get_type_hints(type(obj), include_extras=True)
+    for f in fields(obj):
+        value, (kind, check) = getattr(obj, f.name), _kind(hints[f.name])
+        if value is None and f.default is None:
+            continue
+        ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise PmxError(f"--{f.name} must be {TYPE_NAMES[kind]}"
+                           f"{' ' + check.describe() if check is not None else ''}, got {value!r}")
+        if check is not None:
+            check.check(f.name, value)
+
+
 def typed(fn: Callable) -> Callable:
     """`fn` with fire parse functions for each of its flags (see the module docstring); returns `fn`."""
     import fire
-    return fire.decorators.SetParseFns(**{f.name: f.parse for f in flags_of(fn)})(fn)
+    return fire.decorators.SetParseFns(**{f.name: f.parse for f in flags_of(fn)})(flat(fn))
 
 
 def _is_flag(tok: str) -> bool:

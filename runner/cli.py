@@ -1,10 +1,10 @@
 """Command line: `python -m runner <command>` / `pmx-runner <command>`.
 
-Commands: convert, split, merge (PMX layer); generate, replay, compare, bench (engine);
-serve (the OpenAI-compatible server). Each is a plain, typed
-function; fire dispatches to it, with the parse functions of :mod:`runner.args` so that every flag is read
-as typed (`--input_dir X` and `--input-dir X` both work). :func:`run` is the error path of every entry
-point: see :mod:`runner.parallel.job`.
+Commands: convert, split, merge, quantize (PMX layer); generate, replay, compare, bench, perplexity (engine);
+serve (the OpenAI-compatible server). Each is a plain, typed function (the engine's flags are EngineConfig's,
+shared by every engine command); fire dispatches to it, with the parse functions of :mod:`runner.args` so that
+every flag is read as typed (`--input_dir X` and `--input-dir X` both work). :func:`run` is the error path of
+every entry point: see :mod:`runner.parallel.job`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ from __future__ import annotations
 import sys
 from typing import Annotated, Callable, Optional
 
-from runner.args import (CacheLayout, CacheMode, CommBackend, Compile, Count, Device, Dtype, Kernels, OneOf,
-                         PositiveInt, Range, Seconds, check_argv, doc_lines, help_text, typed)
+from runner.args import Dtype, OneOf, PositiveInt, Range, check_argv, doc_lines, help_text, typed
+from runner.engine.bench import bench
+from runner.engine.compare import compare
 from runner.engine.demo import generate
+from runner.engine.perplexity import perplexity
+from runner.engine.replay import replay
 from runner.errors import PmxError
 from runner.serve.server import serve
 
@@ -128,117 +131,6 @@ def make_random_model(output_dir: str, hidden_dim: PositiveInt = 128, intermedia
     print(f"wrote a random-weight Llama checkpoint to {output_dir}")
 
 
-def replay(ckpt_dir: str, dump_dir: str, step: Count, output_dir: str = "out/replay", warmup: Count = 2,
-           min_profiling_seconds: Annotated[float, Range(0)] = 1.0, device: Device = "auto",
-           dtype: Optional[Dtype] = None, cache_layout: Optional[CacheLayout] = None, min_snr: float = 60.0,
-           min_cosine: Annotated[float, Range(-1, 1)] = 0.9999, collective_timeout: Optional[Seconds] = None) -> None:
-    """Replay a dumped step on every rank (run it under the same mpirun -np N as the dump); time it and
-    check its logits against the dump. Exit status 1 when a rank is beyond tolerance.
-
-    Args:
-        ckpt_dir: the PMX directory the dump was made with (split into N shards).
-        dump_dir: the --dump_tensor_path of the run; rank r reads dump_dir/rank_r.
-        step: the step to replay.
-        output_dir: each rank writes its logits (float32 .bin) to output_dir/rank_r.
-        warmup: untimed iterations before profiling.
-        min_profiling_seconds: profile for at least this long (at least one iteration).
-        device: auto, cpu or cuda.
-        dtype: compute dtype (default: the dumped run's).
-        cache_layout: override the cache layout (when a dump without engine.json is ambiguous).
-        min_snr: pass threshold in dB (identical logits always pass).
-        min_cosine: pass threshold for the cosine similarity.
-        collective_timeout: seconds a collective may wait for the other ranks (default $PMX_COLLECTIVE_TIMEOUT or 30).
-    """
-    from runner.engine.replay import replay as _replay
-    status = _replay(ckpt_dir, dump_dir, step, output_dir, warmup, min_profiling_seconds, device, dtype, cache_layout,
-                     min_snr, min_cosine, collective_timeout)
-    if status:
-        sys.exit(status)
-
-
-def compare(dir_a: str, dir_b: str, metric: Annotated[str, OneOf("snr", "cosine", "mse")] = "snr",
-            threshold: Optional[float] = None, csv: Optional[str] = None, tensors: Optional[str] = None,
-            steps: Optional[str] = None) -> None:
-    """Compare two dump trees tensor by tensor (A is the reference); exit status 1 when one fails.
-
-    Args:
-        dir_a: a dump root (with rank_r folders) or one rank's folder, e.g. a TP=1 run's dump.
-        dir_b: the same for the other run, e.g. a TP=2 run's dump, or replay's output_dir.
-        metric: snr (dB, higher is better), cosine or mse (lower is better) decides the verdict.
-        threshold: pass mark for the metric (default: snr 40, cosine 0.999, mse 1e-4).
-        csv: also write the table to this CSV file.
-        tensors: only these tensors, comma-separated (e.g. logits).
-        steps: only these steps, comma-separated.
-    """
-    from runner.engine.compare import compare as _compare
-    status = _compare(dir_a, dir_b, metric, threshold, csv, tensors, steps)
-    if status:
-        sys.exit(status)
-
-
-def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 16 32 64 128 256",
-          input_len: PositiveInt = 8, tokens_file: Optional[str] = None, gen_len: PositiveInt = 256,
-          warmup_loops: Count = 1, benchmark_loops: PositiveInt = 1, quantized_cache: bool = False,
-          cache_layout: CacheLayout = 0, cache_mode: CacheMode = 0, device: Device = "auto", dtype: Dtype = "auto",
-          seed: int = 0, csv: Optional[str] = None, progress: bool = True, kernels: Kernels = "auto",
-          collective_timeout: Optional[Seconds] = None, compile: Compile = "auto", cuda_graphs: bool = True,
-          fused_decode: bool = True, comm_backend: CommBackend = "auto") -> None:
-    """Throughput per batch size (ppl.llm.serving's benchmark_llama); one CSV line per batch size:
-    batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib). Run under mpirun -np N for tensor parallelism.
-
-    Args:
-        model: a PMX directory split into N shards; with --random_weights also a bare pmx_params.json.
-        random_weights: random weights in the model's shapes (no checkpoint read; any N the shapes allow).
-        batch_sizes: batch sizes, e.g. "1 2 4" or 1,2,4.
-        input_len: prompt tokens per sequence (random ids) when no tokens_file.
-        tokens_file: prompts as token ids, one per line (e.g. tokens_input_8).
-        gen_len: tokens generated per sequence (no early stop).
-        warmup_loops: untimed generations per batch size.
-        benchmark_loops: timed generations per batch size, averaged.
-        quantized_cache: int8 KV cache.
-        cache_layout: 0..3.
-        cache_mode: 0 offset, 1 paged.
-        device: auto, cpu or cuda.
-        dtype: auto, float32, float16 or bfloat16.
-        seed: seed of the random prompts and weights.
-        csv: also write the CSV to this file.
-        progress: progress lines on stderr.
-        kernels: auto (Triton on CUDA, fast torch elsewhere), triton, torch or reference (the spec).
-        collective_timeout: seconds a collective may wait for the other ranks (default $PMX_COLLECTIVE_TIMEOUT or 30).
-        compile: torch.compile the decode step (where --fused_decode does not run it): auto (on CPU, for models of
-            32M+ parameters per rank), on, off.
-        cuda_graphs: on CUDA with the Triton kernels, replay the decode step from a CUDA graph per batch bucket.
-        fused_decode: on CPU (float32), run each decode step as one C++ call (false: the torch step, per --compile).
-        comm_backend: auto (none for one rank, mpi4py on CPU under mpirun, else NCCL on CUDA / gloo on CPU), mpi,
-            torch, nccl or gloo (that torch.distributed backend even for one rank; gloo lets several ranks share
-            one GPU, which NCCL refuses).
-    """
-    from runner.engine.bench import bench as _bench
-    _bench(model, random_weights, batch_sizes, input_len, tokens_file, gen_len, warmup_loops, benchmark_loops,
-           quantized_cache, cache_layout, cache_mode, device, dtype, seed, csv, progress, kernels, collective_timeout,
-           compile, cuda_graphs, fused_decode, comm_backend)
-
-
-def perplexity(ckpt_dir: str, text_file: str, tokenizer_path: Optional[str] = None, window: PositiveInt = 256,
-               stride: Optional[PositiveInt] = None, max_tokens: Optional[PositiveInt] = None, device: Device = "auto",
-               dtype: Dtype = "auto", kernels: Kernels = "auto") -> None:
-    """Perplexity (sliding window) and tokens/s of a PMX model, float or quantised, over a text file.
-
-    Args:
-        ckpt_dir: PMX directory split into as many shards as ranks (mpirun / torchrun for N > 1).
-        text_file: a UTF-8 text file.
-        tokenizer_path: tokenizer.model or tokenizer.json (default: the one in ckpt_dir).
-        window: tokens per forward pass (at most max_position_embeddings).
-        stride: tokens between window starts (default window / 2); every token is scored once.
-        max_tokens: use only the first max_tokens tokens of the text.
-        device: auto, cpu or cuda.
-        dtype: auto, float32, float16 or bfloat16.
-        kernels: auto, triton, torch or reference.
-    """
-    from runner.engine.perplexity import perplexity as _perplexity
-    _perplexity(ckpt_dir, text_file, tokenizer_path, window, stride, max_tokens, device, dtype, kernels)
-
-
 COMMANDS: dict[str, Callable] = {
     "convert": convert, "split": split, "merge": merge, "quantize": quantize, "generate": generate, "serve": serve,
     "replay": replay, "compare": compare, "bench": bench, "perplexity": perplexity, "make_random_model": make_random_model}
@@ -296,7 +188,9 @@ def run(component, argv: Optional[list[str]] = None, prog: Optional[str] = None)
                     print(_commands_help(component, prog) if fn is None else help_text(fn, name), flush=True)
                 return
             check_argv(fn, args, name)
-            fire.Fire(typed(fn), command=args, name=name)
+            status = fire.Fire(typed(fn), command=args, name=name, serialize=lambda _: None)
+            if isinstance(status, int) and status:  # replay / compare: 1 when something disagrees
+                sys.exit(status)
         except SystemExit:
             raise
         except BaseException as e:  # noqa: BLE001 (every rank reports its own error, then the job ends)

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.engine.model import EngineOptions, Transformer, load_shard
+from runner.config import EngineConfig
+from runner.engine.model import Transformer, load_shard
+from runner.engine.runners import Stepper
 from runner.errors import PmxError
 from runner.parallel.comm import SingleComm
 from runner.pmx.convert import convert, reshard
@@ -45,9 +47,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def engine(pmx_dir, device="cpu", **options) -> Transformer:
+def engine(pmx_dir, device="cpu", **options) -> Stepper:
+    """One rank's model and its step runners, in this process."""
+    config = EngineConfig(device=device, **options)
     params, w = load_shard(pmx_dir, 0, torch.device(device), torch.float32)
-    return Transformer(params, w, SingleComm(), EngineOptions(**options))
+    return Stepper(Transformer(params, w, SingleComm(), config), config)
 
 
 @pytest.mark.parametrize("arch", ["llama_mha", "llama_gqa_odd", "llama_bias", "mistral", "qwen2"])
@@ -148,11 +152,10 @@ def test_decode_reads_a_cache_of_another_float_dtype(make_hf, tmp_path):
     same logits, to float16 rounding, as on a float32 cache."""
     src, _ = make_hf("llama_gqa_odd")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
-    params, w = load_shard(tmp_path / "pmx", 0, torch.device("cpu"), torch.float32)
-    m = Transformer(params, w, SingleComm(), EngineOptions(compile="off"))
+    m = engine(tmp_path / "pmx", compile="off")
     T = 5
     outs = []
-    for cache in (m.new_cache(64)[0], m.new_cache(64)[0].half()):
+    for cache in (m.model.new_cache(64)[0], m.model.new_cache(64)[0].half()):
         m.forward(torch.arange(3, 3 + T), torch.empty(0), torch.tensor([0, T]), torch.tensor([0, T]),
                   torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.tensor([T]), torch.tensor([T]), cache)
         outs.append(m.forward(torch.tensor([9]), torch.empty(0), torch.tensor([0, 1]), torch.tensor([0, T + 1]),

@@ -15,15 +15,21 @@ import sys
 
 import torch
 
-from runner.engine.model import EngineOptions, Transformer
+from runner.config import EngineConfig
+from runner.engine.fused_decode import OneCallDecode
+from runner.engine.model import Transformer, load_shard
+from runner.engine.runners import Stepper
+from runner.engine.session import open_session
 from runner.kernels.reference import PAGE_SIZE
 
 
-def teacher_forced_logits(model: Transformer, prompts: list, conts: list) -> list[torch.Tensor]:
-    """Step 0 prefills every prompt (one packed step); step k feeds conts[b][k-1]. Returns [B, V] per step."""
+def teacher_forced_logits(stepper: Stepper, prompts: list, conts: list) -> list[torch.Tensor]:
+    """Step 0 prefills every prompt (one packed step); step k feeds conts[b][k-1], through ppl.pmx's step contract
+    (Stepper.forward). Returns [B, V] per step."""
+    model = stepper.model
     B, steps = len(prompts), len(conts[0])
     total = [len(p) + steps + 1 for p in prompts]
-    paged = model.options.cache_mode == 1
+    paged = stepper.config.paged
     if paged:
         pages, nxt = [], 0
         for n in total:
@@ -44,7 +50,7 @@ def teacher_forced_logits(model: Transformer, prompts: list, conts: list) -> lis
         else:
             toks, seqlens, start = [c[k - 1] for c in conts], [1] * B, [len(p) + k - 1 for p in prompts]
         kvlens = [s + n for s, n in zip(start, seqlens)]
-        out.append(model.forward(
+        out.append(stepper.forward(
             torch.tensor(toks), torch.empty(0), torch.tensor([0] + seqlens).cumsum(0), torch.tensor([0] + kvlens).cumsum(0),
             cachestarts, torch.tensor([B if k else 0]), torch.tensor(start), torch.tensor([max(seqlens)]),
             torch.tensor([max(kvlens)]), kv_cache, kv_scale))
@@ -52,34 +58,31 @@ def teacher_forced_logits(model: Transformer, prompts: list, conts: list) -> lis
 
 
 def main(ckpt: str, out: str, options: str, prompts: str, comm_backend: str = "auto") -> None:
-    from runner.engine.session import open_session
     spec, option_sets = json.loads(prompts), json.loads(options)
-    sess = open_session(ckpt, EngineOptions(**option_sets[0]), comm_backend=comm_backend)
+    sess = open_session(ckpt, EngineConfig(**option_sets[0], comm_backend=comm_backend))
     results, info = [], []
     for opts in option_sets:  # one launch, every option set: the same shard under each engine setting
-        model = Transformer(sess.model.params, _weights(ckpt, sess), sess.comm, EngineOptions(**opts))
+        config = EngineConfig(**opts, comm_backend=comm_backend)
+        weights = load_shard(ckpt, sess.env.rank, sess.device, sess.model.dtype)[1]
+        stepper = Stepper(Transformer(sess.model.params, weights, sess.comm, config), config)
         calls = {"reduce_norm": 0, "in_place": 0}
-        shm = getattr(sess.comm, "shm", None)
+        shm = sess.comm.shm
         if shm is not None:  # count sequence parallelism's collectives, and the partials already in the shared area
             def counted(partial, *args, _run=shm.reduce_norm):
                 calls["reduce_norm"] += 1
                 calls["in_place"] += partial.data_ptr() == shm.partial(*partial.shape).data_ptr()
                 return _run(partial, *args)
             shm.reduce_norm = counted
-        results.append(torch.stack(teacher_forced_logits(model, spec["prompts"], spec["conts"])))
+        results.append(torch.stack(teacher_forced_logits(stepper, spec["prompts"], spec["conts"])))
         if shm is not None:
             del shm.reduce_norm
-        info.append({"fused_decode": model._fused is not None, "seq_parallel": model._sp is not None, **calls})
+        info.append({"fused_decode": any(isinstance(r, OneCallDecode) for r in stepper.runners),
+                     "seq_parallel": stepper.runners[-1].sp is not None, **calls})
     if sess.is_main:
         torch.save(torch.stack(results).cpu(), out)
         with open(out + ".json", "w") as f:
             json.dump(info, f)
     sess.close()
-
-
-def _weights(ckpt, sess):
-    from runner.engine.model import load_shard
-    return load_shard(ckpt, sess.env.rank, sess.device, sess.model.dtype)[1]
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ averaged. One CSV line per batch size on stdout:
 
     batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib)
 
-prefill: the first step (all prompts); decode: mean time of a later step (one token for every
-sequence); avg: whole generation / gen_len; tps: batch x gen_len / whole generation in seconds;
+prefill: the steps until every sequence has its first token (one step of all prompts unless chunked);
+decode: mean time of a later step (one token for every sequence); avg: whole generation / gen_len; tps: batch x gen_len / whole generation in seconds;
 mem: peak memory of rank 0 (CUDA: max allocated; CPU: peak resident set). Progress goes to stderr.
 Run it under `mpirun -np N` for tensor parallelism; with `--random_weights` a bare pmx_params.json
 (or a PMX directory) gives the shapes and no checkpoint is read.
@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
 
-from runner.args import int_list
+from runner.args import Count, PositiveInt, int_list
+from runner.config import EngineConfig
+from runner.engine.session import open_session
 from runner.errors import PmxError
 from runner.pmx.store import atomic_file
 
-DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CSV_HEADER = "batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib)"
 
 
@@ -63,22 +64,28 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
 
 
-def bench(model: str, random_weights: bool = False, batch_sizes: Union[str, int, Sequence[int]] = DEFAULT_BATCHES,
-          input_len: int = 8, tokens_file: Optional[str] = None, gen_len: int = 256, warmup_loops: int = 1,
-          benchmark_loops: int = 1, quantized_cache: bool = False, cache_layout: int = 0, cache_mode: int = 0,
-          device: str = "auto", dtype: str = "auto", seed: int = 0, csv: Optional[str] = None,
-          progress: bool = True, kernels: str = "auto", collective_timeout: Optional[float] = None,
-          compile: str = "auto", cuda_graphs: bool = True, fused_decode: bool = True,
-          comm_backend: str = "auto") -> list[dict]:
-    from runner.engine.generator import Generator
-    from runner.engine.model import EngineOptions
-    from runner.engine.session import open_session
+def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 16 32 64 128 256",
+          input_len: PositiveInt = 8, tokens_file: Optional[str] = None, gen_len: PositiveInt = 256,
+          warmup_loops: Count = 1, benchmark_loops: PositiveInt = 1, seed: int = 0, csv: Optional[str] = None,
+          progress: bool = True, engine: EngineConfig = EngineConfig()) -> list[dict]:
+    """Throughput per batch size (ppl.llm.serving's benchmark_llama); one CSV line per batch size:
+    batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib). Run under mpirun -np N for tensor parallelism.
 
+    Args:
+        model: a PMX directory split into N shards; with --random_weights also a bare pmx_params.json.
+        random_weights: random weights in the model's shapes (no checkpoint read; any N the shapes allow).
+        batch_sizes: batch sizes, e.g. "1 2 4" or 1,2,4.
+        input_len: prompt tokens per sequence (random ids) when no tokens_file.
+        tokens_file: prompts as token ids, one per line (e.g. tokens_input_8).
+        gen_len: tokens generated per sequence (no early stop).
+        warmup_loops: untimed generations per batch size.
+        benchmark_loops: timed generations per batch size, averaged.
+        seed: seed of the random prompts and weights.
+        csv: also write the CSV to this file.
+        progress: progress lines on stderr.
+    """
     batches = int_list(batch_sizes, "batch_sizes", minimum=1, allow_empty=False)
-    options = EngineOptions(quantized_cache=quantized_cache, cache_layout=cache_layout, cache_mode=cache_mode,
-                            kernels=kernels, compile=compile, cuda_graphs=cuda_graphs, fused_decode=fused_decode)
-    sess = open_session(model, options, device=device, dtype=dtype, random_weights=random_weights, seed=seed,
-                        timeout_s=collective_timeout, comm_backend=comm_backend, progress=progress)
+    sess = open_session(model, engine, random_weights=random_weights, seed=seed, progress=progress)
     p = sess.model.params
     if tokens_file:
         pool = read_tokens_file(tokens_file, p.vocab_size)
@@ -101,19 +108,18 @@ def bench(model: str, random_weights: bool = False, batch_sizes: Union[str, int,
         prompts = [pool[i % len(pool)] for i in range(b)]
         runs = []
         for loop in range(warmup_loops + benchmark_loops):
-            kind = "warm-up" if loop < warmup_loops else "run"
-            k = loop + 1 if loop < warmup_loops else loop - warmup_loops + 1
-            say(f"batch {b} ({bi + 1}/{len(batches)}) {kind} {k}/{warmup_loops if loop < warmup_loops else benchmark_loops}")
+            warm = loop < warmup_loops
+            k, of = (loop + 1, warmup_loops) if warm else (loop - warmup_loops + 1, benchmark_loops)
+            say(f"batch {b} ({bi + 1}/{len(batches)}) {'warm-up' if warm else 'run'} {k}/{of}")
             stats: dict = {}
-            Generator(sess.model, max_batch=b).generate(prompts, gen_len, stats=stats)
-            if loop >= warmup_loops:
-                runs.append(stats["step_seconds"])
-        if any(len(r) != gen_len for r in runs):
-            raise PmxError(f"batch {b}: expected {gen_len} steps per run, got {[len(r) for r in runs]} "
-                           f"(the cache could not hold the whole batch at once)")
-        prefill = sum(r[0] for r in runs) / len(runs)
-        decode = sum(sum(r[1:]) / max(len(r) - 1, 1) for r in runs) / len(runs)
-        total = sum(sum(r) for r in runs) / len(runs)
+            sess.engine.generate(prompts, gen_len, stats=stats)
+            if not warm:
+                runs.append((stats["step_seconds"], stats["prefill_steps"]))
+        if any(len(r) != gen_len + k - 1 for r, k in runs):
+            raise PmxError(f"batch {b}: the sequences did not decode together (--max_batch, or the KV cache)")
+        prefill = sum(sum(r[:k]) for r, k in runs) / len(runs)
+        decode = sum(sum(r[k:]) / max(len(r) - k, 1) for r, k in runs) / len(runs)
+        total = sum(sum(r) for r, _ in runs) / len(runs)
         row = dict(batch=b, prefill_ms=prefill * 1e3, decode_ms=decode * 1e3, avg_ms=total / gen_len * 1e3,
                    tps=b * gen_len / total, mem_gib=peak_memory_gib(sess.device))
         results.append(row)

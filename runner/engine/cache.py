@@ -16,7 +16,11 @@ class KVCache:
     data: torch.Tensor                 # ppl.pmx cache tensor, see reference.cache_shape
     scale: Optional[torch.Tensor]      # int8 cache: float16 scales per group of 8, same layout; else None
     layout: int
-    ops: object                        # the kernel module: reference, torch_ops or triton_ops
+    ops: object                        # the kernel set (runner.kernels.sets.KernelSet)
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[self.layout]  # layout k keeps its MaxT rows in dim k (reference.cache_shape)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Writes k, v [T, KV, D] into rows `slots` [T] of layer `layer`."""

@@ -15,13 +15,13 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Annotated, Optional, Sequence
 
 import torch
 
+from runner.args import OneOf, int_list, items
 from runner.engine.dump import DUMP_DTYPES, dump_files, read_dump_file
 from runner.engine.replay import Agreement
-from runner.args import int_list, items
 from runner.errors import PmxError
 from runner.pmx.store import atomic_file
 
@@ -97,11 +97,21 @@ def _fmt(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.4g}"
 
 
-def compare(dir_a: str, dir_b: str, metric: str = "snr", threshold: Optional[float] = None,
-            csv: Optional[str] = None, tensors: Union[str, Sequence[str], None] = None,
-            steps: Union[str, int, Sequence[int], None] = None, out=None) -> int:
-    """Prints the comparison table (and writes it as CSV); returns the exit status."""
-    out = out or sys.stdout
+def compare(dir_a: str, dir_b: str, metric: Annotated[str, OneOf("snr", "cosine", "mse")] = "snr",
+            threshold: Optional[float] = None, csv: Optional[str] = None, tensors: Optional[str] = None,
+            steps: Optional[str] = None) -> int:
+    """Compare two dump trees tensor by tensor (A is the reference); exit status 1 when one fails.
+
+    Args:
+        dir_a: a dump root (with rank_r folders) or one rank's folder, e.g. a TP=1 run's dump.
+        dir_b: the same for the other run, e.g. a TP=2 run's dump, or replay's output_dir.
+        metric: snr (dB, higher is better), cosine or mse (lower is better) decides the verdict.
+        threshold: pass mark for the metric (default: snr 40, cosine 0.999, mse 1e-4).
+        csv: also write the table to this CSV file.
+        tensors: only these tensors, comma-separated (e.g. logits).
+        steps: only these steps, comma-separated.
+    """
+    out = sys.stdout
     tensors, steps = [str(t) for t in items(tensors)], int_list(steps, "steps")
     rows = compare_trees(dir_a, dir_b, metric, threshold, tensors, steps)
     if not rows:

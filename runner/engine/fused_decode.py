@@ -11,7 +11,7 @@ It serves the steps where every sequence decodes one token and the history is re
 `Transformer.step_inputs` and `forward` for such steps), on engines that :func:`fused_decode` accepts: CPU, float32
 activations, the packed float32 / int8 / int4 linears, fused qkv and gate/up, no mixture of experts, one rank or ranks
 that share memory. Every other step, and every other engine, runs the torch step (compiled or eager).
-`EngineOptions(fused_decode=False)` turns it off.
+`EngineConfig(fused_decode=False)` (--fused_decode false) turns it off.
 """
 
 from __future__ import annotations
@@ -46,18 +46,16 @@ def _packed(lin) -> tuple:
 
 def why_not(model) -> Optional[str]:
     """Why `model` (a runner.engine.model.Transformer) cannot run its decode step in one call, or None if it can."""
-    o, p = model.options, model.params
-    if not o.fused_decode:
-        return "turned off (fused_decode=False)"
+    c, p = model.config, model.params
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return f"{model.device.type} {model.dtype}: it runs float32 on CPU"
     if cpu_ops() is None:
         return "this project's CPU extension could not be built"
-    if not model._rows_in_place or not o.fused_kvcache:
-        return f"--kernels {o.kernels} / fused_kvcache={o.fused_kvcache}: decode does not read the cache in place"
+    if model.ops.decode_attention_rows is None or not c.fused_kvcache:
+        return f"--kernels {c.kernels} / fused_kvcache={c.fused_kvcache}: decode does not read the cache in place"
     if p.num_experts:
         return "mixture-of-experts layers"
-    if model.comm.world_size > 1 and getattr(model.comm, "shm", None) is None:
+    if model.comm.world_size > 1 and model.comm.shm is None:
         return "ranks that do not share a shared-memory workspace"
     for layer in model.layers:
         a, f = layer.attention, layer.feed_forward
@@ -70,10 +68,12 @@ def why_not(model) -> Optional[str]:
     return None
 
 
-class FusedDecode:
-    """A model's decode step as one `pmx_cpu.DecodeModel.step` call (see the module's docstring). The C++ object
-    points at the engine's packed weights (and keeps them alive); only float32 weights too small to have been packed
-    at load get packed copies of their own."""
+class OneCallDecode:
+    """Step runner: a model's decode step as one `pmx_cpu.DecodeModel.step` call (see the module's docstring). The
+    C++ object points at the engine's packed weights (and keeps them alive); only float32 weights too small to have
+    been packed at load get packed copies of their own."""
+    name = "one-call C++ step"
+    why_not = staticmethod(why_not)
 
     def __init__(self, model):
         p, comm = model.params, model.comm
@@ -91,10 +91,11 @@ class FusedDecode:
         packed = [_packed(lin) for lin in lins]
         biases = [rb if rb is not None else (lin.bias if lin.bias is not None else _NONE)
                   for lin, rb in zip(lins, row_bias)]
-        shm = getattr(comm, "shm", None) if comm.world_size > 1 else None
+        shm = comm.shm if comm.world_size > 1 else None
+        self.comm = comm
         self.vocab_size = p.vocab_size
-        self.paged = model.options.cache_mode == 1
-        self.layout = model.options.cache_layout
+        self.paged = model.config.paged
+        self.layout = model.config.cache_layout
         self._model = torch.classes.pmx_cpu.DecodeModel(
             model.tok_embeddings.weight.contiguous(), norms, [w for w, _, _, _ in packed], [s for _, s, _, _ in packed],
             [b.float().contiguous() if b.numel() else b for b in biases], [k for _, _, k, _ in packed],
@@ -104,14 +105,15 @@ class FusedDecode:
             float(p.norm_eps), _NONE.to(torch.uint8) if shm is None else shm.workspace, comm.rank, comm.world_size,
             0.0 if shm is None else float(shm.deadline_s))
 
+    def accepts(self, plan, cache) -> bool:
+        return (plan.decode_only and plan.decode.kv_slots is None
+                and cache.data.dtype == (torch.int8 if cache.scale is not None else torch.float32))
+
     def __call__(self, tokens: torch.Tensor, plan, cache) -> torch.Tensor:
         """Logits [B, vocab] float32 of a decode-only plan whose history is read in place (plan.decode.kv_slots None)."""
         d = plan.decode
-        logits = self._model.step(tokens, cache.data, cache.scale, self.layout, plan.slots, plan.cos, plan.sin,
-                                  d.cachestarts, d.kvlens, ref.PAGE_SIZE if self.paged else 0)
+        with self.comm.guard("decode step"):
+            logits = self._model.step(tokens, cache.data, cache.scale, self.layout, plan.slots, plan.cos, plan.sin,
+                                      d.cachestarts, d.kvlens, ref.PAGE_SIZE if self.paged else 0)
         return logits if logits.shape[1] == self.vocab_size else logits[:, : self.vocab_size]
 
-
-def fused_decode(model) -> Optional[FusedDecode]:
-    """The one-call decode step of `model`, or None where :func:`why_not` gives a reason."""
-    return FusedDecode(model) if why_not(model) is None else None

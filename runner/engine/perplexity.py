@@ -1,17 +1,15 @@
 """Perplexity of a PMX model over a text file, with a sliding window: `python -m runner perplexity`.
 
 The text is tokenized (BOS first) and cut into windows of `window` tokens that start every `stride`
-tokens; each window runs as one prefill step of the engine (any rank count, any weights: float or
-quantised), with the logits of every position kept, and scores the tokens no earlier window scored, so
-every token after the first is predicted once, from up to `window - stride` tokens of context
+tokens; each window is a prompt of its own, prefilled by the engine core's continuous batching (any rank count,
+any weights: float or quantised) with the logits of every position kept, and scores the tokens no earlier window
+scored, so every token after the first is predicted once, from up to `window - stride` tokens of context
 (transformers' perplexity recipe). Reports exp(mean negative log-likelihood) and the forward tokens/s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -19,14 +17,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from runner.args import PositiveInt
+from runner.config import EngineConfig
+from runner.engine.session import open_session
+from runner.engine.tokenizer import Tokenizer
 from runner.errors import PmxError
-
-
-def all_logits(model, ids: list[int]) -> torch.Tensor:
-    """float32 logits [T, vocab] of every position of one sequence, from a fresh cache (one prefill step)."""
-    kv_cache, kv_scale = model.new_cache(len(ids))
-    plan = model.plan([len(ids)], [0], [0], 0)
-    return model.step(torch.tensor(ids, dtype=torch.int64), dataclasses.replace(plan, last=None), kv_cache, kv_scale)
+from runner.pmx.params import PmxParams
 
 
 def windows(n: int, window: int, stride: int):
@@ -41,43 +37,41 @@ def windows(n: int, window: int, stride: int):
             break
 
 
-def evaluate(model, ids: list[int], window: int, stride: int) -> dict:
-    """{"perplexity", "nll", "tokens" (scored), "forward_tokens", "seconds"} of `ids` under `model`."""
-    nll, scored, forward = 0.0, 0, 0
+def evaluate(engine, ids: list[int], window: int, stride: int) -> dict:
+    """{"perplexity", "nll", "tokens" (scored), "forward_tokens", "seconds"} of `ids` under the engine core: every
+    window a prompt of its own, scored by continuous batching."""
+    spans = list(windows(len(ids), window, stride))
+    nll = [0.0]
+
+    def add(i: int, first: int, logits: torch.Tensor) -> None:  # logits row r predicts position first + r + 1
+        begin, end, scored = spans[i]
+        lo, hi = max(scored - begin - 1, first), min(end - begin - 1, first + logits.shape[0])
+        if lo < hi:
+            targets = torch.tensor(ids[begin + lo + 1: begin + hi + 1], device=logits.device)
+            nll[0] += float(F.cross_entropy(logits[lo - first: hi - first], targets, reduction="sum"))
+
     t0 = time.perf_counter()
-    for begin, end, first in windows(len(ids), window, stride):
-        chunk = ids[begin:end]
-        logits = all_logits(model, chunk)                                          # (T, V)
-        targets = torch.tensor(chunk[first - begin:], device=logits.device)
-        nll += float(F.cross_entropy(logits[first - begin - 1: -1], targets, reduction="sum"))
-        scored, forward = scored + len(targets), forward + len(chunk)
+    engine.score([ids[b:e] for b, e, _ in spans], add)
     seconds = time.perf_counter() - t0
-    return {"perplexity": math.exp(nll / scored), "nll": nll / scored, "tokens": scored, "forward_tokens": forward,
-            "seconds": seconds}
+    scored = sum(e - f for _, e, f in spans)
+    return {"perplexity": math.exp(nll[0] / scored), "nll": nll[0] / scored, "tokens": scored,
+            "forward_tokens": sum(e - b for b, e, _ in spans), "seconds": seconds}
 
 
-def perplexity(ckpt_dir: str, text_file: str, tokenizer_path: Optional[str] = None, window: int = 256,
-               stride: Optional[int] = None, max_tokens: Optional[int] = None, device: str = "auto",
-               dtype: str = "auto", kernels: str = "auto") -> dict:
-    """Perplexity and tokens/s of the PMX model in `ckpt_dir` over `text_file` (run under mpirun / torchrun
-    for a split model). Prints one line on rank 0 and returns the numbers.
+def perplexity(ckpt_dir: str, text_file: str, tokenizer_path: Optional[str] = None, window: PositiveInt = 256,
+               stride: Optional[PositiveInt] = None, max_tokens: Optional[PositiveInt] = None,
+               engine: EngineConfig = EngineConfig()) -> dict:
+    """Perplexity (sliding window) and tokens/s of a PMX model, float or quantised, over a text file. Prints one
+    line on rank 0 and returns the numbers.
 
     Args:
-        ckpt_dir: PMX directory (float or weight-only quantised), split into as many shards as ranks.
+        ckpt_dir: PMX directory split into as many shards as ranks (mpirun / torchrun for N > 1).
         text_file: a UTF-8 text file.
         tokenizer_path: tokenizer.model or tokenizer.json (default: the one in ckpt_dir).
-        window: tokens per forward pass (at most the model's max_position_embeddings).
-        stride: tokens between window starts (default window / 2); each token is scored once.
+        window: tokens per forward pass (at most max_position_embeddings).
+        stride: tokens between window starts (default window / 2); every token is scored once.
         max_tokens: use only the first max_tokens tokens of the text.
-        device: auto, cpu or cuda.
-        dtype: compute dtype: auto, float32, float16, bfloat16.
-        kernels: auto, triton, torch or reference.
     """
-    from runner.engine.model import EngineOptions
-    from runner.engine.session import open_session
-    from runner.engine.tokenizer import Tokenizer
-    from runner.pmx.params import PmxParams
-
     params = PmxParams.load(Path(ckpt_dir))
     stride = window // 2 if stride is None else stride
     if not isinstance(window, int) or not 2 <= window <= params.max_position_embeddings:
@@ -95,9 +89,9 @@ def perplexity(ckpt_dir: str, text_file: str, tokenizer_path: Optional[str] = No
     ids = tok.encode(text)[:max_tokens]
     if len(ids) < 2:
         raise PmxError(f"{text_file}: too short, it holds {len(ids)} token(s); perplexity needs at least 2")
-    sess = open_session(ckpt_dir, EngineOptions(kernels=kernels, compile="off"), device=device, dtype=dtype)
-    all_logits(sess.model, ids[: min(len(ids), 8)])  # warm-up (kernel set-up) outside the timing
-    res = evaluate(sess.model, ids, window, stride)
+    sess = open_session(ckpt_dir, engine)
+    sess.engine.score([ids[: min(len(ids), 8)]], lambda *_: None)  # warm-up (kernel set-up) outside the timing
+    res = evaluate(sess.engine, ids, window, stride)
     quant = params.quantization["method"] if params.quantization else params.dtype
     if sess.is_main:
         print(f"perplexity {res['perplexity']:.4f} over {res['tokens']} tokens of {text_file} ({ckpt_dir}, {quant}, "

@@ -8,9 +8,11 @@ profiles for at least `min_profiling_seconds`. Rank 0 prints one line per rank: 
 min / mean / max, max |diff|, cosine and SNR against the dumped logits. The exit status is 1 when a
 rank is beyond tolerance.
 
-The engine options come from the `engine.json` the dumper writes beside the steps; without it (a
-ppl.pmx dump) they are read off the tensors: an int8 cache means quantised, a 2-D cachestarts paged,
-the cache's shape gives the layout, a non-empty attn_mask the explicit-mask path. Flags override both.
+The engine config comes from the `engine.json` the dumper writes beside the steps; without it (a
+ppl.pmx dump) it is read off the tensors: an int8 cache means quantised, a 2-D cachestarts paged,
+the cache's shape gives the layout (--cache_layout picks one where the shape fits several), a non-empty
+attn_mask the explicit-mask path. --device, --comm_backend, --collective_timeout and a --dtype other than auto
+(the dumped run's) apply on top.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ import math
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
 
+from runner.args import Count, Fields, Range
+from runner.config import EngineConfig
 from runner.engine.dump import META_FILE, STEP_INPUTS, load_meta, load_step, write_tensor
-from runner.engine.model import EngineOptions
+from runner.engine.session import check_world_size, open_session
 from runner.errors import PmxError
+from runner.parallel.launch import detect
 from runner.kernels.reference import cache_shape
 from runner.pmx.params import PmxParams
 from runner.pmx.store import check_apart, dtype_name
@@ -51,25 +56,29 @@ class Agreement:
         return cls(float(d.abs().max()), cos, snr, noise / a.numel())
 
 
-def infer_options(params: PmxParams, world_size: int, t: dict, meta: Optional[dict]) -> EngineOptions:
-    """The engine options a dump was made with: from its engine.json, else read off its tensors."""
+def infer_options(params: PmxParams, world_size: int, t: dict, meta: Optional[dict],
+                  layout_hint: int = 0) -> EngineConfig:
+    """The engine config a dump was made with: from its engine.json, else read off its tensors (`layout_hint`: the
+    layout to take where the cache's shape fits several)."""
     if meta is not None:
-        known = {f.name for f in fields(EngineOptions)}
-        return EngineOptions(**{k: v for k, v in meta.get("options", {}).items() if k in known})
+        known = {f.name for f in fields(EngineConfig)}
+        return EngineConfig(**{k: v for k, v in meta.get("options", {}).items() if k in known})
     kv = t["kv_cache"]
     explicit_mask = t["attn_mask"].numel() > 0
     kv_heads, layers, hd = max(params.num_kv_heads // world_size, 1), params.num_layers, params.head_dim
     # layout l keeps the token axis at position l
     layouts = [lay for lay in range(4) if kv.dim() == 5 and
                cache_shape(lay, layers, kv.shape[lay], kv_heads, hd) == tuple(kv.shape)]
+    if len(layouts) > 1 and layout_hint in layouts:
+        layouts = [layout_hint]
     if len(layouts) != 1:
         raise PmxError(f"kv_cache of shape {list(kv.shape)} fits cache layouts {layouts or 'none'} for this model "
                        f"({layers} layers, {kv_heads} KV heads per rank, head_dim {hd}); pass --cache_layout")
-    return EngineOptions(quantized_cache=kv.dtype == torch.int8, cache_mode=1 if t["cachestarts"].dim() == 2 else 0,
-                         cache_layout=layouts[0], auto_causal=not explicit_mask, fused_kvcache=not explicit_mask)
+    return EngineConfig(quantized_cache=kv.dtype == torch.int8, cache_mode=1 if t["cachestarts"].dim() == 2 else 0,
+                        cache_layout=layouts[0], auto_causal=not explicit_mask, fused_kvcache=not explicit_mask)
 
 
-def _check_against_dump(o: EngineOptions, t: dict, rank_dir: Path) -> None:
+def _check_against_dump(o: EngineConfig, t: dict, rank_dir: Path) -> None:
     """The options must describe the dumped cache; say which disagrees rather than fail inside the step."""
     if o.quantized_cache != (t["kv_cache"].dtype == torch.int8) or o.quantized_cache != ("kv_scale" in t):
         raise PmxError(f"{rank_dir}: kv_cache is {t['kv_cache'].dtype} (kv_scale {'present' if 'kv_scale' in t else 'absent'}) "
@@ -79,7 +88,7 @@ def _check_against_dump(o: EngineOptions, t: dict, rank_dir: Path) -> None:
                        f"cache_mode={o.cache_mode} (offset: [B], paged: [B, pages])")
 
 
-def check_dump_fits(params: PmxParams, o: EngineOptions, world_size: int, t: dict, rank_dir: Path,
+def check_dump_fits(params: PmxParams, o: EngineConfig, world_size: int, t: dict, rank_dir: Path,
                     ckpt_dir: str) -> None:
     """The dumped step must be one of this model at this rank count: say what differs rather than fail in the step."""
     kv, kvh = t["kv_cache"], max(params.num_kv_heads // world_size, 1)
@@ -98,18 +107,28 @@ def check_dump_fits(params: PmxParams, o: EngineOptions, world_size: int, t: dic
                        f"[0, {params.vocab_size}): the dump was made with another model")
 
 
-def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str, warmup: int = 2,
-           min_profiling_seconds: float = 1.0, device: str = "auto", dtype: Optional[str] = None,
-           cache_layout: Optional[int] = None, min_snr: float = 60.0, min_cosine: float = 0.9999,
-           collective_timeout: Optional[float] = None) -> int:
-    """Replays step `step` of a dump on each rank; returns the exit status (0 ok, 1 beyond tolerance).
+def replay(ckpt_dir: str, dump_dir: str, step: Count, output_dir: str = "out/replay", warmup: Count = 2,
+           min_profiling_seconds: Annotated[float, Range(0)] = 1.0, min_snr: float = 60.0,
+           min_cosine: Annotated[float, Range(-1, 1)] = 0.9999,
+           engine: Annotated[EngineConfig, Fields("device", "dtype", "cache_layout", "comm_backend",
+                                                  "collective_timeout")] = EngineConfig()) -> int:
+    """Replay a dumped step on every rank (run it under the same mpirun -np N as the dump); time it and
+    check its logits against the dump. Exit status 1 when a rank is beyond tolerance.
+
+    Args:
+        ckpt_dir: the PMX directory the dump was made with (split into N shards).
+        dump_dir: the --dump_tensor_path of the run; rank r reads dump_dir/rank_r.
+        step: the step to replay.
+        output_dir: each rank writes its logits (float32 .bin) to output_dir/rank_r.
+        warmup: untimed iterations before profiling.
+        min_profiling_seconds: profile for at least this long (at least one iteration).
+        min_snr: pass threshold in dB (identical logits always pass).
+        min_cosine: pass threshold for the cosine similarity.
 
     Everything about the launch, the dump and the model is checked before the first collective: the rank
     count against the model's shards and the dump's engine.json, this rank's dump folder, and the dumped
-    tensors against the model."""
-    from runner.engine.session import check_world_size, open_session
-    from runner.parallel.launch import detect
-
+    tensors against the model.
+    """
     check_apart(Path(output_dir), {"--dump_dir": Path(dump_dir), "--ckpt_dir": Path(ckpt_dir)}, nested_ok=True)
     env = detect()
     rank_dir = Path(dump_dir) / f"rank_{env.rank}"
@@ -126,15 +145,14 @@ def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str, warmup: int
     missing = [n for n in STEP_INPUTS + ("logits",) if n not in t and n != "kv_scale"]
     if missing:
         raise PmxError(f"{rank_dir}: step {step} lacks {missing}")
-    options = infer_options(params, env.world_size, t, meta)
-    if cache_layout is not None:
-        options = replace(options, cache_layout=int(cache_layout))
+    dumped = infer_options(params, env.world_size, t, meta, engine.cache_layout)
+    dtype = engine.dtype if engine.dtype != "auto" else (meta["dtype"] if meta else (
+        "auto" if t["kv_cache"].dtype == torch.int8 else dtype_name(t["kv_cache"].dtype)))
+    options = replace(dumped, device=engine.device, dtype=dtype, comm_backend=engine.comm_backend,
+                      collective_timeout=engine.collective_timeout)
     _check_against_dump(options, t, rank_dir)
     check_dump_fits(params, options, env.world_size, t, rank_dir, ckpt_dir)
-    if dtype is None:
-        dtype = meta["dtype"] if meta else ("auto" if t["kv_cache"].dtype == torch.int8 else
-                                            dtype_name(t["kv_cache"].dtype))
-    sess = open_session(ckpt_dir, options, device=device, dtype=dtype, timeout_s=collective_timeout)
+    sess = open_session(ckpt_dir, options)
     dev = sess.device
     inputs = {n: t[n].to(dev) for n in STEP_INPUTS if n in t}
     inputs.setdefault("kv_scale", None)
@@ -143,11 +161,11 @@ def replay(ckpt_dir: str, dump_dir: str, step: int, output_dir: str, warmup: int
     def timed() -> float:
         sync()
         t0 = time.perf_counter()
-        sess.model.forward(**inputs)
+        sess.stepper.forward(**inputs)
         sync()
         return time.perf_counter() - t0
 
-    logits = sess.model.forward(**inputs)  # the cache as dumped; later runs rewrite the same rows identically
+    logits = sess.stepper.forward(**inputs)  # the cache as dumped; later runs rewrite the same rows identically
     warm = [timed() for _ in range(max(warmup, 1))]
     per_iter = sum(warm) / len(warm)
     n = torch.tensor([max(1, math.ceil(min_profiling_seconds / max(per_iter, 1e-9)))], dtype=torch.int64)

@@ -28,7 +28,7 @@ class SamplingParams:
 
 def greedy_ids(logits: torch.Tensor) -> list:
     """The index of each row's largest logit (the first where tied) of logits [B, V]: numpy's argmax on CPU (a torch
-    call right after a decode step costs several times more: runner.engine.plan.DecodeBuffers), torch's elsewhere."""
+    call right after a decode step costs several times more than numpy's), torch's elsewhere."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.detach().numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()
@@ -37,10 +37,10 @@ def greedy_ids(logits: torch.Tensor) -> list:
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.gen = torch.Generator()
-        if params.seed is not None:
+        self.gen = torch.Generator() if params.temperature != 0 else None  # (greedy draws nothing)
+        if self.gen is not None and params.seed is not None:
             self.gen.manual_seed(params.seed)
-        else:
+        elif self.gen is not None:
             self.gen.seed()
 
     def ids(self, logits: torch.Tensor) -> list:

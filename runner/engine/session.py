@@ -1,19 +1,23 @@
-"""One rank's engine, set up from the launch environment: rank, device, threads, communicator, shard."""
+"""One rank's engine, set up from the launch environment: rank, device, threads, communicator, shard, and the
+model with its step runners and continuous-batching core."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-from runner.engine.model import EngineOptions, Transformer, load_shard, random_shard
+from runner.config import EngineConfig
+from runner.engine.core import EngineCore
+from runner.engine.model import Transformer, load_shard, random_shard
+from runner.engine.runners import Stepper
 from runner.errors import PmxError
 from runner.parallel.comm import collective_timeout, make_comm
 from runner.parallel.launch import LaunchEnv, detect, set_cpu_threads
 from runner.pmx.fingerprint import check_shards
-from runner.pmx.params import shard_file
+from runner.pmx.params import PmxParams, shard_file
 from runner.pmx.shard import sharded_params, unsharded_params
 from runner.pmx.store import DTYPE_NAMES, SafetensorsReader
 from runner.progress import progress_bar
@@ -25,6 +29,8 @@ class Session:
     device: torch.device
     comm: object
     model: Transformer
+    stepper: Stepper       # plans and runs steps (stepper.forward: ppl.pmx's step contract)
+    engine: EngineCore     # continuous batching: generate, score, add / step
 
     @property
     def is_main(self) -> bool:
@@ -67,18 +73,16 @@ def check_world_size(ckpt_dir: str, num_shards: int, env: LaunchEnv) -> None:
                        f"scripts/Split.py --num_shards {env.world_size}")
 
 
-def open_session(ckpt_dir: str, options: EngineOptions = EngineOptions(), device: str = "auto",
-                 dtype: str = "auto", comm_backend: str = "auto", timeout_s: Optional[float] = None,
-                 random_weights: bool = False, seed: int = 0, progress: bool = False) -> Session:
+def open_session(ckpt_dir: str, config: EngineConfig = EngineConfig(), random_weights: bool = False, seed: int = 0,
+                 progress: bool = False) -> Session:
     """This rank's engine. `ckpt_dir` is a PMX directory split into as many shards as ranks; with
     `random_weights` it may also be a bare pmx_params.json, cut for the ranks started, and the shard is
     random (see :func:`runner.engine.model.random_shard`).
 
     Everything that can be refused (rank count, shard files, device, dtype) is checked before the first
     collective; the ranks then wait for each other once loading is done, without the collective timeout
-    (`timeout_s`, default $PMX_COLLECTIVE_TIMEOUT or 30 s), which applies to every collective after.
-    `progress` shows rank 0's loading on stderr."""
-    from runner.pmx.params import PmxParams
+    (config.collective_timeout, default $PMX_COLLECTIVE_TIMEOUT or 30 s), which applies to every collective after.
+    `progress` shows rank 0's loading on stderr, and which runner serves which steps."""
     env = detect()
     params = PmxParams.load(Path(ckpt_dir))
     if random_weights:
@@ -87,14 +91,14 @@ def open_session(ckpt_dir: str, options: EngineOptions = EngineOptions(), device
         check_world_size(ckpt_dir, params.num_shards, env)
         headers = {r: SafetensorsReader(Path(ckpt_dir) / shard_file(r)) for r in {0, env.rank}}
         check_shards(headers, params.num_shards)
-    dev = pick_device(device, env)
-    torch_dtype = pick_dtype(dtype, params.dtype, dev)
-    timeout_s = collective_timeout(timeout_s)
+    dev = pick_device(config.device, env)
+    torch_dtype = pick_dtype(config.dtype, params.dtype, dev)
+    timeout_s = collective_timeout(config.collective_timeout)
     if dev.type == "cpu":
         set_cpu_threads(env)
     else:
         torch.cuda.set_device(dev)
-    comm = make_comm(env, dev, comm_backend, timeout_s)
+    comm = make_comm(env, dev, config.comm_backend, timeout_s)
     if random_weights:
         weights = random_shard(params, env.rank, dev, torch_dtype, seed)
     else:
@@ -102,4 +106,8 @@ def open_session(ckpt_dir: str, options: EngineOptions = EngineOptions(), device
         with progress_bar(own.data_bytes(), f"loading {own.path.name}", show=progress and env.rank == 0) as bar:
             _, weights = load_shard(Path(ckpt_dir), env.rank, dev, torch_dtype, on_tensor=bar.update)
     comm.sync()
-    return Session(env, dev, comm, Transformer(params, weights, comm, options))
+    model = Transformer(params, weights, comm, config)
+    stepper = Stepper(model, config)
+    if progress and env.rank == 0:
+        print(f"engine: {stepper.describe()}", file=sys.stderr, flush=True)
+    return Session(env, dev, comm, model, stepper, EngineCore(model, stepper, config))

@@ -11,8 +11,8 @@ tests check them:
 - attend: decode as two batched GEMVs per KV head group; prefill with torch's scaled_dot_product_attention
   (flash attention on CPU); GQA without repeating K/V.
 - decode_attention_rows: decode attention that reads the history rows where they lie in a float32 or int8 cache
-  (this project's C++ kernel, runner/kernels/cpu_step.cpp), for engines where :func:`reads_rows_in_place` says
-  it runs; elsewhere the engine gathers the rows (kv_load) and calls attend.
+  (this project's C++ kernel, runner/kernels/cpu_step.cpp), for float32 engines on CPU (:func:`cpu_kernels_for`);
+  elsewhere the engine gathers the rows (kv_load) and calls attend.
 - skip_rms_norm, swiglu: eagerly (the prefill and mixed steps) on float32 CPU tensors, one pass each in C++
   (cpu_step.cpp) instead of torch's five and two; under torch.compile the spec's arithmetic, which inductor fuses.
 """
@@ -27,17 +27,17 @@ import torch.nn.functional as F
 
 from runner.kernels import reference as ref
 from runner.kernels.cpu_ext import cpu_ops
-from runner.kernels.reference import cache_view, rms_norm  # noqa: F401  (same as the spec)
+from runner.kernels.reference import cache_view
 
 
-def _cpu_kernels_for(device: torch.device, dtype: torch.dtype) -> bool:
+def cpu_kernels_for(device: torch.device, dtype: torch.dtype) -> bool:
     """This project's C++ CPU kernels (built here) take float32 CPU tensors."""
     return device.type == "cpu" and dtype == torch.float32 and cpu_ops() is not None
 
 
 def _cpu_kernel_takes(*ts: Optional[torch.Tensor]) -> bool:
     """Eager, and every tensor given one the C++ CPU kernels take."""
-    return not torch.compiler.is_compiling() and all(t is None or _cpu_kernels_for(t.device, t.dtype) for t in ts)
+    return not torch.compiler.is_compiling() and all(t is None or cpu_kernels_for(t.device, t.dtype) for t in ts)
 
 
 def skip_rms_norm(x: torch.Tensor, skip: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
@@ -125,15 +125,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
         return torch.matmul(scores.softmax(-1), v).view(B, H, 1, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                           enable_gqa=H != KV)
-
-
-ROWS_IN_PLACE_CACHE_DTYPES = (torch.float32, torch.int8)  # the caches decode_attention_rows reads
-
-
-def reads_rows_in_place(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether :func:`decode_attention_rows` runs for an engine of this device and dtype, on caches of
-    ROWS_IN_PLACE_CACHE_DTYPES (decided once, at load: not inside a compiled step)."""
-    return _cpu_kernels_for(device, dtype)
 
 
 def decode_attention_rows(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int,

@@ -21,7 +21,7 @@ Each op has the reference's signature and meaning:
 - prefill_attention: flash attention of n sequences of S new tokens each over their keys in the cache
   (causal, offset by each sequence's start, optional sliding window, int8 or float, offset or paged): for
   continued chunks and other prefill that reads the cache. Fresh prompts of one length attend with torch's
-  SDPA (`attend`, flash attention on GPU, causal without a mask).
+  SDPA (torch_ops.attend in the Triton kernel set: flash attention on GPU, causal without a mask).
 
 Every int8 scale is loaded once per group of 8 values. Offsets that can pass 2^31 (cache row x row stride,
 token x token stride) are computed in 64 bits. Rows whose cache slot is negative are not written and
@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP, cache_view
-from runner.kernels.torch_ops import attend, kv_load  # noqa: F401  (fresh prompts: torch SDPA)
 
 DEFAULT_SM_COUNT = 16   # what decode_splits assumes off CUDA (the interpreter, ahead-of-time compiles)
 MAX_SPLITS = 32

@@ -117,7 +117,7 @@ class Watchdog:
 
 
 class SingleComm:
-    rank, world_size = 0, 1
+    rank, world_size, shm = 0, 1, None
     captures_cuda_graphs = True  # nothing to communicate: a CUDA graph of the step holds no collective
 
     def guard(self, what: str):

@@ -1,6 +1,7 @@
 """Tensor-parallel layers (Megatron style). Each takes its communicator explicitly; with one rank
 they do no communication at all. A weight is a float tensor or a weight-only quantised
-runner.kernels.quant_linear.QuantWeight (cut the same way)."""
+runner.kernels.quant_linear.QuantWeight (cut the same way). :class:`SeqParallel` is Megatron's sequence
+parallelism between the row-parallel layers, on the ranks' shared memory."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.kernels.quant_linear import make_linear
+from runner.kernels.quant_linear import CPU_KERNEL_MAX_ROWS, make_linear, packed_args
 
 
 class ColumnParallelLinear(nn.Module):
@@ -39,7 +40,7 @@ class RowParallelLinear(nn.Module):
         return getattr(self.linear, "takes_swiglu", None) is not None and self.linear.takes_swiglu(x)
 
     def forward(self, x: torch.Tensor, swiglu: bool = False, sp=None) -> torch.Tensor:
-        """x W_r^T, all-reduced, plus the bias; with `sp` (runner.engine.model.SeqParallel: no bias) this rank's
+        """x W_r^T, all-reduced, plus the bias; with `sp` (:class:`SeqParallel`: no bias) this rank's
         partial sum, which sp's next norm reduces (written straight into its shared area where the kernel can)."""
         if sp is not None and self.bias is not None:
             raise ValueError("a row-parallel linear with a bias adds it after the all-reduce: no sequence parallelism")
@@ -63,3 +64,33 @@ class ParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.comm.all_gather(F.embedding(ids, self.weight), dim=-1)
         return x[..., : self.hidden_dim].contiguous() if x.shape[-1] != self.hidden_dim else x
+
+
+class SeqParallel:
+    """Sequence parallelism between the row-parallel linears, on the ranks' shared memory (comm.shm): each rank keeps
+    the residual stream of its own rows only (shm.rows), and the all-reduce of a row-parallel linear's partial sums,
+    the residual add and the next RMSNorm become one `reduce_norm`, whose output every rank's next linear reads in
+    place. A rank moves a third of the bytes of all-reduce + norm and norms 1/N of the rows; the logits are the same
+    bits. Used by the eager step on CPU float32 at TP > 1 (runner.engine.runners)."""
+
+    def __init__(self, comm, skip_rms_norm):
+        self.shm, self.comm, self.skip_rms_norm = comm.shm, comm, skip_rms_norm
+
+    def partial(self, lin, x: torch.Tensor) -> torch.Tensor:
+        """x W_r^T of a row-parallel layer's linear `lin`: this rank's partial sum, written straight into its shared
+        area where the kernel takes an output buffer (else reduce_norm copies it there)."""
+        args, m = packed_args(lin), x.shape[0]
+        if args is None or x.dim() != 2 or not self.shm.fits(m, lin.out_features):
+            return lin(x)
+        out = self.shm.partial(m, lin.out_features)
+        torch.ops.pmx_cpu.linear_into_(x.contiguous(), *args, lin.out_features, CPU_KERNEL_MAX_ROWS, out)
+        return out
+
+    def norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
+        """(rms_norm(sum of x + residual) of every row, this rank's rows of that residual); residual None: x is
+        the embedding, whole on every rank."""
+        if residual is None:
+            y, r = self.skip_rms_norm(x, None, weight, eps)
+            return y, r[self.shm.rows(x.shape[0])].contiguous()
+        with self.comm.guard("reduce_norm"):
+            return self.shm.reduce_norm(x, residual, weight, eps), residual

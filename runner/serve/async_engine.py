@@ -1,7 +1,8 @@
 """Rank 0's bridge between the HTTP handlers (uvicorn's thread) and the engine loop (the main thread).
 
-The handlers check a request and put it into a queue; the loop takes it in between two steps, runs
-the steps (heartbeats when idle), and hands each step's new text to the handlers' event loop.
+The handlers check a request and put it into a queue; the loop takes what came in between two steps as that
+step's events (sent to every rank with the step), runs the steps (heartbeats when idle), and hands each step's
+new text to the handlers' event loop.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ import time
 from typing import Optional
 
 from runner.serve.api import ApiError, Subscription
-from runner.serve.engine import HEARTBEAT_S, Delta, Engine
+from runner.serve.engine import HEARTBEAT_S, Delta, LLMEngine
 from runner.serve.metrics import Metrics
 
 
 class AsyncEngine:
     """Rank 0: the engine loop (main thread) and the doors the HTTP handlers use (their thread)."""
 
-    def __init__(self, engine: Engine, max_waiting: int, drain_timeout: float, metrics: Metrics):
+    def __init__(self, engine: LLMEngine, max_waiting: int, drain_timeout: float, metrics: Metrics):
         self.engine, self.max_waiting, self.drain_timeout, self.metrics = engine, max_waiting, drain_timeout, metrics
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.routes: dict[str, Subscription] = {}   # engine thread only
@@ -57,33 +58,34 @@ class AsyncEngine:
         """Steps until stopped and drained."""
         eng = self.engine
         while True:
+            events = []
             while True:
                 try:
-                    self._apply(self.inbox.get_nowait())
+                    events += self._event(self.inbox.get_nowait())
                 except queue.Empty:
                     break
-            if self.stop_at is not None and (not eng.has_work() or
+            if self.stop_at is not None and (not (eng.has_work() or events) or
                                              time.monotonic() > self.stop_at + self.drain_timeout):
                 self._publish(eng.cancel_all())
                 return
-            if not eng.has_work():
+            if not (eng.has_work() or events):
                 try:
-                    self._apply(self.inbox.get(timeout=HEARTBEAT_S))
+                    events += self._event(self.inbox.get(timeout=HEARTBEAT_S))
                 except queue.Empty:
                     eng.heartbeat()
-                continue
-            self._publish(eng.step())
+                    continue
+            self._publish(eng.step_with(events))
 
-    def _apply(self, item: tuple) -> None:
+    def _event(self, item: tuple) -> list:
+        """The step event of an inbox item (none for a request that came in as the drain began)."""
         if item[0] == "add":
             _, rid, ids, params, sub, arrival = item
-            if not self.accepting:  # came in while the drain began
+            if not self.accepting:
                 sub.deliver([Delta(rid, 0, "", [], [], "abort", usage=(len(ids), 0))])
-                return
+                return []
             self.routes[rid] = sub
-            self.engine.add_request(rid, ids, params, arrival)
-        else:
-            self._publish(self.engine.cancel(item[1]))
+            return [("add", rid, ids, params, arrival)]
+        return [("cancel", item[1])]
 
     def _publish(self, deltas: list) -> None:
         by_sub: dict[int, tuple] = {}

@@ -1,32 +1,29 @@
-"""The serving engine: continuous batching over the model step, under the server and the offline API.
+"""Requests over the engine core, for the server and the offline API: each completion (choice) of a request is a
+sequence of the core (runner.engine.core), which batches, runs and samples them; here its text is detokenized,
+stop strings and logprobs applied, and what each step added handed out as deltas.
 
-Rank 0 owns the requests. Each step it asks the scheduler (`runner.serve.scheduler`) what runs,
-sends that step (new tokens, lengths, positions, cache pages) to the other ranks as one small JSON
-message (`StepChannel`), runs the step with them, then samples, detokenizes and checks the stops of
-the sequences whose next token is due. The other ranks run :meth:`Engine.follow`: receive a step,
-run it, until rank 0 sends something else (stop, or the offline API's results). Only rank 0 samples:
-the tokens it samples reach the other ranks inside the next step, so every rank feeds the same
-tokens by construction, whatever each request's sampling settings.
-
-While idle, rank 0 sends a heartbeat every second, so the other ranks (waiting in a broadcast
-under the communicator's watchdog) know it is alive.
+Every rank runs the same LLMEngine on the same requests in the same order (the core samples the same tokens on
+every rank). The offline API makes the same calls on every rank; the server's requests reach rank 0 only, so
+before each step rank 0 sends the other ranks that step's events (requests added, cancelled) in one broadcast
+(:class:`StepChannel`), and every rank applies them, then steps (:meth:`LLMEngine.follow` on ranks 1..N-1).
+While idle, rank 0 sends a heartbeat every second, so the other ranks (waiting in a broadcast under the
+communicator's watchdog) know it is alive.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Union
 
 import torch
 
-from runner.engine.sampler import Sampler, greedy_ids
+from runner.engine.core import EngineCore, Output
+from runner.engine.scheduler import Sequence
+from runner.errors import PmxError
 from runner.kernels.reference import PAGE_SIZE
-from runner.serve.params import ParamError, SamplingParams, is_int
-from runner.serve.scheduler import Scheduler, Sequence, pages_for, step_lengths
+from runner.serve.params import ParamError, SamplingParams
 
 HEARTBEAT_S = 1.0
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
@@ -150,24 +147,6 @@ class RequestOutput:
             out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
         self.finished = all(o.finished() for o in self.outputs)
 
-    def to_json(self) -> dict:
-        return {"request_id": self.request_id, "prompt": self.prompt, "prompt_token_ids": self.prompt_token_ids,
-                "finished": self.finished,
-                "outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
-                             "cumulative_logprob": o.cumulative_logprob, "finish_reason": o.finish_reason,
-                             "stop_reason": o.stop_reason,
-                             "logprobs": None if o.logprobs is None else
-                             [[[i, lp.logprob, lp.rank, lp.decoded_token] for i, lp in e.items()] for e in o.logprobs]}
-                            for o in self.outputs]}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "RequestOutput":
-        outs = [CompletionOutput(o["index"], o["text"], o["token_ids"], o["cumulative_logprob"],
-                                 None if o["logprobs"] is None else
-                                 [{i: Logprob(lp, r, t) for i, lp, r, t in e} for e in o["logprobs"]],
-                                 o["finish_reason"], o["stop_reason"]) for o in d["outputs"]]
-        return cls(d["request_id"], d["prompt"], d["prompt_token_ids"], outs, d["finished"])
-
 
 @dataclass(eq=False)
 class _Request:
@@ -181,11 +160,9 @@ class _Request:
 
 @dataclass(eq=False)
 class _Choice:
-    """A completion's state beside its scheduler `Sequence` (kept in `Sequence.state`)."""
+    """A completion's state beside its core `Sequence` (kept in `Sequence.state`)."""
     request: _Request
     index: int
-    max_tokens: int
-    sampler: Sampler
     detok: IncrementalDetokenizer
     text: str = ""
     token_ids: list = field(default_factory=list)
@@ -197,49 +174,39 @@ class _Choice:
     last_token_at: Optional[float] = None
 
 
-class Engine:
-    """Continuous batching of requests over one model; see the module docstring. On ranks other than 0
-    only :meth:`follow` (and the channel) is used."""
+class LLMEngine:
+    """Requests over an engine core; see the module docstring."""
 
-    def __init__(self, model, comm, tokenizer, eos_ids, num_pages: int, max_batch: int = 64,
-                 max_step_tokens: int = 512, metrics=None):
-        if model.options.cache_mode != 1 or not model.options.auto_causal:
-            raise ValueError("the serving engine needs a paged cache (cache_mode=1) and auto_causal")
-        self.model, self.comm, self.tok, self.metrics = model, comm, tokenizer, metrics
+    def __init__(self, core: EngineCore, tokenizer, eos_ids, metrics=None):
+        self.core, self.tok, self.metrics = core, tokenizer, metrics
         self.eos_ids = frozenset(eos_ids)
-        self.num_pages = num_pages
-        self.max_model_len = model.params.max_position_embeddings
-        self.kv_cache, self.kv_scale = model.new_cache(num_pages * PAGE_SIZE)
-        self.channel = StepChannel(comm, model.device)
-        self.scheduler = Scheduler(num_pages, max_batch, max_step_tokens)
+        self.max_model_len = core.max_model_len
+        self.channel = StepChannel(core.comm, core.model.device)
         self.requests: dict[str, _Request] = {}
-        self._arrivals = itertools.count()
-        self._seeds = random.Random()
+        self._preemptions = 0
         if metrics is not None:
-            metrics.set(kv_pages_total=num_pages, kv_page_tokens=PAGE_SIZE)
+            metrics.set(kv_pages_total=core.cache.rows // PAGE_SIZE, kv_page_tokens=PAGE_SIZE)
             self._gauges()
 
-    # -- requests (rank 0) ------------------------------------------------------------------------
+    # -- requests ----------------------------------------------------------------------------------------------
     def check(self, prompt_ids: list, params: SamplingParams) -> int:
         """The max_tokens a request gets; ParamError when it cannot run here. Reads only constants, so the
         HTTP thread may call it."""
-        p, vocab = len(prompt_ids), self.model.params.vocab_size
-        if p == 0:
-            raise ParamError("prompt", "the prompt is empty")
-        bad = [t for t in prompt_ids if not (is_int(t) and 0 <= t < vocab)]
-        if bad:
-            raise ParamError("prompt", f"the prompt holds token ids {bad[:3]} outside the vocabulary [0, {vocab})")
+        p = len(prompt_ids)
         if p >= self.max_model_len:
             raise ParamError("prompt", f"this model's maximum context length is {self.max_model_len} tokens; the "
                                        f"prompt has {p}, which leaves no room for a completion")
+        try:
+            self.core.check_prompt(prompt_ids, "the prompt")
+        except PmxError as e:
+            raise ParamError("prompt", str(e)) from None
         max_tokens = self.max_model_len - p if params.max_tokens is None else params.max_tokens
         if p + max_tokens > self.max_model_len:
             raise ParamError("max_tokens", f"this model's maximum context length is {self.max_model_len} tokens; "
                                            f"{p} in the prompt and {max_tokens} to generate make {p + max_tokens}")
-        if not self.scheduler.fits(p + max_tokens):
-            raise ParamError("max_tokens", f"{p} prompt tokens and {max_tokens} new ones need "
-                                           f"{pages_for(p + max_tokens)} KV-cache pages of {PAGE_SIZE} tokens; this "
-                                           f"server's cache has {self.num_pages} (--kv_cache_tokens)")
+        if not self.core.scheduler.cache.fits(p + max_tokens):
+            raise ParamError("max_tokens", f"{p} prompt tokens and {max_tokens} new ones need more KV cache than "
+                                           f"this server's {self.core.cache.rows} tokens (--kv_cache_tokens)")
         return max_tokens
 
     def add_request(self, request_id: str, prompt_ids: list, params: SamplingParams,
@@ -249,15 +216,11 @@ class Engine:
         max_tokens = self.check(prompt_ids, params)
         req = _Request(request_id, list(prompt_ids), params,
                        time.monotonic() if arrival_time is None else arrival_time)
-        seed = self._seeds.getrandbits(62)
+        seed = self.core.next_seed()  # (drawn on every rank alike, whether or not the request has its own)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         for i in range(params.n):
-            choice = _Choice(req, i, max_tokens, Sampler(params.for_choice(i, seed)),
-                             IncrementalDetokenizer(self.tok, prompt_ids))
-            order = next(self._arrivals)
-            seq = Sequence(order, list(prompt_ids), len(prompt_ids), len(prompt_ids) + max_tokens, arrival=order,
-                           state=choice)
-            self.scheduler.add(seq)
-            req.choices.append(seq)
+            choice = _Choice(req, i, IncrementalDetokenizer(self.tok, prompt_ids))
+            req.choices.append(self.core.add(prompt_ids, max_tokens, params.for_choice(i, seed), stops, state=choice))
         req.unfinished = params.n
         self.requests[request_id] = req
         if self.metrics is not None:
@@ -265,7 +228,7 @@ class Engine:
             self._gauges()
 
     def cancel(self, request_id: str) -> list[Delta]:
-        """Ends a request's unfinished completions with finish_reason "abort", freeing their pages."""
+        """Ends a request's unfinished completions with finish_reason "abort", freeing their cache."""
         req = self.requests.get(request_id)
         if req is None:
             return []
@@ -280,57 +243,49 @@ class Engine:
         return [d for rid in list(self.requests) for d in self.cancel(rid)]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.core.has_work()
 
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.core.scheduler.waiting)
 
-    # -- steps (rank 0) ---------------------------------------------------------------------------
+    # -- steps -------------------------------------------------------------------------------------------------
     def step(self) -> list[Delta]:
-        """Runs one step over the ranks; returns the completions' new text and tokens."""
-        batch = self.scheduler.schedule()
-        if self.metrics is not None and batch.preempted:
-            self.metrics.inc("preemptions_total", len(batch.preempted))
-        if not batch:
-            return []
-        tokens, seqlens, start = step_lengths(batch)
-        msg = {"k": "step", "t": tokens, "n": seqlens, "p": start, "c": [s.pages for s, _ in batch.items],
-               "d": batch.num_decoding}
-        self.channel.send(msg)
-        logits = self._run(msg)
-        rows = {s.seq_id: k for k, (s, _) in enumerate(batch.items)}
-        ready = self.scheduler.advance(batch)
-        deltas = []
-        if ready:
-            lg = logits[[rows[s.seq_id] for s in ready]]
-            now = time.monotonic()
-            for seq, token, row in zip(ready, self._sample(ready, lg), lg):
-                deltas.append(self._accept(seq, token, row, now))
+        """Runs one step; returns the completions' new text and tokens."""
+        outs = self.core.step()
+        now = time.monotonic()
+        deltas = [d for d in (self._accept(o, now) for o in outs) if d is not None]
         if self.metrics is not None:
+            preempted = self.core.scheduler.preemptions - self._preemptions
+            self._preemptions += preempted
+            if preempted:
+                self.metrics.inc("preemptions_total", preempted)
             self.metrics.inc("steps_total")
             self._gauges()
-        return [d for d in deltas if d is not None]
+        return deltas
+
+    def apply(self, events: list) -> list[Delta]:
+        """A step's events, on every rank: ("add", request id, prompt ids, SamplingParams[, arrival time]) or
+        ("cancel", request id)."""
+        out = []
+        for e in events:
+            if e[0] == "add":
+                self.add_request(*e[1:])
+            else:
+                out += self.cancel(e[1])
+        return out
+
+    def step_with(self, events: list) -> list[Delta]:
+        """Rank 0 of the server: sends the step's events to the other ranks, applies them, runs the step."""
+        self.channel.send({"k": "step", "e": [["add", e[1], e[2], asdict(e[3])] if e[0] == "add" else list(e)
+                                              for e in events]})
+        deltas = self.apply(events)
+        return deltas + (self.step() if self.has_work() else [])
 
     def heartbeat(self) -> None:
         self.channel.send({"k": "idle"})
 
-    def _run(self, msg: dict) -> torch.Tensor:
-        caches = [[p * PAGE_SIZE for p in pages] for pages in msg["c"]]
-        tokens, plan = self.model.step_inputs(msg["t"], msg["n"], msg["p"], caches, msg["d"])
-        return self.model.step(tokens, plan, self.kv_cache, self.kv_scale)
-
-    def _sample(self, seqs: list, logits: torch.Tensor) -> list[int]:
-        greedy = [k for k, s in enumerate(seqs) if s.state.sampler.params.temperature == 0]
-        out = [0] * len(seqs)
-        if greedy:
-            for k, t in zip(greedy, greedy_ids(logits[greedy] if len(greedy) < len(seqs) else logits)):
-                out[k] = t
-        for k, s in enumerate(seqs):
-            if s.state.sampler.params.temperature != 0:
-                out[k] = int(s.state.sampler(logits[k:k + 1])[0])
-        return out
-
-    def _accept(self, seq: Sequence, token: int, row: torch.Tensor, now: float) -> Optional[Delta]:
+    def _accept(self, o: Output, now: float) -> Optional[Delta]:
+        seq, token = o.seq, o.token
         ch: _Choice = seq.state
         p = ch.request.params
         if self.metrics is not None:
@@ -340,13 +295,12 @@ class Engine:
                 self.metrics.observe(itl=[now - ch.last_token_at])
             self.metrics.inc("generation_tokens_total")
         ch.last_token_at = now
-        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+        if seq.finish_reason == "stop":  # a stop id or EOS: not part of the completion
             ch.finish_reason, ch.stop_reason = "stop", (token if token in p.stop_token_ids else None)
             return self._finish(seq)
-        seq.tokens.append(token)
         ch.token_ids.append(token)
         if p.logprobs is not None:
-            lp = torch.log_softmax(row.float(), -1)
+            lp = torch.log_softmax(o.logits.float(), -1)
             top = lp.topk(p.logprobs) if p.logprobs else None
             ch.logprobs.append((token, max(float(lp[token]), LOGPROB_FLOOR),
                                 [] if top is None else [(i, max(v, LOGPROB_FLOOR)) for i, v in
@@ -355,7 +309,7 @@ class Engine:
         ch.text += new
         if p.stop and new:
             self._match_stop(ch, len(new))
-        if ch.finish_reason is None and (len(ch.token_ids) >= ch.max_tokens or len(seq.tokens) >= self.max_model_len):
+        if ch.finish_reason is None and seq.finish_reason == "length":
             ch.finish_reason = "length"
         if ch.finish_reason is not None:
             return self._finish(seq)
@@ -385,7 +339,7 @@ class Engine:
     def _finish(self, seq: Sequence) -> Delta:
         ch: _Choice = seq.state
         req = ch.request
-        self.scheduler.remove(seq)
+        self.core.finish(seq, ch.finish_reason)  # (a stop string or a cancel: the core still runs it)
         req.unfinished -= 1
         d = self._delta(ch)
         if req.unfinished == 0:
@@ -399,17 +353,19 @@ class Engine:
         return d
 
     def _gauges(self) -> None:
-        s = self.scheduler
+        s = self.core.scheduler
         self.metrics.set(requests_waiting=len(s.waiting), requests_running=len(s.running),
-                         kv_pages_used=s.pool.used, kv_pages_free=s.pool.free)
+                         kv_pages_used=s.cache.used // PAGE_SIZE, kv_pages_free=s.cache.free // PAGE_SIZE)
 
-    # -- the other ranks --------------------------------------------------------------------------
+    # -- the other ranks of a server ---------------------------------------------------------------------------
     def follow(self, should_quit: Callable[[], bool] = lambda: False) -> dict:
-        """Runs rank 0's steps until it sends anything else, which is returned ({"k": "stop"}, ...)."""
+        """Applies rank 0's events and runs its steps until it sends anything else, which is returned."""
         while True:
             msg = self.channel.recv()
             if msg["k"] == "step":
-                self._run(msg)
+                self.apply([[*e[:3], SamplingParams(**e[3])] if e[0] == "add" else e for e in msg["e"]])
+                if self.has_work():
+                    self.step()
             elif msg["k"] != "idle":
                 return msg
             if should_quit():

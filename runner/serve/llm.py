@@ -5,17 +5,18 @@
     for out in llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, temperature=0)):
         print(out.outputs[0].text, out.outputs[0].token_ids)
 
-Under `mpirun -np N` / `torchrun` every rank runs the same script and makes the same calls; rank 0
-schedules and samples, the others run the steps with it, and every rank gets the same results.
+Under `mpirun -np N` / `torchrun` every rank runs the same script and makes the same calls; every rank runs
+the same engine on them and gets the same results.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
+from runner.config import EngineConfig
 from runner.errors import PmxError
 from runner.serve.engine import CompletionOutput, RequestOutput
-from runner.serve.loader import EngineArgs, load
+from runner.serve.loader import load
 from runner.serve.params import SamplingParams
 
 PromptType = Union[str, Sequence[int]]
@@ -27,22 +28,16 @@ class LLM:
     Args:
         ckpt_dir: PMX directory split into as many shards as ranks are started.
         tokenizer_path: tokenizer.model / tokenizer.json, or a directory (default: ckpt_dir).
-        max_batch: sequences in one step at most.
-        max_num_batched_tokens: tokens in one step at most (long prompts are prefilled in chunks).
-        kv_cache_tokens: KV-cache budget in tokens (pages of 128); default: a share of the memory.
-        gpu_memory_utilization: on CUDA, the share of the device memory for weights and cache.
-        device, dtype, kernels, compile, quantized_cache, cache_layout, cuda_graphs, fused_decode: as for
-            `python -m runner generate`.
+        **engine: any field of runner.config.EngineConfig, the flags of `python -m runner generate` (e.g.
+            max_batch, kv_cache_tokens, device, dtype, quantized_cache); the cache is paged unless cache_mode=0.
     """
 
-    def __init__(self, ckpt_dir: str, tokenizer_path: Optional[str] = None, max_batch: int = 64,
-                 max_num_batched_tokens: int = 512, kv_cache_tokens: Optional[int] = None,
-                 gpu_memory_utilization: float = 0.9, device: str = "auto", dtype: str = "auto",
-                 kernels: str = "auto", compile: str = "auto", quantized_cache: bool = False, cache_layout: int = 0,
-                 cuda_graphs: bool = True, fused_decode: bool = True):
-        args = EngineArgs(tokenizer_path, max_batch, max_num_batched_tokens, kv_cache_tokens, gpu_memory_utilization,
-                          device, dtype, kernels, compile, quantized_cache, cache_layout, cuda_graphs, fused_decode)
-        self._loaded = load(ckpt_dir, args)
+    def __init__(self, ckpt_dir: str, tokenizer_path: Optional[str] = None, **engine):
+        try:
+            config = EngineConfig(**{"cache_mode": 1, **engine})
+        except TypeError as e:
+            raise PmxError(f"LLM: {e} (the engine options are runner.config.EngineConfig's fields)") from None
+        self._loaded = load(ckpt_dir, tokenizer_path, config)
         self.engine = self._loaded.engine
         self.tokenizer = self._loaded.tokenizer
         self.session = self._loaded.session
@@ -93,11 +88,6 @@ class LLM:
         for (_, ids), p in zip(encoded, params):  # every rank checks, so a bad request fails on every rank
             self.engine.check(ids, p)
         eng = self.engine
-        if not self.session.is_main:
-            msg = eng.follow()
-            if msg["k"] != "done":
-                raise PmxError(f"rank 0 ended the generation with {msg['k']!r}")
-            return [RequestOutput.from_json(r) for r in msg["outputs"]]
         self._counter += 1
         results = {}
         for i, ((text, ids), p) in enumerate(zip(encoded, params)):
@@ -107,6 +97,4 @@ class LLM:
         while eng.has_work():
             for d in eng.step():
                 results[d.request_id].apply(d, self.tokenizer.token_text)
-        outs = list(results.values())
-        eng.channel.send({"k": "done", "outputs": [o.to_json() for o in outs]})
-        return outs
+        return list(results.values())

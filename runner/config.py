@@ -1,0 +1,88 @@
+"""EngineConfig: every engine flag, defined once (type, default, one line of help), validated in one place.
+
+Every command that runs the engine (generate, bench, perplexity, serve, replay) takes these flags, and
+`LLM(ckpt_dir, **fields)` takes them as keyword arguments: :mod:`runner.args` spreads the fields into a
+command's flags and gathers them back into one EngineConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Optional
+
+from runner.args import (CacheLayout, CacheMode, CommBackend, Compile, Device, Dtype, Kernels, PositiveInt, Range,
+                         Seconds, check_fields, flag)
+from runner.errors import PmxError
+from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # where and in what precision
+    device: Device = flag("auto", "auto, cpu or cuda (rank r uses cuda:local_rank)")
+    dtype: Dtype = flag("auto", "compute dtype: auto (float32 on CPU, the checkpoint's on GPU; replay: the dumped "
+                                "run's), float32, float16, bfloat16")
+    comm_backend: CommBackend = flag("auto", "auto (none for one rank, mpi4py on CPU under mpirun, else NCCL on CUDA / "
+                                             "gloo on CPU), mpi, torch, nccl or gloo (gloo lets ranks share a GPU)")
+    collective_timeout: Optional[Seconds] = flag(None, "seconds a collective may wait for the other ranks (default "
+                                                       "$PMX_COLLECTIVE_TIMEOUT or 30)")
+    # the model's kernels and the KV cache (ppl.pmx's Demo.py switches)
+    kernels: Kernels = flag("auto", "auto (Triton on CUDA, fast torch elsewhere), triton, torch or reference (the "
+                                    "spec)")
+    fused_qkv: bool = flag(True, "one GEMM for q, k and v")
+    fused_ffn_glu: bool = flag(True, "one GEMM for gate and up")
+    fused_kvcache: bool = flag(True, "attention reads K/V straight from the cache (false: ppl.pmx's packed K/V, "
+                                     "then attention per sequence)")
+    friendly_gqa: bool = flag(False, "repeat K/V heads to the query heads before attention")
+    auto_causal: bool = flag(True, "attention makes the causal mask (false: an explicit mask is passed; needs "
+                                   "--fused_kvcache false)")
+    quantized_cache: bool = flag(False, "int8 KV cache (groups of 8, float16 scales)")
+    cache_layout: CacheLayout = flag(0, "ppl.pmx's KV cache layout, 0..3")
+    cache_mode: CacheMode = flag(0, "0 offset (a region per sequence), 1 paged (pages of 128 tokens)")
+    prepack: bool = flag(True, "CPU float32: weights repacked once at load for this project's linear kernel")
+    decode_linears: bool = flag(True, "CUDA float16/bfloat16: batch-1 decode linears on the Triton GEMV kernel")
+    # how steps run (runner.engine.runners)
+    fused_decode: bool = flag(True, "CPU float32: a decode step as one C++ call, collectives included")
+    compile: Compile = flag("auto", "torch.compile the decode step where the one-call step does not run it: auto "
+                                    "(on CPU for 32M+ parameters per rank), on, off")
+    cuda_graphs: bool = flag(True, "CUDA with the Triton kernels: replay decode steps from a CUDA graph per batch "
+                                   "bucket")
+    seq_parallel: bool = flag(True, "CPU float32 at TP > 1: prefill and mixed steps keep the residual stream cut by "
+                                    "rows (the same bits)")
+    # continuous batching (runner.engine.scheduler) and the cache budget
+    max_batch: PositiveInt = flag(256, "sequences in one step at most; the rest wait")
+    context_chunking: bool = flag(True, "cut long prefills into chunks of --context_chunk_size tokens per step")
+    context_chunk_size: PositiveInt = flag(512, "prefill tokens per step when --context_chunking")
+    max_num_batched_tokens: Optional[PositiveInt] = flag(None, "tokens in one step at most, decoding ones included "
+                                                               "(vLLM's; at least --max_batch)")
+    kv_cache_tokens: Optional[PositiveInt] = flag(None, "KV-cache budget in tokens (default: what the work needs, "
+                                                        "within --gpu_memory_utilization of a GPU or a quarter of "
+                                                        "free host memory)")
+    gpu_memory_utilization: Annotated[float, Range(0, 1, lo_open=True)] = flag(
+        0.9, "on CUDA, the share of the device memory weights and cache may use")
+
+    def __post_init__(self):
+        check_fields(self)
+        if not self.auto_causal and self.fused_kvcache:
+            raise PmxError("--auto_causal false needs --fused_kvcache false (the explicit mask is applied by the "
+                           "unfused attention)")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_batch:
+            raise PmxError(f"--max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least --max_batch "
+                           f"({self.max_batch}): every running sequence decodes in every step")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < PAGE_SIZE:
+            raise PmxError(f"--kv_cache_tokens must be at least one page ({PAGE_SIZE}), got {self.kv_cache_tokens}")
+
+    @property
+    def paged(self) -> bool:
+        return self.cache_mode == 1
+
+    @property
+    def prefill_chunk(self) -> Optional[int]:
+        """Prefill tokens per step at most (None: no limit)."""
+        return self.context_chunk_size if self.context_chunking else None
+
+    def check_model(self, head_dim: int) -> None:
+        """What the model must allow for these settings."""
+        if self.quantized_cache and head_dim % QUANT_GROUP:
+            raise PmxError(f"--quantized_cache needs head_dim divisible by {QUANT_GROUP}; this model has "
+                           f"head_dim={head_dim}")

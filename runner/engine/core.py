@@ -1,0 +1,262 @@
+"""The engine core: continuous batching over one model rank, for every command that batches and for the server.
+
+Each step the scheduler (runner.engine.scheduler) picks what runs, the Stepper (runner.engine.runners) plans and
+runs it, and the sequences whose next token is due sample it. Every rank runs the same core on the same sequences
+and samples the same tokens: the logits are gathered whole on every rank, each sequence has its own sampler, and
+its seed is derived from a base seed the ranks share (drawn once by rank 0). So the ranks agree on every token by
+construction, with no message per step. A sequence ends on a stop id (not appended) or at its max_len
+("length"); callers end sequences for their own reasons (stop strings, cancellation) with :meth:`finish`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional, Sequence as Seq
+
+import torch
+
+from runner.config import EngineConfig
+from runner.engine.cache import KVCache
+from runner.engine.dump import TensorDumper
+from runner.engine.plan import StepLengths, step_inputs
+from runner.engine.runners import Stepper
+from runner.engine.sampler import Sampler, SamplingParams, greedy_ids
+from runner.engine.scheduler import OffsetCache, PagedCache, Scheduler, Sequence
+from runner.errors import PmxError
+from runner.kernels.reference import PAGE_SIZE
+
+CPU_CACHE_MEMORY_FRACTION = 0.25  # default KV budget on CPU: at most this share of the available memory
+
+
+@dataclass
+class Output:
+    """What one step gave one sequence: its new token (None for a scored prompt) and the logits it came from
+    ([vocab], or [rows, vocab] of a scored prompt's chunk)."""
+    seq: Sequence
+    token: Optional[int]
+    logits: torch.Tensor
+
+
+class EngineCore:
+    def __init__(self, model, stepper: Stepper, config: EngineConfig):
+        self.model, self.stepper, self.config, self.comm = model, stepper, config, model.comm
+        self.max_model_len = model.params.max_position_embeddings
+        self.cache: Optional[KVCache] = None
+        self.scheduler: Optional[Scheduler] = None
+        self.dumper: Optional[TensorDumper] = None
+        self.steps = 0                        # steps of the current run (what dumps count)
+        self._ids = itertools.count()
+        self.base_seed = self._shared_seed()
+        self._seeds = itertools.count()
+
+    # -- the cache -----------------------------------------------------------------------------------------------
+    def page_bytes(self) -> int:
+        """Bytes of one page of cache on this rank (keys, values and int8 scales of every layer)."""
+        kv, scale = self.model.new_cache(PAGE_SIZE)
+        return kv.numel() * kv.element_size() + (0 if scale is None else scale.numel() * scale.element_size())
+
+    def budget_rows(self, wanted: int) -> int:
+        """Cache rows: --kv_cache_tokens, else `wanted` (whole pages in paged mode) within a share of the device's
+        memory (the same on every rank: the smallest GPU's reading, or rank 0's of the host memory)."""
+        c, dev = self.config, self.model.device
+        if c.kv_cache_tokens is not None:
+            return c.kv_cache_tokens
+        page = PAGE_SIZE if c.paged else 1
+        if dev.type == "cuda":
+            free, total = torch.cuda.mem_get_info(dev)
+            budget = total * c.gpu_memory_utilization - (total - free)
+        else:
+            budget = _available_memory() * CPU_CACHE_MEMORY_FRACTION
+        fit = int(budget // self.page_bytes() * PAGE_SIZE) // page * page
+        rows = torch.tensor([max(page, min(-(-wanted // page) * page, fit))])
+        if self.comm.world_size > 1:
+            rows = self.comm.all_gather(rows.to(dev)).min() if dev.type == "cuda" else self.comm.broadcast_(rows)
+        return int(rows)
+
+    def reserve(self, rows: int) -> None:
+        """A cache of `rows` rows and a scheduler over it; the cache tensor is kept when it is large enough. Only
+        between runs: nothing may be running."""
+        if self.scheduler is not None and self.scheduler.has_work():
+            raise RuntimeError("the KV cache cannot change while sequences run")
+        c = self.config
+        if self.cache is None or self.cache.rows < rows:
+            self.cache = None  # (the old cache goes before the new one is made)
+            self.cache = self.stepper.cache(*self.model.new_cache(rows))
+        alloc = PagedCache(rows) if c.paged else OffsetCache(rows)
+        self.scheduler = Scheduler(alloc, c.max_batch, c.max_num_batched_tokens, c.prefill_chunk)
+
+    # -- sequences -----------------------------------------------------------------------------------------------
+    def check_prompt(self, ids: Seq[int], what: str = "prompt", room: int = 1) -> None:
+        """A prompt of known token ids leaving `room` positions free; PmxError naming `what` otherwise."""
+        vocab = self.model.params.vocab_size
+        if not ids:
+            raise PmxError(f"{what} is empty")
+        if len(ids) + room > self.max_model_len:
+            raise PmxError(f"{what} has {len(ids)} tokens; the model takes at most {self.max_model_len} positions")
+        bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
+        if bad:
+            raise PmxError(f"{what} holds token ids {bad[:3]} outside the vocabulary [0, {vocab})")
+
+    def add(self, prompt: Seq[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+            stop_ids: Seq[int] = (), all_logits: bool = False, state=None) -> Sequence:
+        """Queues a sequence: `prompt` then at most `max_new_tokens` (within the model's positions) sampled with
+        `sampling` (its seed, or one derived from the shared base seed); `all_logits`: score the prompt instead."""
+        seed = sampling.seed if sampling.seed is not None else self.next_seed()
+        i = next(self._ids)
+        seq = Sequence(i, list(prompt), len(prompt), min(len(prompt) + max_new_tokens, self.max_model_len), arrival=i,
+                       stop_ids=frozenset(stop_ids), sampler=Sampler(replace(sampling, seed=seed)),
+                       all_logits=all_logits, state=state)
+        self.scheduler.add(seq)
+        return seq
+
+    def next_seed(self) -> int:
+        """The next seed derived from the ranks' shared base seed (the same on every rank, call for call)."""
+        return self.base_seed + next(self._seeds)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends `seq` now (a stop string, a cancelled request) and frees its cache."""
+        seq.finish_reason = seq.finish_reason or reason
+        self.scheduler.remove(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_work()
+
+    # -- one step ------------------------------------------------------------------------------------------------
+    def step(self) -> list[Output]:
+        """Runs one step; returns what it gave each sequence whose next token was due (or whose prompt is scored)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        items, starts = batch.items, self.scheduler.cache.starts
+        b = StepLengths([t for s, n in items for t in s.tokens[s.computed:s.computed + n]], [n for _, n in items],
+                        [s.computed for s, _ in items], [starts(s) for s, _ in items], batch.num_decoding,
+                        tuple(s.all_logits for s, _ in items) if any(s.all_logits for s, _ in items) else ())
+        n, self.steps = self.steps, self.steps + 1
+        if self.dumper is not None and self.dumper.wants(n):
+            mask = self.stepper.mask(b)
+            self.dumper.dump(n, {**step_inputs(b, mask, self.model.dtype), "kv_cache": self.cache.data,
+                                 "kv_scale": self.cache.scale})
+            logits = self.stepper.run(*self.stepper.plan(b, mask), self.cache)
+            self.dumper.dump(n, {"logits": logits})
+        else:
+            logits = self.stepper.run(*self.stepper.plan(b), self.cache)
+        return self._outputs(batch.items, self.scheduler.advance(batch), logits, bool(b.all_rows))
+
+    def _outputs(self, items: list, ready: list, logits: torch.Tensor, scored: bool) -> list[Output]:
+        out, rows = [], {}
+        row = 0
+        for s, n in items:
+            k = n if s.all_logits else 1
+            if s.all_logits:
+                out.append(Output(s, None, logits[row:row + k]))
+            rows[s.seq_id] = row + k - 1
+            row += k
+        due = [s for s in ready if not s.all_logits]
+        for s in [s for s in ready if s.all_logits]:  # a scored prompt is done once it is all in the cache
+            self.finish(s, "length")
+        if not due:
+            return out
+        lg = logits if len(due) == len(items) and not scored else logits[[rows[s.seq_id] for s in due]]
+        greedy = [k for k, s in enumerate(due) if s.sampler.params.temperature == 0]
+        ids = [0] * len(due)
+        if greedy:
+            for k, t in zip(greedy, greedy_ids(lg if len(greedy) == len(due) else lg[greedy])):
+                ids[k] = t
+        for k, s in enumerate(due):
+            if s.sampler.params.temperature != 0:
+                ids[k] = int(s.sampler(lg[k:k + 1])[0])
+            t = ids[k]
+            if t in s.stop_ids:
+                s.finish_reason = "stop"
+            else:
+                s.tokens.append(t)
+                if len(s.tokens) >= s.max_len:
+                    s.finish_reason = "length"
+            if s.finish_reason is not None:
+                self.scheduler.remove(s)
+            out.append(Output(s, t, lg[k]))
+        return out
+
+    # -- whole runs ----------------------------------------------------------------------------------------------
+    def start_run(self, needs: Seq[int], dumper: Optional[TensorDumper] = None) -> None:
+        """A new run of sequences needing `needs` cache rows each: the cache sized for all of them at once (within
+        the budget), its steps counted from 0 for the dumper."""
+        page = PAGE_SIZE if self.config.paged else 1
+        self.reserve(self.budget_rows(sum(-(-n // page) * page for n in needs)))  # (each sequence whole pages)
+        self.dumper, self.steps = dumper, 0
+
+    def generate(self, prompts: Seq[Seq[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 stop_ids: Seq[int] = (), dumper: Optional[TensorDumper] = None, stats: Optional[dict] = None,
+                 progress: Optional[Callable[[int, int], None]] = None) -> list[list[int]]:
+        """The ids each prompt generates (stop ids excluded), greedy or sampled: prompt i's seed is sampling.seed
+        + i, or without one the shared base seed's next. `stats` receives "steps", "step_seconds" (wall time of
+        each step) and "prefill_steps" (the steps until every sequence had its first token); `progress(new tokens,
+        sequences done)` is called after each step."""
+        if max_new_tokens < 1:
+            raise PmxError(f"--max_gen_len must be >= 1, got {max_new_tokens}")
+        for i, p in enumerate(prompts):
+            self.check_prompt(p, f"prompt {i}")
+        self.start_run([min(len(p) + max_new_tokens, self.max_model_len) for p in prompts], dumper)
+        seqs = []
+        for i, p in enumerate(prompts):
+            s = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
+            try:
+                seqs.append(self.add(p, max_new_tokens, s, stop_ids))
+            except ValueError:
+                raise PmxError(f"the KV cache ({self.cache.rows} rows) cannot hold prompt {i} and its "
+                               f"{max_new_tokens} new tokens") from None
+        times = stats.setdefault("step_seconds", []) if stats is not None else None
+        done, started = 0, set()
+        while self.has_work():
+            t0 = time.perf_counter()
+            outs = self.step()
+            if times is not None:  # the sampled tokens have reached the host: the step is over
+                times.append(time.perf_counter() - t0)
+                if len(started) < len(seqs):
+                    started.update(o.seq.seq_id for o in outs)
+                    stats["prefill_steps"] = len(times)
+            if progress is not None:
+                done += sum(o.seq.finish_reason is not None for o in outs)
+                progress(sum(o.token is not None and o.seq.finish_reason != "stop" for o in outs), done)
+        if stats is not None:
+            stats["steps"] = self.steps
+        self.dumper = None
+        return [s.generated for s in seqs]
+
+    def score(self, prompts: Seq[Seq[int]], on_logits: Callable[[int, int, torch.Tensor], None]) -> None:
+        """Runs each prompt's prefill and hands its logits over as they come: on_logits(prompt index, first
+        position, logits [rows, vocab]) for every chunk (row r predicts the token after position first + r)."""
+        for i, p in enumerate(prompts):
+            self.check_prompt(p, f"prompt {i}", room=0)
+        self.start_run([len(p) for p in prompts])
+        for i, p in enumerate(prompts):
+            self.add(p, 0, all_logits=True, state=i)
+        handed = [0] * len(prompts)  # positions handed over (a preempted prompt is prefilled again)
+        while self.has_work():
+            for o in self.step():
+                i, first = o.seq.state, o.seq.computed - o.logits.shape[0]
+                if handed[i] < o.seq.computed:
+                    on_logits(i, handed[i], o.logits[handed[i] - first:])
+                    handed[i] = o.seq.computed
+
+    def _shared_seed(self) -> int:
+        """A base seed every rank shares: rank 0 draws it (one broadcast at start-up)."""
+        seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64)
+        if self.comm.world_size > 1:
+            dev = self.model.device
+            seed = self.comm.broadcast_(seed.to(dev) if dev.type == "cuda" else seed)
+        return int(seed[0])
+
+
+def _available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,243 @@
+"""Continuous batching over a KV-cache allocator: what runs in each step.
+
+Each step takes every running sequence that decodes (one token each), then prefill chunks of running
+sequences, then waiting sequences in arrival order, while the batch (`max_batch`), the step's token budget
+(`max_step_tokens`, decoding tokens included; `prefill_chunk` prefill tokens) and the cache allow. The cache
+is one of two allocators, as ppl.pmx's cache modes: :class:`OffsetCache` reserves a sequence's whole region
+when it is admitted; :class:`PagedCache` hands out pages of PAGE_SIZE rows as it grows, and when a running
+sequence needs a page and none is free, the most recently arrived running sequence is preempted (its pages
+freed, its tokens prefilled again later). A sequence never needs more than the whole cache (`fits` is checked
+when it is added), so every sequence finishes.
+
+Pure Python over ints: no tensors. The engine (runner.engine.core) runs the steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from runner.kernels.reference import PAGE_SIZE
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence (a prompt and what it generates) as the scheduler and the engine see it."""
+    seq_id: int
+    tokens: list                 # prompt, then generated ids
+    prompt_len: int
+    max_len: int                 # the length it may reach: the cache rows it needs at most
+    arrival: int = 0             # order of arrival: lower runs first and is preempted last
+    stop_ids: frozenset = frozenset()  # sampled ids that end it (not appended)
+    sampler: Any = None          # runner.engine.sampler.Sampler
+    all_logits: bool = False     # the logits of every prompt position are wanted (scoring), not a new token
+    computed: int = 0            # tokens whose keys and values are in the cache
+    cache: Any = None            # the allocator's handle: a region (offset, rows) or a list of pages
+    preemptions: int = 0
+    finish_reason: Optional[str] = None  # stop | length | abort
+    state: Any = None            # what a caller keeps beside (a request's choice, scores, ...)
+
+    @property
+    def pending(self) -> int:
+        """Tokens known but not yet in the cache (the prompt, or the last sampled token)."""
+        return len(self.tokens) - self.computed
+
+    @property
+    def decoding(self) -> bool:
+        return self.computed > 0 and self.pending == 1
+
+    @property
+    def generated(self) -> list:
+        return self.tokens[self.prompt_len:]
+
+
+class PagedCache:
+    """Pages of PAGE_SIZE rows, given to a sequence as it grows; page i is rows [i PAGE_SIZE, (i + 1) PAGE_SIZE)."""
+    paged = True
+
+    def __init__(self, rows: int):
+        self.num_pages = rows // PAGE_SIZE
+        if self.num_pages < 1:
+            raise ValueError(f"the KV cache needs at least one page ({PAGE_SIZE} tokens), got {rows} rows")
+        self._free = list(range(self.num_pages - 1, -1, -1))  # popped from the end: low pages first
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def fits(self, max_len: int) -> bool:
+        return -(-max_len // PAGE_SIZE) <= self.num_pages
+
+    def grow(self, seq: Sequence, tokens: int) -> bool:
+        """Pages for seq's first `tokens` positions; False (and nothing taken) if too few are free."""
+        pages = seq.cache if seq.cache is not None else []
+        need = -(-tokens // PAGE_SIZE) - len(pages)
+        if need > len(self._free):
+            return False
+        seq.cache = pages + [self._free.pop() for _ in range(max(need, 0))]
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        self._free.extend(reversed(seq.cache or ()))
+        seq.cache = None
+
+    @staticmethod
+    def starts(seq: Sequence) -> list:
+        """The cache rows where each of the sequence's pages starts (a row of the plan's cachestarts)."""
+        return [p * PAGE_SIZE for p in seq.cache]
+
+
+class OffsetCache:
+    """One contiguous region per sequence (ppl.pmx's offset mode), its max_len rows reserved at admission (first
+    fit; freed regions merge)."""
+    paged = False
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self._free = [(0, rows)]  # (start, length), by start
+
+    @property
+    def free(self) -> int:
+        return sum(n for _, n in self._free)
+
+    @property
+    def used(self) -> int:
+        return self.rows - self.free
+
+    def fits(self, max_len: int) -> bool:
+        return max_len <= self.rows
+
+    def grow(self, seq: Sequence, tokens: int) -> bool:
+        if seq.cache is not None:
+            return True
+        for i, (s, n) in enumerate(self._free):
+            if n >= seq.max_len:
+                self._free[i] = (s + seq.max_len, n - seq.max_len)
+                seq.cache = (s, seq.max_len)
+                return True
+        return False
+
+    def release(self, seq: Sequence) -> None:
+        if seq.cache is None:
+            return
+        merged = []
+        for s, n in sorted(self._free + [seq.cache]):
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            elif n:
+                merged.append((s, n))
+        self._free, seq.cache = merged, None
+
+    @staticmethod
+    def starts(seq: Sequence) -> int:
+        return seq.cache[0]
+
+
+@dataclass
+class StepBatch:
+    """What one step runs: (sequence, new tokens) with the decoding sequences first."""
+    items: list
+    num_decoding: int
+    preempted: list = field(default_factory=list)   # sequences preempted while this step was planned
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    def __init__(self, cache, max_batch: int, max_step_tokens: Optional[int] = None,
+                 prefill_chunk: Optional[int] = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_step_tokens is not None and max_step_tokens < max_batch:
+            raise ValueError(f"the step token budget ({max_step_tokens}) must be at least max_batch ({max_batch}), "
+                             f"so that every running sequence can decode in every step")
+        self.cache, self.max_batch = cache, max_batch
+        self.max_step_tokens, self.prefill_chunk = max_step_tokens, prefill_chunk
+        self.waiting: list[Sequence] = []   # by arrival
+        self.running: list[Sequence] = []   # by arrival
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if not self.cache.fits(seq.max_len):
+            raise ValueError(f"a sequence of {seq.max_len} tokens does not fit a KV cache of {self.cache.free + self.cache.used} "
+                             f"{'pages' if self.cache.paged else 'rows'}")
+        keys = [s.arrival for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, seq.arrival), seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Takes `seq` out (finished or cancelled) and frees its cache."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepBatch:
+        big = 1 << 62
+        step_budget = big if self.max_step_tokens is None else self.max_step_tokens
+        chosen: dict[int, int] = {}          # seq_id -> new tokens this step
+        preempted: list[Sequence] = []
+
+        def place(seq: Sequence, n: int) -> bool:
+            """Cache for seq's next n tokens, preempting later arrivals (or seq itself) when short."""
+            nonlocal step_budget
+            while not self.cache.grow(seq, seq.computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    return False
+                step_budget += chosen.pop(victim.seq_id, 0)
+            return True
+
+        for seq in [s for s in self.running if s.decoding]:
+            if seq in self.running and place(seq, 1):
+                chosen[seq.seq_id] = 1
+                step_budget -= 1
+        prefill = big if self.prefill_chunk is None else self.prefill_chunk
+        for seq in [s for s in self.running if not s.decoding]:
+            n = min(seq.pending, step_budget, prefill)
+            if n <= 0:
+                break
+            if seq in self.running and place(seq, n):
+                chosen[seq.seq_id] = n
+                step_budget, prefill = step_budget - n, prefill - n
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            n = min(seq.pending, step_budget, prefill)
+            if n <= 0 or not self.cache.grow(seq, seq.computed + n):
+                break  # arrival order: no later sequence overtakes it
+            self.running.append(self.waiting.pop(0))
+            chosen[seq.seq_id] = n
+            step_budget, prefill = step_budget - n, prefill - n
+        items = [(s, chosen[s.seq_id]) for s in self.running if s.seq_id in chosen]
+        items.sort(key=lambda it: not it[0].decoding)  # stable: decoding first, arrival order kept
+        return StepBatch(items, sum(1 for s, _ in items if s.decoding), preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.release(seq)
+        seq.computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.add(seq)
+
+    @staticmethod
+    def advance(batch: StepBatch) -> list[Sequence]:
+        """After the step ran: the cache holds the new tokens. Returns the sequences whose last token's logits are
+        the next-token distribution (all their known tokens are now cached)."""
+        ready = []
+        for seq, n in batch.items:
+            seq.computed += n
+            if seq.pending == 0:
+                ready.append(seq)
+        return ready
