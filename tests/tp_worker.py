@@ -59,7 +59,7 @@ def main(ckpt: str, out: str, options: str, prompts: str, comm_backend: str = "a
     for opts in option_sets:  # one launch, every option set: the same shard under each engine setting
         model = Transformer(sess.model.params, _weights(ckpt, sess), sess.comm, EngineOptions(**opts))
         calls = {"reduce_norm": 0, "in_place": 0}
-        shm = getattr(sess.comm, "shm", None)
+        shm = sess.comm.shm
         if shm is not None:  # count sequence parallelism's collectives, and the partials already in the shared area
             def counted(partial, *args, _run=shm.reduce_norm):
                 calls["reduce_norm"] += 1
