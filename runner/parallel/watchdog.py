@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
-from runner.parallel.job import Job
+from runner.parallel.job import JobControl
 
 
 class Watchdog:
@@ -40,5 +40,5 @@ class Watchdog:
             time.sleep(min(1.0, self.timeout_s / 4))
             section = self._section
             if section is not None and time.monotonic() - section[1] > self.timeout_s:
-                Job().fail(f"{section[0]} did not complete within {self.timeout_s:g}s (--collective_timeout); "
-                           f"another rank has probably died or hung", 3, from_thread=True)
+                JobControl().fail(f"{section[0]} did not complete within {self.timeout_s:g}s (--collective_timeout); "
+                                  f"another rank has probably died or hung", 3, from_thread=True)
