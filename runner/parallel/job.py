@@ -1,20 +1,9 @@
-"""How one process of a job reports a failure and ends, so that a job never hangs and never loses the
-real message.
-
-A :class:`JobControl` is made first thing by the command line (:func:`runner.cli.run`):
-
-- under mpirun it initialises MPI at once on every rank, before flags are read or files opened, so a
-  rank that fails early still ends the whole job (MPICH's start-up waits for every rank: a rank that
-  left before initialising MPI would leave the others spinning there);
-- it turns SIGINT and SIGTERM into the error path: the main thread gets an :class:`Interrupted`
-  exception (so temporary outputs are removed as the stack unwinds), and a watcher thread, woken by
-  the signal even while the main thread is blocked inside a collective, ends the job itself if the
-  main thread has not done so within `grace_s` (1 s when several ranks run, 3 s for one process);
-- :meth:`JobControl.fail` prints the rank's own message once, as one line `rank R: error: ...` (just
-  `error: ...` for a single process), then ends the process and, under MPI, the whole job
-  (:func:`runner.parallel.launch.end_job`). It runs no collective: the rank comes from the
-  launcher's environment variables.
-"""
+"""How one process of a launched job reports a failure and ends (:class:`JobControl`, made first thing by
+:func:`runner.cli.run`), so that a job never hangs and never loses the real message. Under mpirun it initialises MPI
+on every rank before flags are read (MPICH's start-up waits for every rank: a rank that left before initialising MPI
+would leave the others spinning there); SIGINT and SIGTERM become the error path, even while the main thread is
+blocked in a collective; a failing rank prints its own message once, `rank R: error: ...`, and ends the whole job
+(:func:`runner.parallel.launch.end_job`) without running a collective: its rank comes from the environment."""
 
 from __future__ import annotations
 
@@ -54,10 +43,6 @@ class JobControl:
         self._failing = threading.Lock()
         self._interrupted = False
         self._done = threading.Event()
-
-    @property
-    def multi_rank(self) -> bool:
-        return self.world_size > 1
 
     def start(self) -> "JobControl":
         """Initialises MPI under mpirun (every rank, before anything else can fail)."""
@@ -108,7 +93,7 @@ class JobControl:
 
     # -- the error path -----------------------------------------------------------------------------
     def prefix(self) -> str:
-        return f"rank {self.rank}: " if self.multi_rank else ""
+        return f"rank {self.rank}: " if self.world_size > 1 else ""
 
     def report(self, message: str, details: Optional[str] = None) -> None:
         """One write of `details` (e.g. a traceback) and then `rank R: error: message` on a line of its own."""
@@ -128,7 +113,7 @@ class JobControl:
         if not self._failing.acquire(blocking=False):  # another thread is already ending the process
             threading.Event().wait()
         self.report(message, details)
-        if self.multi_rank or from_thread:
+        if self.world_size > 1 or from_thread:
             end_job(code)
         sys.exit(code)
 
