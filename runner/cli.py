@@ -162,7 +162,7 @@ def _commands_help(component: dict, prog: str) -> str:
 def run(component, argv: Optional[list[str]] = None, prog: Optional[str] = None) -> None:
     """Runs a command (or a dict of them) from the command line.
 
-    Every rank first joins the job (:class:`runner.parallel.job.Job`: MPI is initialised on every rank under
+    Every rank first joins the job (:class:`runner.parallel.job.JobControl`: MPI is initialised on every rank under
     mpirun, SIGINT / SIGTERM handled); flags are then checked against the command's signature (unknown
     flags refused with the closest name, values parsed as typed), and fire calls the command. Any failure
     becomes `rank r: error: ...` (just `error: ...` for one process), printed once, with exit status 2 for
@@ -174,12 +174,12 @@ def run(component, argv: Optional[list[str]] = None, prog: Optional[str] = None)
 
     import fire
 
-    from runner.parallel.job import Job, describe
+    from runner.parallel.job import JobControl, describe
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = prog or os.path.basename(sys.argv[0] or "pmx-runner")
     if prog == "__main__.py":
         prog = "python -m runner"
-    job = Job().start()
+    job = JobControl().start()
     with job.signals_handled():
         try:
             fn, args, name = _resolve(component, argv, prog)
@@ -194,7 +194,7 @@ def run(component, argv: Optional[list[str]] = None, prog: Optional[str] = None)
         except SystemExit:
             raise
         except BaseException as e:  # noqa: BLE001 (every rank reports its own error, then the job ends)
-            job.fail(*describe(e))
+            job.fail(*describe(e, skip=(__file__, os.path.dirname(fire.__file__))))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -21,8 +21,11 @@ import time
 import torch
 
 from runner.kernels.cpu_ext import cpu_ops
-from runner.parallel.comm import MpiComm, SharedMemory, TorchComm
+from runner.parallel.comm import DEFAULT_TIMEOUT_S
+from runner.parallel.dist import TorchComm
 from runner.parallel.launch import detect, mpi
+from runner.parallel.mpi import MpiComm
+from runner.parallel.shm import SharedMemory
 
 SLOT = 4096  # bytes per rank and parity: 1024 float32
 AREA = 65536  # bytes per reduce_norm area: 16384 float32
@@ -35,8 +38,8 @@ def data(rank: int, step: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 def under_torchrun() -> None:
     env = detect()
-    comm = TorchComm(env, torch.device("cpu"))
-    assert comm.shared_memory, "the ranks of one machine do not share memory"
+    comm = TorchComm(env, torch.device("cpu"), DEFAULT_TIMEOUT_S)
+    assert comm.shm is not None, "the ranks of one machine do not share memory"
     for step in range(6):
         mine = data(env.rank, step, 3000, torch.float32)
         acc = data(0, step, 3000, torch.float32)
@@ -87,8 +90,8 @@ def main() -> None:
     MPI = mpi()
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
-    assert MpiComm(detect()).shared_memory, "the ranks of one machine do not share memory"
-    assert not MpiComm(detect(), environ={"PMX_SHM_COMM": "0"}).shared_memory
+    assert MpiComm(detect(), DEFAULT_TIMEOUT_S).shm is not None, "the ranks of one machine do not share memory"
+    assert MpiComm(detect(), DEFAULT_TIMEOUT_S, environ={"PMX_SHM_COMM": "0"}).shm is None
     shm = SharedMemory.open(rank, world, lambda obj: comm.bcast(obj, root=0),
                             lambda flag: comm.allreduce(bool(flag), op=MPI.LAND), True, 10.0, slot_bytes=SLOT,
                             area_bytes=AREA)

@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT
 from jobs import has_open_mpi, launch_cmd, run_job
 from runner.kernels.cpu_ext import cpu_ops
-from runner.parallel.comm import SharedMemory
+from runner.parallel.shm import SharedMemory
 
 OPEN_MPI = pytest.param("openmpi", marks=pytest.mark.skipif(not has_open_mpi(), reason="Open MPI is not installed"))
 
@@ -41,7 +41,8 @@ def test_comm_backend_choice():
     import torch
 
     from runner.errors import PmxError
-    from runner.parallel.comm import SingleComm, TorchComm, make_comm
+    from runner.parallel.comm import SingleComm, make_comm
+    from runner.parallel.dist import TorchComm
     from runner.parallel.launch import LaunchEnv
     one, cpu = LaunchEnv("single", 0, 1, 0, 1), torch.device("cpu")
     assert isinstance(make_comm(one, cpu), SingleComm)
@@ -65,7 +66,7 @@ def test_comm_backend_choice():
 def test_nccl_needs_a_gpu_per_rank_on_a_machine():
     """Checked by the NCCL communicator before its process group (gloo's ranks may share a GPU)."""
     from runner.errors import PmxError
-    from runner.parallel.comm import check_gpus_for_nccl
+    from runner.parallel.dist import check_gpus_for_nccl
     from runner.parallel.launch import LaunchEnv
     two = LaunchEnv("torchrun", 1, 2, 1, 2)
     with pytest.raises(PmxError, match="2 ranks on this machine but 1 GPU.*--comm_backend gloo"):

@@ -10,7 +10,7 @@ import torch
 
 from runner.errors import PmxError
 from runner.parallel.comm import collective_timeout
-from runner.parallel.job import Interrupted, Job, describe
+from runner.parallel.job import Interrupted, JobControl, describe
 from runner.parallel.launch import LaunchEnv, rank_from_environment, set_cpu_threads
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}
@@ -53,11 +53,11 @@ def test_collective_timeout_from_the_flag_or_the_environment():
 def test_an_error_is_one_line_with_the_rank(capfd, monkeypatch):
     monkeypatch.setenv("PMI_RANK", "1")
     monkeypatch.setenv("PMI_SIZE", "2")
-    Job().report("bad thing")
+    JobControl().report("bad thing")
     assert capfd.readouterr().err == "\nrank 1: error: bad thing\n"  # a line of its own beside rank 0's progress
     monkeypatch.delenv("PMI_RANK")
     monkeypatch.delenv("PMI_SIZE")
-    Job().report("bad thing", details="Traceback\n  here")
+    JobControl().report("bad thing", details="Traceback\n  here")
     assert capfd.readouterr().err == "Traceback\n  here\nerror: bad thing\n"
 
 

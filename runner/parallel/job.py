@@ -1,20 +1,9 @@
-"""How one process of a job reports a failure and ends, so that a job never hangs and never loses the
-real message.
-
-A :class:`Job` is made first thing by the command line (:func:`runner.cli.run`):
-
-- under mpirun it initialises MPI at once on every rank, before flags are read or files opened, so a
-  rank that fails early still ends the whole job (MPICH's start-up waits for every rank: a rank that
-  left before initialising MPI would leave the others spinning there);
-- it turns SIGINT and SIGTERM into the error path: the main thread gets an :class:`Interrupted`
-  exception (so temporary outputs are removed as the stack unwinds), and a watcher thread, woken by
-  the signal even while the main thread is blocked inside a collective, ends the job itself if the
-  main thread has not done so within `grace_s` (1 s when several ranks run, 3 s for one process);
-- :meth:`Job.fail` prints the rank's own message once, as one line `rank R: error: ...` (just
-  `error: ...` for a single process), then ends the process and, under MPI, the whole job
-  (:func:`runner.parallel.launch.end_job`). It runs no collective: the rank comes from the
-  launcher's environment variables.
-"""
+"""How one process of a launched job reports a failure and ends (:class:`JobControl`, made first thing by
+:func:`runner.cli.run`), so that a job never hangs and never loses the real message. Under mpirun it initialises MPI
+on every rank before flags are read (MPICH's start-up waits for every rank: a rank that left before initialising MPI
+would leave the others spinning there); SIGINT and SIGTERM become the error path, even while the main thread is
+blocked in a collective; a failing rank prints its own message once, `rank R: error: ...`, and ends the whole job
+(:func:`runner.parallel.launch.end_job`) without running a collective: its rank comes from the environment."""
 
 from __future__ import annotations
 
@@ -26,6 +15,7 @@ import threading
 import traceback
 from typing import Iterator, NoReturn, Optional
 
+from runner.errors import PmxError
 from runner.parallel.launch import end_job, mpi, rank_from_environment, under_mpi
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -44,7 +34,7 @@ def exit_code(signum: int) -> int:
     return 128 + signum
 
 
-class Job:
+class JobControl:
     def __init__(self, grace_s: Optional[float] = None):
         self.rank, self.world_size = rank_from_environment()
         # how long the main thread has to unwind (and clean up) after a signal before the watcher ends the job:
@@ -54,11 +44,7 @@ class Job:
         self._interrupted = False
         self._done = threading.Event()
 
-    @property
-    def multi_rank(self) -> bool:
-        return self.world_size > 1
-
-    def start(self) -> "Job":
+    def start(self) -> "JobControl":
         """Initialises MPI under mpirun (every rank, before anything else can fail)."""
         if under_mpi():
             mpi()
@@ -66,7 +52,7 @@ class Job:
 
     # -- signals ------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def signals_handled(self) -> Iterator["Job"]:
+    def signals_handled(self) -> Iterator["JobControl"]:
         """SIGINT / SIGTERM become :class:`Interrupted` in the main thread, and the watcher ends the job
         `grace_s` later if the main thread has not. Handlers are restored on the way out (main thread only;
         elsewhere this does nothing)."""
@@ -107,7 +93,7 @@ class Job:
 
     # -- the error path -----------------------------------------------------------------------------
     def prefix(self) -> str:
-        return f"rank {self.rank}: " if self.multi_rank else ""
+        return f"rank {self.rank}: " if self.world_size > 1 else ""
 
     def report(self, message: str, details: Optional[str] = None) -> None:
         """One write of `details` (e.g. a traceback) and then `rank R: error: message` on a line of its own."""
@@ -127,7 +113,7 @@ class Job:
         if not self._failing.acquire(blocking=False):  # another thread is already ending the process
             threading.Event().wait()
         self.report(message, details)
-        if self.multi_rank or from_thread:
+        if self.world_size > 1 or from_thread:
             end_job(code)
         sys.exit(code)
 
@@ -137,9 +123,9 @@ def _progress_bar_open() -> bool:
     return bool(tqdm and len(getattr(tqdm.tqdm, "_instances", ())))
 
 
-def describe(exc: BaseException) -> tuple[str, int, Optional[str]]:
-    """(message, exit code, traceback or None) for an exception reaching the top of a command."""
-    from runner.errors import PmxError
+def describe(exc: BaseException, skip: tuple[str, ...] = ()) -> tuple[str, int, Optional[str]]:
+    """(message, exit code, traceback or None) for an exception reaching the top of a command. The traceback
+    starts below the frames whose file name starts with one of `skip` (the dispatcher's: the command line, fire)."""
     if isinstance(exc, Interrupted):
         return str(exc), exit_code(exc.signum), None
     if isinstance(exc, KeyboardInterrupt):
@@ -149,13 +135,6 @@ def describe(exc: BaseException) -> tuple[str, int, Optional[str]]:
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         return f"{exc.filename}: {exc.strerror}", 2, None
     tb = exc.__traceback__
-    while tb is not None and _dispatch_frame(tb.tb_frame.f_code.co_filename):  # start at the command itself
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(skip):  # start at the command itself
         tb = tb.tb_next
     return f"{type(exc).__name__}: {exc}", 1, "".join(traceback.format_exception(type(exc), exc, tb))
-
-
-def _dispatch_frame(filename: str) -> bool:
-    """Frames of the command line and of fire, above the command that failed."""
-    import fire
-    from runner import cli
-    return filename == cli.__file__ or filename.startswith(os.path.dirname(fire.__file__))

@@ -93,9 +93,8 @@ def end_job(code: int) -> None:
     exits after MPI_Init without MPI_Finalize makes MPICH's and Open MPI's launchers kill every rank; under
     torchrun the elastic agent stops the other workers. Never runs a collective and never returns.
 
-    Not MPI_Abort: under MPICH it tears the job's output forwarding down at once, and the rank's own
-    message, already written, was lost in 4 runs of 16 here; after a plain exit the launcher reads the
-    rank's output to its end first (16 of 16)."""
+    Not MPI_Abort: under MPICH it tears the job's output forwarding down at once, which can lose the rank's
+    own message, already written; after a plain exit the launcher reads the rank's output to its end first."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
