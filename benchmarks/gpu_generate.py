@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -282,6 +282,7 @@ def main(layers: int = 32, batches: str = "1 2 4 8 16 32 64 128 256", input_len:
         out_dir: where the JSON and the Markdown go.
     """
     from runner.args import int_list, parse_bool, parse_float
+    from runner.config import EngineConfig
     from runner.engine.bench import bench
     vllm, cuda_graphs = parse_bool("vllm", vllm), parse_bool("cuda_graphs", cuda_graphs)  # fire keeps "false" a str
     hbm_tbs = None if hbm_tbs is None else parse_float("hbm_tbs", hbm_tbs)
@@ -298,13 +299,14 @@ def main(layers: int = 32, batches: str = "1 2 4 8 16 32 64 128 256", input_len:
     context = input_len + gen_len / 2  # the mean cached tokens of a decode step
     work = Path(tempfile.mkdtemp(prefix="pmx-gpu-bench-"))
     params = str(_params_file(s, work))
-    common = dict(random_weights=True, input_len=input_len, gen_len=gen_len, device="cuda", dtype="float16",
-                  kernels=kernels, progress=True)
-    rows = bench(params, batch_sizes=batch_list, cuda_graphs=cuda_graphs, **common)
+    common = dict(random_weights=True, input_len=input_len, gen_len=gen_len, progress=True)
+    engine = EngineConfig(device="cuda", dtype="float16", kernels=kernels, cuda_graphs=cuda_graphs)
+    rows = bench(params, batch_sizes=batch_list, engine=engine, **common)
     _free()
     eager = None
     if cuda_graphs and 1 in batch_list:
-        eager = engine_rows(bench(params, batch_sizes=[1], cuda_graphs=False, **common), s, context, tbs)[0]
+        eager = engine_rows(bench(params, batch_sizes=[1], engine=replace(engine, cuda_graphs=False), **common), s,
+                            context, tbs)[0]
         _free()
     result = dict(date=time.strftime("%Y-%m-%d"), versions=v, hbm_tbs=tbs, hbm_part=part, shape=asdict(s),
                   input_len=input_len, gen_len=gen_len, kernels=kernels, cuda_graphs=cuda_graphs,

@@ -22,8 +22,7 @@ import torch
 def main(layers: int = 32, batch: int = 1, gen_len: int = 48, hbm_tbs: float = 3.35, top: int = 25,
          dtype: str = "float16", kernels: str = "auto") -> None:
     from gpu_generate import Shape, _params_file, step_bytes
-    from runner.engine.generator import Generator
-    from runner.engine.model import EngineOptions
+    from runner.config import EngineConfig
     from runner.engine.session import open_session
     if not torch.cuda.is_available():
         raise SystemExit("gpu_profile.py needs a CUDA GPU")
@@ -33,9 +32,9 @@ def main(layers: int = 32, batch: int = 1, gen_len: int = 48, hbm_tbs: float = 3
     prompts = [[1 + i, 2, 3, 4, 5, 6, 7, 8] for i in range(batch)]
     floor_ms = step_bytes(s, batch, 8 + gen_len / 2) / (hbm_tbs * 1e12) * 1e3
     for graphs, linears in ((False, True), (True, True), (True, False), (True, True)):
-        sess = open_session(params, EngineOptions(kernels=kernels, cuda_graphs=graphs, decode_linears=linears),
-                            device="cuda", dtype=dtype, random_weights=True)
-        gen = Generator(sess.model, max_batch=batch)
+        sess = open_session(params, EngineConfig(kernels=kernels, cuda_graphs=graphs, decode_linears=linears,
+                                                 device="cuda", dtype=dtype, max_batch=batch), random_weights=True)
+        gen = sess.engine
         gen.generate(prompts, 8)                                     # warm-up: Triton compiles, graphs captured
         if not graphs:
             from torch.profiler import ProfilerActivity, profile

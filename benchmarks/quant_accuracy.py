@@ -20,11 +20,10 @@ from pathlib import Path
 import fire
 import torch
 
-from runner.engine.generator import Generator
-from runner.engine.model import EngineOptions, Transformer, load_shard
-from runner.engine.perplexity import all_logits, evaluate
+from runner.config import EngineConfig
+from runner.engine.perplexity import evaluate
+from runner.engine.session import open_session
 from runner.engine.tokenizer import Tokenizer
-from runner.parallel.comm import SingleComm
 from runner.pmx.convert import convert, quantize_model
 from runner.pmx.quant import QuantScheme
 
@@ -33,9 +32,15 @@ MODELS = {"stories260k": [QuantScheme("int8"), QuantScheme("int4", 4)],
           "tinystories-656k": [QuantScheme("int8"), QuantScheme("int4", 32), QuantScheme("int4", 128)]}
 
 
-def _engine(path: Path) -> Transformer:
-    params, w = load_shard(path, 0, torch.device("cpu"), torch.float32)
-    return Transformer(params, w, SingleComm(), EngineOptions(compile="off"))
+def _engine(path: Path):
+    return open_session(str(path), EngineConfig(compile="off")).engine
+
+
+def all_logits(engine, ids: list) -> torch.Tensor:
+    """float32 logits [T, vocab] of every position of one prompt."""
+    chunks = []
+    engine.score([ids], lambda i, first, logits: chunks.append(logits))
+    return torch.cat(chunks)
 
 
 def _agree(a: list, b: list) -> int:
@@ -58,7 +63,7 @@ def main(text_file: str = str(REPO / "tests" / "data" / "story.txt"), window: in
             prompt = tok.encode("Once upon a time")
             ref_model = _engine(fp)
             ref_logits = all_logits(ref_model, ids[:window])
-            ref_greedy = Generator(ref_model).generate([prompt], 40)[0]
+            ref_greedy = ref_model.generate([prompt], 40)[0]
             variants = [("fp32", None, fp)]
             for s in schemes:
                 out = Path(tmp) / f"{name}-{s.method}-{s.group_size}"
@@ -71,7 +76,7 @@ def main(text_file: str = str(REPO / "tests" / "data" / "story.txt"), window: in
                 err = (logits - ref_logits).square().sum()
                 snr = math.inf if err == 0 else float(10 * torch.log10(ref_logits.square().sum() / err))
                 size = sum(f.stat().st_size for f in path.glob("model.*.safetensors"))
-                rows.append((name, label, res["perplexity"], snr, _agree(Generator(m).generate([prompt], 40)[0],
+                rows.append((name, label, res["perplexity"], snr, _agree(m.generate([prompt], 40)[0],
                                                                          ref_greedy), size, res["tokens"]))
     print(f"text: {text_file}, window {window}, stride {stride}\n")
     print("| model | weights | perplexity (tokens) | logits SNR vs fp32 | greedy tokens equal (of 40) | file bytes |")

@@ -223,8 +223,9 @@ def flags_of(fn: Callable) -> list[Flag]:
         if p.name in groups:
             cls, chosen = groups[p.name]
             sub = typing.get_type_hints(cls, include_extras=True)
-            out += [Flag(f.name, *_kind(sub[f.name]), getattr(p.default, f.name), f.metadata.get("help", ""))
-                    for f in chosen]
+            for f in chosen:
+                kind, check = _kind(sub[f.name])
+                out.append(Flag(f.name, kind, getattr(p.default, f.name), f.metadata.get("help", ""), check))
             continue
         kind, check = _kind(hints.get(p.name, str))
         out.append(Flag(p.name, kind, p.default, helps.get(p.name, ""), check))
@@ -269,8 +270,9 @@ def check_fields(obj) -> None:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             ok = True
         if not ok:
-            raise PmxError(f"--{f.name} must be {TYPE_NAMES[kind]}"
-                           f"{' ' + check.describe() if check is not None else ''}, got {value!r}")
+            what = check.describe() if isinstance(check, OneOf) else \
+                TYPE_NAMES[kind] + (f" {check.describe()}" if check is not None else "")
+            raise PmxError(f"--{f.name} must be {what}, got {value!r}")
         if check is not None:
             check.check(f.name, value)
 

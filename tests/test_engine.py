@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from runner.config import EngineConfig
+from runner.engine.core import EngineCore
 from runner.engine.model import Transformer, load_shard
 from runner.engine.runners import Stepper
 from runner.errors import PmxError
@@ -47,11 +48,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def engine(pmx_dir, device="cpu", **options) -> Stepper:
+def engine(pmx_dir, device="cpu", dtype=torch.float32, **options) -> Stepper:
     """One rank's model and its step runners, in this process."""
-    config = EngineConfig(device=device, **options)
-    params, w = load_shard(pmx_dir, 0, torch.device(device), torch.float32)
+    config = EngineConfig(device=torch.device(device).type, **options)
+    params, w = load_shard(pmx_dir, 0, torch.device(device), dtype)
     return Stepper(Transformer(params, w, SingleComm(), config), config)
+
+
+def core(pmx_dir, **options) -> EngineCore:
+    """One rank's engine core (continuous batching over the model), in this process."""
+    stepper = engine(pmx_dir, **options)
+    return EngineCore(stepper.model, stepper, stepper.config)
 
 
 @pytest.mark.parametrize("arch", ["llama_mha", "llama_gqa_odd", "llama_bias", "mistral", "qwen2"])

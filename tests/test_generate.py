@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.engine.generator import Generator
-from runner.engine.model import EngineOptions, Transformer, load_shard
+from runner.engine.core import EngineCore
 from runner.engine.sampler import Sampler, SamplingParams
 from runner.engine.tokenizer import Tokenizer
-from runner.parallel.comm import SingleComm
 from runner.pmx.convert import convert, reshard
+from test_engine import core
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = {  # ../shared/models/*/SOURCE.md: prompt "Once upon a time", 40 greedy ids
@@ -94,31 +93,34 @@ def test_comm_backend_flag(split_models):
     assert res.returncode == 2 and "--comm_backend must be one of auto, mpi, torch, nccl, gloo, got 'ucc'" in res.stderr
 
 
-def stories_engine(split_models, **options) -> Transformer:
+def stories_engine(split_models, **options) -> EngineCore:
     if ("stories260k", 1) not in split_models:
         pytest.skip("../shared/models/stories260k not found")
-    params, w = load_shard(split_models[("stories260k", 1)], 0, torch.device("cpu"), torch.float32)
-    return Transformer(params, w, SingleComm(), EngineOptions(**options))
+    return core(split_models[("stories260k", 1)], **options)
 
 
-@pytest.mark.parametrize("options,chunk,max_batch", [({}, None, 8), ({"cache_mode": 1, "cache_layout": 2}, 5, 2),
-                                                     ({"fused_kvcache": False}, 3, 1)])
-def test_unaligned_batch_equals_each_alone(split_models, options, chunk, max_batch):
-    model = stories_engine(split_models, **options)
+@pytest.mark.parametrize("options", [dict(context_chunking=False, max_batch=8),
+                                     dict(cache_mode=1, cache_layout=2, context_chunk_size=5, max_batch=2),
+                                     dict(fused_kvcache=False, context_chunk_size=3, max_batch=1),
+                                     dict(max_num_batched_tokens=4, context_chunk_size=3, max_batch=3)])
+def test_unaligned_batch_equals_each_alone(split_models, options):
+    """Prompts of different lengths batched together (waiting for room, prefilled in chunks) generate what each
+    does alone."""
     tok = Tokenizer(str(split_models[("stories260k", 1)] / "tokenizer.model"))
     prompts = [tok.encode(t) for t in ("Once upon a time", "The cat", "Lily and Tom went to the big park with")]
-    alone = [Generator(model).generate([p], 24)[0] for p in prompts]
-    together = Generator(model, max_batch=max_batch, context_chunk=chunk).generate(prompts, 24)
+    alone = [stories_engine(split_models).generate([p], 24)[0] for p in prompts]
+    together = stories_engine(split_models, **options).generate(prompts, 24)
     assert together == alone
     assert alone[0] == REFERENCE["stories260k"][:24]
 
 
 def test_eos_stops_and_frees(split_models):
-    model = stories_engine(split_models)
+    eng = stories_engine(split_models)
     tok = Tokenizer(str(split_models[("stories260k", 1)] / "tokenizer.model"))
     p = tok.encode("Once upon a time")
-    out = Generator(model).generate([p], 40, eos_ids=[REFERENCE["stories260k"][10]])
-    assert out == [REFERENCE["stories260k"][:10]]
+    out = eng.generate([p, p], 40, stop_ids=[REFERENCE["stories260k"][10]])
+    assert out == [REFERENCE["stories260k"][:10]] * 2
+    assert eng.scheduler.cache.used == 0 and not eng.has_work()
 
 
 def test_sampling_seeded_and_bounded():

@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.engine.generator import Generator
-from runner.engine.model import EngineOptions, Transformer, load_shard, random_shard
+from runner.config import EngineConfig
+from runner.engine.core import EngineCore
+from runner.engine.fused_decode import OneCallDecode
+from runner.engine.model import Transformer, random_shard
 from runner.engine.perplexity import evaluate, perplexity, windows
+from runner.engine.runners import Compiled, Stepper
 from runner.errors import PmxError
 from runner.kernels.linear import Linear
 from runner.kernels.quant_linear import (CPU_KERNEL_MAX_ROWS, QuantLinear, QuantWeight, aten_int4_takes, cpu_ops,
@@ -23,7 +26,7 @@ from runner.pmx.quant import QuantScheme, quantize
 from runner.pmx.shard import sharded_params
 from conftest import shared_model_path
 from test_bad_input import run_cli
-from test_engine import hf_logits, prompts_and_conts, rel_err, run_tp
+from test_engine import core, engine, hf_logits, prompts_and_conts, rel_err, run_tp
 from tp_worker import teacher_forced_logits
 
 STORY = Path(__file__).parent / "data" / "story.txt"
@@ -44,11 +47,6 @@ def weight(method: str, n: int, k: int, group: int = 0, seed: int = 0) -> QuantW
     g = torch.Generator().manual_seed(seed)
     scheme = QuantScheme(method, group)
     return QuantWeight(*quantize(torch.randn(n, k, generator=g) * 0.05, scheme), scheme)
-
-
-def engine(pmx_dir, **options) -> Transformer:
-    params, w = load_shard(pmx_dir, 0, torch.device("cpu"), torch.float32)
-    return Transformer(params, w, SingleComm(), EngineOptions(**options))
 
 
 # --- kernels against the reference ------------------------------------------------------------------
@@ -132,11 +130,11 @@ def test_engine_kernels_compiled_and_reference_agree(make_hf, tmp_path, scheme):
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     ref = torch.stack(teacher_forced_logits(engine(tmp_path / "q", kernels="reference"), prompts, conts))
     fused_engine = engine(tmp_path / "q", compile="off")
-    assert fused_engine._fused is not None
+    assert isinstance(fused_engine.runners[0], OneCallDecode)
     fast = torch.stack(teacher_forced_logits(fused_engine, prompts, conts))
     torch._dynamo.reset()
     compiled_engine = engine(tmp_path / "q", compile="on", fused_decode=False)
-    assert compiled_engine._compiled is not None
+    assert isinstance(compiled_engine.runners[0], Compiled)
     compiled = torch.stack(teacher_forced_logits(compiled_engine, prompts, conts))
     torch._dynamo.reset()
     tol = model_tol(scheme.method)
@@ -183,8 +181,9 @@ def test_random_quantized_shard_runs():
                   dtype="float32", quantization=QuantScheme("int4", 32).to_dict())
     w = random_shard(sharded_params(p, 1), 0, torch.device("cpu"), torch.float32)
     assert w["layers.0.feed_forward.w2.qweight"].dtype == torch.uint8 and "output.weight" in w
-    m = Transformer(sharded_params(p, 1), w, SingleComm(), EngineOptions())
-    out = Generator(m).generate([[1, 2, 3]], 4)
+    c = EngineConfig()
+    m = Transformer(sharded_params(p, 1), w, SingleComm(), c)
+    out = EngineCore(m, Stepper(m, c), c).generate([[1, 2, 3]], 4)
     assert len(out[0]) == 4
 
 
@@ -210,8 +209,8 @@ def test_tinystories_int8_snr_and_greedy_text(tiny):
     assert 8 < snr_db(int4, ref) < snr_db(int8, ref)
     from runner.engine.tokenizer import Tokenizer
     prompt = Tokenizer(str(tiny / "fp32")).encode("Once upon a time")
-    want = Generator(engine(tiny / "fp32")).generate([prompt], 32)
-    got = Generator(engine(tiny / "int8")).generate([prompt], 32)
+    want = core(tiny / "fp32").generate([prompt], 32)
+    got = core(tiny / "int8").generate([prompt], 32)
     assert len(want[0]) == 32 and got == want
 
 
@@ -223,7 +222,7 @@ def test_perplexity_windows_and_values(tiny):
     int8 = perplexity(str(tiny / "int8"), str(STORY), window=128, stride=64)
     assert 1 < fp32["perplexity"] < 30 and fp32["tokens"] == int8["tokens"] > 300
     assert abs(int8["perplexity"] / fp32["perplexity"] - 1) < 0.05
-    m = engine(tiny / "fp32")  # one window over everything = the plain causal-LM loss of transformers
+    m = core(tiny / "fp32")  # one window over everything = the plain causal-LM loss of transformers
     ids = list(range(3, 60))
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(shared_model_path("tinystories-656k")).eval()

@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from runner.config import EngineConfig
 from runner.engine.compare import compare
 from runner.engine.dump import META_FILE, TensorDumper, load_meta, load_step, read_dump_file
-from runner.engine.generator import Generator
-from runner.engine.model import EngineOptions, Transformer, load_shard
 from runner.engine.replay import Agreement, infer_options, replay
 from runner.errors import PmxError
-from runner.parallel.comm import SingleComm
+from test_engine import core
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,17 +148,16 @@ def test_benchmark_sh_under_open_mpi(stories, tmp_path):
                                      dict(cache_layout=1, auto_causal=False, fused_kvcache=False)])
 @pytest.mark.parametrize("with_meta", [True, False])
 def test_replay_of_cache_variants_is_exact(stories, tmp_path, options, with_meta):
-    opts = EngineOptions(**options)
-    params, w = load_shard(stories / "pmx", 0, torch.device("cpu"), torch.float32)
-    model = Transformer(params, w, SingleComm(), opts)
+    opts = EngineConfig(**options)
+    eng = core(stories / "pmx", **options)
     meta = {"options": {k: getattr(opts, k) for k in options}, "dtype": "float32"} if with_meta else None
     dumper = TensorDumper(str(tmp_path / "dump"), 0, [0, 3], meta=meta)
     prompts = [[1, 403, 407, 261], [1, 300, 301]]  # two sequences: step 3 decodes both
-    Generator(model, dumper=dumper).generate(prompts, 6)
+    eng.generate(prompts, 6, dumper=dumper)
     for step in (0, 3):
         t = load_step(str(tmp_path / "dump" / "rank_0"), step)
         if step == 0 or options.get("auto_causal", True):  # a decode-only step carries no mask to read it from
-            assert infer_options(params, 1, t, None) == opts
+            assert infer_options(eng.model.params, 1, t, None) == opts
         assert replay(str(stories / "pmx"), str(tmp_path / "dump"), step, str(tmp_path / "out"),
                       warmup=0, min_profiling_seconds=0) == 0
 

@@ -1,5 +1,5 @@
-"""The serving engine without HTTP: scheduler (pages, chunks, preemption), SamplingParams, chat templates,
-incremental detokenization, metrics, and the offline `LLM` API on stories260k."""
+"""The serving layer without HTTP: SamplingParams, chat templates, incremental detokenization, metrics, and the
+offline `LLM` API on stories260k (the scheduler under it: test_scheduler.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from runner.errors import PmxError
 from runner.kernels.reference import PAGE_SIZE
 from runner.serve.metrics import Metrics
 from runner.serve.params import ParamError, SamplingParams
-from runner.serve.scheduler import Scheduler, Sequence, pages_for, step_lengths
 
 REFERENCE_IDS = [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410, 408, 419, 292,
                  411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432, 352, 266, 268, 388, 426]
@@ -61,68 +60,6 @@ def llm(stories):
     from runner import LLM
     with LLM(str(stories["chat"]), kv_cache_tokens=4096, max_batch=16) as m:
         yield m
-
-
-# -- scheduler -------------------------------------------------------------------------------------
-def simulate(sched: Scheduler, seqs: list, check=lambda batch: None) -> int:
-    """Runs the scheduler to the end, each sequence "sampling" token 7 until max_len; returns the steps."""
-    for s in seqs:
-        sched.add(s)
-    steps = 0
-    while sched.has_work():
-        batch = sched.schedule()
-        assert batch, "a step with work but nothing to run"
-        check(batch)
-        nd = batch.num_decoding
-        assert all(s.decoding for s, _ in batch.items[:nd]) and not any(s.decoding for s, _ in batch.items[nd:])
-        assert sum(n for _, n in batch.items) <= sched.max_step_tokens and len(batch.items) <= sched.max_batch
-        for s, n in batch.items:  # the pages cover every position written this step, and no page is shared
-            assert len(s.pages) == pages_for(s.computed + n)
-        owned = [p for s in sched.running for p in s.pages]
-        assert len(owned) == len(set(owned)) == sched.pool.used
-        tokens, seqlens, start = step_lengths(batch)
-        assert len(tokens) == sum(seqlens) and start == [s.computed for s, _ in batch.items]
-        for s in sched.advance(batch):
-            s.tokens.append(7)
-            if len(s.tokens) >= s.max_len:
-                sched.remove(s)
-        steps += 1
-        assert steps < 10_000
-    assert sched.pool.free == sched.pool.num_pages
-    return steps
-
-
-def test_scheduler_pages_grow_one_by_one_and_chunks_respect_the_budget():
-    sched = Scheduler(num_pages=8, max_batch=4, max_step_tokens=64)
-    seqs = [Sequence(i, [1] * 100, 100, 100 + 200, arrival=i) for i in range(2)]
-    seen = []
-    simulate(sched, seqs, lambda b: seen.append([(s.seq_id, n, len(s.pages)) for s, n in b.items]))
-    assert seen[0] == [(0, 64, 1)]                   # chunk 1 of sequence 0 fills the budget
-    assert seen[1] == [(0, 36, 1), (1, 28, 1)]       # its rest, then sequence 1 starts beside it
-    for sid in (0, 1):  # grown page by page, as the sequence grows, to 300 tokens
-        counts = [p for step in seen for i, _, p in step if i == sid]
-        assert counts[0] == 1 and counts[-1] == 3 and all(b - a in (0, 1) for a, b in zip(counts, counts[1:]))
-    assert sched.preemptions == 0
-
-
-def test_scheduler_preempts_when_pages_run_out_and_everything_finishes():
-    rng = random.Random(0)
-    sched = Scheduler(num_pages=4, max_batch=6, max_step_tokens=96)
-    seqs = [Sequence(i, [1] * rng.randint(1, 200), 0, 0, arrival=i) for i in range(12)]
-    for s in seqs:
-        s.prompt_len, s.max_len = len(s.tokens), min(len(s.tokens) + rng.randint(1, 300), 4 * PAGE_SIZE)
-    simulate(sched, seqs)
-    assert sched.preemptions > 0
-    assert all(len(s.tokens) == s.max_len for s in seqs)
-
-
-def test_scheduler_refuses_a_sequence_larger_than_the_cache():
-    sched = Scheduler(num_pages=2, max_batch=2, max_step_tokens=8)
-    assert sched.fits(2 * PAGE_SIZE) and not sched.fits(2 * PAGE_SIZE + 1)
-    with pytest.raises(ValueError, match="needs 3 pages"):
-        sched.add(Sequence(0, [1], 1, 2 * PAGE_SIZE + 1))
-    with pytest.raises(ValueError, match="at least max_batch"):
-        Scheduler(num_pages=2, max_batch=8, max_step_tokens=4)
 
 
 # -- SamplingParams --------------------------------------------------------------------------------
@@ -251,8 +188,8 @@ def test_llm_preemption_gives_the_same_tokens(stories, llm):
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
     with LLM(str(stories["pmx"]), kv_cache_tokens=2 * PAGE_SIZE, max_batch=4, max_num_batched_tokens=64) as small:
         got = [o.outputs[0].token_ids for o in small.generate(prompts, p)]
-        assert small.engine.scheduler.preemptions > 0
-        assert small.engine.scheduler.pool.free == 2
+        assert small.engine.core.scheduler.preemptions > 0
+        assert small.engine.core.scheduler.cache.free == 2
         with pytest.raises(ParamError, match="3 KV-cache pages of 128 tokens; this server's cache has 2"):
             small.generate("Once", SamplingParams(max_tokens=300))  # could never run alone
     assert got == want
@@ -290,13 +227,14 @@ def test_llm_under_mpirun_every_rank_gets_the_results(stories, tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (dict(port="abc"), "--port must be an integer in [0, 65535], got 'abc'"),
-    (dict(port=70000), "--port must be an integer"), (dict(max_batch=0), "--max_batch must be >= 1"),
+    (dict(port="abc"), "--port must be an integer, got 'abc'"),
+    (dict(port=70000), "--port must be in [0, 65535], got 70000"), (dict(max_batch=0), "--max_batch must be >= 1"),
     (dict(max_batch=8, max_num_batched_tokens=4), "must be at least --max_batch"),
     (dict(kv_cache_tokens=10), "at least one page (128)"), (dict(max_waiting=0), "--max_waiting must be"),
     (dict(drain_timeout=-1), "--drain_timeout must be"), (dict(gpu_memory_utilization=2), "(0, 1]")])
-def test_serve_flags_are_checked_before_anything_loads(flags, message, tmp_path):
-    from runner.serve.server import serve
-    with pytest.raises(PmxError) as e:
-        serve(str(tmp_path / "no-model"), **flags)
-    assert message in str(e.value)
+def test_serve_flags_are_checked_before_anything_loads(flags, message, tmp_path, capfd):
+    """Bad serve flags (its own and the engine's) are refused by name, exit 2, before the model is looked at."""
+    from test_bad_input import cli
+    args = [a for k, v in flags.items() for a in (f"--{k}", v)]
+    err = cli(capfd, "serve", "--ckpt_dir", tmp_path / "no-model", *args)
+    assert message in err and "no-model" not in err

@@ -7,14 +7,17 @@ import dataclasses
 import pytest
 import torch
 
-from runner.engine.model import EngineOptions, Transformer, load_shard
+from runner.config import EngineConfig
+from runner.engine.model import Transformer, load_shard
+from runner.engine.plan import DecodeInputs, PlanSpec, StepLengths, make_plan
+from runner.engine.runners import Compiled, Stepper
+from runner.errors import PmxError
 from runner.kernels import linear as linear_mod
 from runner.kernels.cpu_ext import cpu_ops
-from runner.errors import PmxError
+from runner.kernels.reference import PAGE_SIZE, Rotary
 from runner.parallel.comm import SingleComm
-from runner.pmx.convert import convert
-from runner.pmx.convert import reshard
-from test_engine import hf_logits, prompts_and_conts, rel_err, run_tp
+from runner.pmx.convert import convert, reshard
+from test_engine import engine, hf_logits, prompts_and_conts, rel_err, run_tp
 from tp_worker import teacher_forced_logits
 
 
@@ -25,9 +28,8 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def engine(pmx_dir, **options) -> Transformer:
-    params, w = load_shard(pmx_dir, 0, torch.device("cpu"), torch.float32)
-    return Transformer(params, w, SingleComm(), EngineOptions(**options))
+def compiles(stepper: Stepper) -> bool:
+    return any(isinstance(r, Compiled) for r in stepper.runners)
 
 
 @pytest.mark.parametrize("arch,options,linear", [
@@ -48,8 +50,8 @@ def test_compiled_decode_step_matches_eager_and_transformers(make_hf, tmp_path, 
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     eager = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", compile="off", **options), prompts, conts))
     compiled_engine = engine(tmp_path / "pmx", compile="on", fused_decode=False, **options)
-    assert compiled_engine._compiled is not None
-    assert {m.kernel for m in compiled_engine.modules() if isinstance(m, linear_mod.Linear)} == {linear}
+    assert compiles(compiled_engine)
+    assert {m.kernel for m in compiled_engine.model.modules() if isinstance(m, linear_mod.Linear)} == {linear}
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     got = torch.stack(teacher_forced_logits(compiled_engine, prompts, conts))
     single = torch.stack(teacher_forced_logits(compiled_engine, prompts[:1], conts[:1]))
@@ -68,12 +70,14 @@ def test_compiled_engines_never_share_graphs(make_hf, tmp_path):
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     params, w = load_shard(tmp_path / "pmx", 0, torch.device("cpu"), torch.float32)
     logits = {}
+    def stepper(p, **options):
+        c = EngineConfig(**options)
+        return Stepper(Transformer(p, dict(w), SingleComm(), c), c)
+
     for eps in (1e-5, 0.5):
         p = dataclasses.replace(params, norm_eps=eps)
-        eager = torch.stack(teacher_forced_logits(Transformer(p, dict(w), SingleComm(), EngineOptions(compile="off")),
-                                                  prompts, conts))
-        logits[eps] = torch.stack(teacher_forced_logits(
-            Transformer(p, dict(w), SingleComm(), EngineOptions(compile="on", fused_decode=False)), prompts, conts))
+        eager = torch.stack(teacher_forced_logits(stepper(p, compile="off"), prompts, conts))
+        logits[eps] = torch.stack(teacher_forced_logits(stepper(p, compile="on", fused_decode=False), prompts, conts))
         assert rel_err(logits[eps], eager) < 1e-5
     assert rel_err(logits[0.5], logits[1e-5]) > 1e-3
 
@@ -96,14 +100,14 @@ def test_compiled_decode_step_tensor_parallel(make_hf, tmp_path):
 def test_compile_auto_is_off_for_small_models(make_hf, tmp_path):
     src, _ = make_hf("llama_mha")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
-    assert engine(tmp_path / "pmx")._compiled is None
-    with pytest.raises(PmxError, match="--compile must be auto, on or off"):
-        EngineOptions(compile="yes")
+    assert not compiles(engine(tmp_path / "pmx"))
+    with pytest.raises(PmxError, match="--compile must be one of auto, on, off"):
+        EngineConfig(compile="yes")
 
 
 def run_steps(model, steps, rows=256):
     """steps: [(seqlens, start_pos, caches, num_decoding, tokens)] through the ppl.pmx forward."""
-    kv_cache, kv_scale = model.new_cache(rows)
+    kv_cache, kv_scale = model.model.new_cache(rows)
     out = []
     for seqlens, start, caches, n_dec, tokens in steps:
         kvlens = [s + n for s, n in zip(start, seqlens)]
@@ -142,7 +146,7 @@ def test_bad_step_inputs_are_refused(make_hf, tmp_path):
     src, _ = make_hf("llama_mha")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
     m = engine(tmp_path / "pmx")
-    kv, _ = m.new_cache(32)
+    kv, _ = m.model.new_cache(32)
     with pytest.raises(PmxError, match="kvstarts must equal start_pos"):
         m.forward(torch.tensor([5, 6]), torch.empty(0), torch.tensor([0, 2]), torch.tensor([0, 5]), torch.tensor([0]),
                   torch.tensor([0]), torch.tensor([0]), torch.tensor([2]), torch.tensor([5]), kv)
@@ -151,50 +155,26 @@ def test_bad_step_inputs_are_refused(make_hf, tmp_path):
                   torch.tensor([1]), torch.tensor([0]), torch.tensor([2]), torch.tensor([2]), kv)
 
 
-@pytest.mark.parametrize("start,window", [([7], None), ([4, 4, 4], None), ([9, 2, 30], None), ([40, 3], 16),
-                                          ([20], 8)])
-def test_lean_decode_plan_is_the_general_plan(start, window):
-    """A step where every sequence decodes from an offset cache is planned straight from the ints; it must be
-    exactly the plan the general path makes (every field, dtype and shape)."""
-    from runner.engine.plan import make_plan
-    from runner.kernels.reference import Rotary
-    rotary = Rotary(16, 10000.0, None, 4096, torch.device("cpu"))
-    caches = [100 * i + 5 for i in range(len(start))]
-    args = ([1] * len(start), start, caches, len(start))
-    kw = dict(paged=False, rotary=rotary, device=torch.device("cpu"), sliding_window=window)
-    lean, general = make_plan(*args, **kw), make_plan(*args, **kw, lean=False)
-
-    def same(a, b, name):
-        if a is None or b is None:
-            assert a is None and b is None, name
-        else:
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
-
-    for f in ("slots", "cos", "sin", "last"):
-        same(getattr(lean, f), getattr(general, f), f)
-    for f in ("kv_slots", "mask", "cachestarts", "kvlens"):
-        same(getattr(lean.decode, f), getattr(general.decode, f), f)
-    assert lean.prefill == general.prefill == () and lean.packed is general.packed is None and lean.decode_only
+def spec(paged: bool, in_place: bool = True, window=None) -> PlanSpec:
+    return PlanSpec(Rotary(16, 10000.0, None, 4096, torch.device("cpu")), torch.device("cpu"), paged, window,
+                    packed=False, read_cache_in_prefill=False, gather_prefill=True, gather_decode=not in_place)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["offset", "paged"])
 @pytest.mark.parametrize("start", [[7], [4, 300, 130]])
-def test_decode_buffers_plan_is_the_general_plan(paged, start):
-    """The decode step written into persistent buffers (no torch call on the host) is make_plan's plan for a kernel
-    that reads the history in place from cachestarts: every field, dtype and value; the page table padded with 0
-    to the buffers' width. The next call for the same batch size rewrites the same tensors."""
-    from runner.engine.plan import DecodeBuffers, make_plan
-    from runner.kernels.reference import PAGE_SIZE, Rotary
-    rotary = Rotary(16, 10000.0, None, 4096, torch.device("cpu"))
+def test_decode_inputs_plan_is_the_general_plan(paged, start):
+    """The decode step written into persistent buffers (numpy, no torch call on the host) is make_plan's plan for a
+    kernel that reads the history in place from cachestarts: every field, dtype and value; the page table padded
+    with 0 to the buffers' width. The next step of the same batch size rewrites the same tensors."""
     if paged:
         caches = [[PAGE_SIZE * (3 * b + j) for j in range(s // PAGE_SIZE + 1)][::-1] for b, s in enumerate(start)]
     else:
         caches = [1000 * b + 5 for b in range(len(start))]
     tokens = [11 + b for b in range(len(start))]
-    bufs = DecodeBuffers(rotary, paged, max_pages=8)
-    ids, plan = bufs.plan(tokens, start, caches)
-    want = make_plan([1] * len(start), start, caches, len(start), paged=paged, rotary=rotary,
-                     device=torch.device("cpu"), decode_rows=False)
+    sp = spec(paged)
+    bufs = DecodeInputs(sp)
+    ids, plan = bufs.write(tokens, start, caches)
+    want = make_plan(StepLengths(tokens, [1] * len(start), start, caches, len(start)), sp)
     assert ids.tolist() == tokens and plan.decode_only and plan.last is None and plan.prefill == ()
     for got, exp in ((plan.slots, want.slots), (plan.cos, want.cos), (plan.sin, want.sin),
                      (plan.decode.kvlens, want.decode.kvlens)):
@@ -203,32 +183,45 @@ def test_decode_buffers_plan_is_the_general_plan(paged, start):
     cs = plan.decode.cachestarts
     if paged:
         width = want.decode.cachestarts.shape[1]
-        assert cs.shape == (len(start), 8) and torch.equal(cs[:, :width], want.decode.cachestarts)
+        assert cs.shape == (len(start), 4096 // PAGE_SIZE) and torch.equal(cs[:, :width], want.decode.cachestarts)
         assert not cs[:, width:].any()
     else:
         assert torch.equal(cs, want.decode.cachestarts)
-    ids2, plan2 = bufs.plan([t + 1 for t in tokens], [s + 1 for s in start], caches)
-    assert plan2 is plan and ids2 is ids and torch.equal(plan.decode.kvlens, want.decode.kvlens + 1)
-    assert bufs.plan(tokens, [4096], caches[:1]) is None  # past the rotary tables: the caller plans it in full
+    ids2, plan2 = bufs.write([t + 1 for t in tokens], [s + 1 for s in start], caches)
+    assert plan2 is plan and bufs.owner(plan) is not None and torch.equal(plan.decode.kvlens, want.decode.kvlens + 1)
+    assert bufs.owner(want) is None
+    assert bufs.write(tokens, [4096], caches[:1]) is None  # past the rotary tables: the caller plans it in full
     if paged:
-        assert bufs.plan(tokens[:1], start[:1], [[0] * 9]) is None  # a page table wider than the buffers
+        assert bufs.write(tokens[:1], start[:1], [[0] * 33]) is None  # a page table wider than the buffers
 
 
-def test_step_inputs_decode_step_matches_forward(make_hf, tmp_path):
-    """Generation's decode steps (Transformer.step_inputs: persistent buffers, attention over the cache from the
+@pytest.mark.parametrize("window", [None, 3])
+def test_gathered_decode_plan_masks_histories_of_different_lengths(window):
+    """Kernels that attend over gathered rows get each history's rows, padded by repeating its last one, and a mask
+    where the lengths differ or the window cuts."""
+    caches = [0, 100]
+    plan = make_plan(StepLengths([1, 2], [1, 1], [1, 4], caches, 2), spec(False, in_place=False, window=window))
+    d = plan.decode
+    assert d.kv_slots.tolist() == [[0, 1, 1, 1, 1], [100, 101, 102, 103, 104]]
+    seen = [[True, True, False, False, False], [True] * 5] if window is None else \
+        [[True, True, False, False, False], [False, False, True, True, True]]
+    assert d.mask[:, 0, 0].tolist() == seen
+
+
+def test_engine_decode_steps_match_forward(make_hf, tmp_path):
+    """The engine's decode steps (Stepper.plan of its ints: persistent buffers, attention over the cache from the
     offsets) give the logits of ppl.pmx's forward on the same inputs, to the bit, eager and compiled."""
     src, model = make_hf("llama_gqa_odd")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
     for compile_ in ("off", "on"):
         m = engine(tmp_path / "pmx", compile=compile_)
-        kv, _ = m.new_cache(64)
+        kv, _ = m.model.new_cache(64)
         prompt = [3, 17, 5, 9, 30]
         m.forward(torch.tensor(prompt), torch.empty(0), torch.tensor([0, 5]), torch.tensor([0, 5]), torch.tensor([2]),
                   torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), torch.tensor([5]), kv)
         kv2 = kv.clone()
         for k, tok in enumerate([7, 8, 9]):
-            ids, plan = m.step_inputs([tok], [1], [5 + k], [2], 1)
-            got = m.step(ids, plan, kv, None)
+            got = m.run(*m.plan(StepLengths([tok], [1], [5 + k], [2], 1)), m.cache(kv, None))
             want = m.forward(torch.tensor([tok]), torch.empty(0), torch.tensor([0, 1]), torch.tensor([0, 6 + k]),
                              torch.tensor([2]), torch.tensor([1]), torch.tensor([5 + k]), torch.tensor([1]),
                              torch.tensor([6 + k]), kv2)
@@ -244,16 +237,17 @@ def test_greedy_ids_are_torch_argmax():
     assert greedy_ids(logits.double()) == logits.argmax(-1).tolist()
 
 
-def test_a_plan_without_cache_rows_is_refused_on_a_cache_that_is_gathered(make_hf, tmp_path):
+def test_a_plan_without_cache_rows_is_refused_on_a_cache_the_kernel_cannot_read(make_hf, tmp_path):
     """A CPU engine plans decode steps without a row table (its kernel reads float32 / int8 caches in place); such a
-    plan run on a float16 cache, which the engine gathers, is refused with a clear error, not misread."""
+    plan run on a float16 cache is refused by the kernel with a clear error, not misread (ppl.pmx's forward on a
+    float16 cache gathers its rows instead: test_engine)."""
     if cpu_ops() is None:
         pytest.skip("this project's CPU kernels cannot be built here (no compiler)")
     src, _ = make_hf("llama_gqa_odd")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
     m = engine(tmp_path / "pmx", compile="off")
-    plan = m.plan([1], [3], [0], 1)
+    tokens, plan = m.plan(StepLengths([5], [1], [3], [0], 1))
     assert plan.decode.kv_slots is None
-    kv, _ = m.new_cache(8)
-    with pytest.raises(PmxError, match="needs the decode plan's cache rows"):
-        m.step(torch.tensor([5]), plan, kv.half(), None)
+    kv, _ = m.model.new_cache(8)
+    with pytest.raises(RuntimeError, match="must be float32"):
+        m.run(tokens, plan, m.cache(kv.half(), None))

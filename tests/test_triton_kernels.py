@@ -270,7 +270,7 @@ def test_engine_with_triton_kernels_matches_transformers(make_hf, tmp_path):
     ref_logits = hf_logits(model, prompts, conts)
     for options in (dict(cache_layout=3, cache_mode=1),):
         eng = engine(tmp_path / "pmx", DEV, kernels="triton", **options)
-        assert eng.ops is triton_ops
+        assert eng.model.ops.name == "triton" and eng.model.ops.decode_attention is triton_ops.decode_attention
         got = torch.stack(teacher_forced_logits(eng, prompts, conts)).cpu()
         assert rel_err(got, ref_logits) < 1e-4, (options, rel_err(got, ref_logits))
 
@@ -287,39 +287,47 @@ def test_engine_half_precision_matches_transformers(make_hf, tmp_path, dtype, ar
     """The engine in float16 / bfloat16 on the Triton kernels against transformers in float32 on the same weights:
     a packed prefill of 3 prompts, 5 decode steps, and a prompt prefilled in chunks (continued chunks attend over
     the cache through the varlen flash kernel). transformers itself in the same dtype is about as far off."""
+    from runner.engine.plan import StepLengths
     from runner.pmx.convert import convert
-    from test_engine import hf_logits, prompts_and_conts, rel_err
+    from test_engine import engine, hf_logits, prompts_and_conts, rel_err
     from tp_worker import teacher_forced_logits
-
-    from runner.engine.model import EngineOptions, Transformer, load_shard
-    from runner.parallel.comm import SingleComm
     src, model = make_hf(arch)
     convert(str(src), str(tmp_path / "pmx"), progress=False)
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     conts = [c[:5] for c in conts]
     want = hf_logits(model, prompts, conts)                                  # (6, 3, V) float32
-    params, w = load_shard(tmp_path / "pmx", 0, DEV, dtype)
-    eng = Transformer(params, w, SingleComm(), EngineOptions(kernels="triton", **options))
-    assert eng.ops is triton_ops and eng.dtype == dtype
+    eng = engine(tmp_path / "pmx", DEV, dtype, kernels="triton", **options)
+    assert eng.model.ops.name == "triton" and eng.model.dtype == dtype
     got = torch.stack(teacher_forced_logits(eng, prompts, conts)).cpu()
     assert rel_err(got, want) < LOWP_TOL[dtype], rel_err(got, want)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= (1.0 if dtype == torch.float16 else 0.9)
     prompt = prompts[2]                                                      # 12 tokens in chunks of 5, 5, 2
-    kv, scale = eng.new_cache(ref.PAGE_SIZE)
+    cache = eng.cache(*eng.model.new_cache(ref.PAGE_SIZE))
     for p0 in range(0, len(prompt), 5):
         chunk = prompt[p0:p0 + 5]
-        plan = eng.plan([len(chunk)], [p0], [[0]] if options.get("cache_mode") else [0], 0)
+        tokens, plan = eng.plan(StepLengths(chunk, [len(chunk)], [p0], [[0]] if options.get("cache_mode") else [0], 0))
         assert plan.prefill[0].plain_causal == (p0 == 0 and not options.get("quantized_cache"))  # else: the cache
-        last = eng.step(torch.tensor(chunk), plan, kv, scale)[0].cpu()
+        last = eng.run(tokens, plan, cache)[0].cpu()
     assert rel_err(last, want[0, 2]) < LOWP_TOL[dtype], rel_err(last, want[0, 2])
 
 
 def test_kernels_option():
-    from runner.engine.model import EngineOptions, pick_kernels
+    """The kernel sets declare what they have: the CPU torch set reads histories in place (float32 only), the Triton
+    set walks the cache and fuses rotary with the cache store, the reference has none of the optional ops."""
+    from runner.config import EngineConfig
     from runner.errors import PmxError
     from runner.kernels import torch_ops
-    assert pick_kernels("auto", torch.device("cpu")) is torch_ops
-    assert pick_kernels("torch", DEV) is torch_ops
-    assert pick_kernels("reference", DEV) is ref
-    with pytest.raises(PmxError, match="--kernels must be auto, triton, torch or reference"):
-        EngineOptions(kernels="cuda")
+    from runner.kernels.cpu_ext import cpu_ops
+    from runner.kernels.sets import kernel_set
+    cpu = torch.device("cpu")
+    auto = kernel_set("auto", cpu, torch.float32)
+    assert auto.name == "torch" and auto.attend is torch_ops.attend
+    assert (auto.decode_attention_rows is not None) == (cpu_ops() is not None) and auto.decode_attention is None
+    assert kernel_set("torch", cpu, torch.bfloat16).decode_attention_rows is None
+    spec = kernel_set("reference", DEV, torch.float32)
+    assert spec.attend is ref.attend and not spec.reads_history_in_place and spec.rotary_kv_store is None
+    tri = kernel_set("triton", DEV, torch.float16)
+    assert tri.decode_attention is triton_ops.decode_attention and tri.attend is torch_ops.attend
+    assert tri.reads_history_in_place and tri.prefill_attention is not None
+    with pytest.raises(PmxError, match="--kernels must be one of auto, triton, torch, reference"):
+        EngineConfig(kernels="cuda")

@@ -142,8 +142,6 @@ def make_plan(b: StepLengths, spec: PlanSpec, attn_mask: Optional[torch.Tensor] 
     """The plan of a step over the packed sequences of `b` (see the module docstring). `attn_mask`: the explicit
     additive mask [T, sum kvlens] of ppl.pmx's auto_causal off (unfused attention only)."""
     seqlens, start_pos, B, nd, paged = b.seqlens, b.start, len(b.seqlens), b.num_decoding, spec.paged
-    if not 0 <= nd <= B or any(n != 1 for n in seqlens[:nd]):
-        raise ValueError(f"the first {nd} sequences must decode one token each, got lengths {list(seqlens[:nd])}")
     cache = _cache_tensor(b.caches, paged)                                            # [B] or [B, MaxP]
     seqlen_t, start_t = torch.tensor(list(seqlens)), torch.tensor(list(start_pos))
     T = int(sum(seqlens))
@@ -310,11 +308,12 @@ def lengths_of_inputs(seqstarts: torch.Tensor, kvstarts: torch.Tensor, cachestar
     seqstarts, kvstarts, start, cs = (t.detach().cpu().to(torch.int64) for t in
                                       (seqstarts, kvstarts, start_pos, cachestarts))
     seqlens = (seqstarts[1:] - seqstarts[:-1]).tolist()
-    start_l = start.tolist()
+    start_l, nd = start.tolist(), int(decoding_batches.reshape(-1)[0])
     if [s + n for s, n in zip(start_l, seqlens)] != (kvstarts[1:] - kvstarts[:-1]).tolist():
         raise ValueError("kvstarts must equal start_pos + the new tokens of each sequence")
-    return StepLengths(token_ids.detach().cpu().tolist(), seqlens, start_l, cs.tolist(),
-                       int(decoding_batches.reshape(-1)[0]))
+    if not 0 <= nd <= len(seqlens) or any(n != 1 for n in seqlens[:nd]):
+        raise ValueError(f"the first {nd} sequences must decode one token each, got lengths {seqlens[:nd]}")
+    return StepLengths(token_ids.detach().cpu().tolist(), seqlens, start_l, cs.tolist(), nd)
 
 
 def causal_mask(b: StepLengths, window: Optional[int], dtype: torch.dtype) -> Optional[torch.Tensor]:

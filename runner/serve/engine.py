@@ -204,9 +204,13 @@ class LLMEngine:
         if p + max_tokens > self.max_model_len:
             raise ParamError("max_tokens", f"this model's maximum context length is {self.max_model_len} tokens; "
                                            f"{p} in the prompt and {max_tokens} to generate make {p + max_tokens}")
-        if not self.core.scheduler.cache.fits(p + max_tokens):
-            raise ParamError("max_tokens", f"{p} prompt tokens and {max_tokens} new ones need more KV cache than "
-                                           f"this server's {self.core.cache.rows} tokens (--kv_cache_tokens)")
+        cache = self.core.scheduler.cache
+        if not cache.fits(p + max_tokens):
+            need, have = ((-(-(p + max_tokens) // PAGE_SIZE), cache.num_pages) if cache.paged else
+                          (p + max_tokens, cache.rows))
+            unit = f"KV-cache pages of {PAGE_SIZE} tokens" if cache.paged else "KV-cache rows"
+            raise ParamError("max_tokens", f"{p} prompt tokens and {max_tokens} new ones need {need} {unit}; this "
+                                           f"server's cache has {have} (--kv_cache_tokens)")
         return max_tokens
 
     def add_request(self, request_id: str, prompt_ids: list, params: SamplingParams,
@@ -354,8 +358,9 @@ class LLMEngine:
 
     def _gauges(self) -> None:
         s = self.core.scheduler
+        unit = 1 if s.cache.paged else PAGE_SIZE  # (an offset cache counts rows: in pages of PAGE_SIZE rows here)
         self.metrics.set(requests_waiting=len(s.waiting), requests_running=len(s.running),
-                         kv_pages_used=s.cache.used // PAGE_SIZE, kv_pages_free=s.cache.free // PAGE_SIZE)
+                         kv_pages_used=s.cache.used // unit, kv_pages_free=s.cache.free // unit)
 
     # -- the other ranks of a server ---------------------------------------------------------------------------
     def follow(self, should_quit: Callable[[], bool] = lambda: False) -> dict:
