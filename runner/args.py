@@ -115,6 +115,7 @@ class Flag:
     default: Any                 # inspect.Parameter.empty when required
     help: str
     check: Any = None            # Range / OneOf / None
+    shared: bool = False         # defined once for every command that takes it (a Help type or a dataclass field)
 
     @property
     def required(self) -> bool:
@@ -143,17 +144,38 @@ class Flag:
         return f"default {'none' if self.default in (None, '') else self.default}"
 
 
-def _kind(annotation) -> tuple[type, Any]:
-    """(bool | int | float | str, Range / OneOf / None) of an annotation; Optional[...] and unions of several
+@dataclass(frozen=True)
+class Help:
+    """A flag's one line of help, in its type: ``Annotated[bool, Help("...")]`` defines a flag every command that
+    takes it shares."""
+    text: str
+
+
+def _extras(annotation) -> tuple[type, list]:
+    """(bool | int | float | str, the Annotated extras) of an annotation; Optional[...] and unions of several
     types (list flags) are read as their one type, or as str."""
     origin = typing.get_origin(annotation)
     if origin is typing.Annotated:
         inner, *extras = typing.get_args(annotation)
-        return _kind(inner)[0], next((e for e in extras if isinstance(e, (Range, OneOf))), None)
+        kind, more = _extras(inner)
+        return kind, extras + more
     if origin is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _kind(args[0]) if len(args) == 1 else (str, None)
-    return (annotation if annotation in PARSERS else str), None
+        return _extras(args[0]) if len(args) == 1 else (str, [])
+    return (annotation if annotation in PARSERS else str), []
+
+
+def _kind(annotation) -> tuple[type, Any]:
+    """(bool | int | float | str, Range / OneOf / None) of an annotation."""
+    kind, extras = _extras(annotation)
+    return kind, next((e for e in extras if isinstance(e, (Range, OneOf))), None)
+
+
+def _flag(name: str, annotation, default, doc_help: str = "") -> Flag:
+    kind, extras = _extras(annotation)
+    check = next((e for e in extras if isinstance(e, (Range, OneOf))), None)
+    shared = next((e.text for e in extras if isinstance(e, Help)), None)
+    return Flag(name, kind, default, shared or doc_help, check, shared is not None)
 
 
 # the flag types the commands share
@@ -167,6 +189,17 @@ Compile = Annotated[str, OneOf("auto", "on", "off")]
 CommBackend = Annotated[str, OneOf(*COMM_BACKENDS)]
 CacheLayout = Annotated[int, OneOf(0, 1, 2, 3)]
 CacheMode = Annotated[int, OneOf(0, 1)]
+# flags several commands take, each defined here once
+Overwrite = Annotated[bool, Help("replace a non-empty output_dir")]
+Progress = Annotated[bool, Help("progress on stderr (rank 0): loading, converting, generating")]
+CkptDir = Annotated[str, Help("PMX directory split into as many shards as ranks are started (mpirun -np N / "
+                              "torchrun --nproc_per_node N)")]
+TokenizerPath = Annotated[Optional[str], Help("tokenizer.model or tokenizer.json, or their directory (default: "
+                                              "ckpt_dir's); its tokenizer_config.json gives the chat template")]
+QuantMethod = Annotated[str, OneOf("int8", "int4"), Help("weight-only quantisation: int8 (per output channel) or int4 "
+                                                          "(groups along the input dim)")]
+GroupSize = Annotated[int, Range(1), Help("int4 input columns per scale (a divisor of every input dim)")]
+QuantizeOutput = Annotated[bool, Help("quantise the lm head (output.weight) too")]
 
 
 def doc_lines(fn: Callable) -> tuple[str, dict[str, str]]:
@@ -223,12 +256,10 @@ def flags_of(fn: Callable) -> list[Flag]:
         if p.name in groups:
             cls, chosen = groups[p.name]
             sub = typing.get_type_hints(cls, include_extras=True)
-            for f in chosen:
-                kind, check = _kind(sub[f.name])
-                out.append(Flag(f.name, kind, getattr(p.default, f.name), f.metadata.get("help", ""), check))
+            out += [_flag(f.name, Annotated[sub[f.name], Help(f.metadata.get("help", ""))], getattr(p.default, f.name))
+                    for f in chosen]
             continue
-        kind, check = _kind(hints.get(p.name, str))
-        out.append(Flag(p.name, kind, p.default, helps.get(p.name, ""), check))
+        out.append(_flag(p.name, hints.get(p.name, str), p.default, helps.get(p.name, "")))
     return out
 
 

@@ -9,22 +9,33 @@ every entry point: see :mod:`runner.parallel.job`.
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import os
 import sys
 from typing import Annotated, Callable, Optional
 
-from runner.args import Dtype, OneOf, PositiveInt, Range, check_argv, doc_lines, help_text, typed
+import fire
+
+from runner.args import (Dtype, GroupSize, OneOf, Overwrite, PositiveInt, Progress, QuantizeOutput, QuantMethod, Range,
+                         check_argv, doc_lines, help_text, typed)
 from runner.engine.bench import bench
 from runner.engine.compare import compare
 from runner.engine.demo import generate
 from runner.engine.perplexity import perplexity
 from runner.engine.replay import replay
 from runner.errors import PmxError
+from runner.parallel.job import JobControl, describe
+from runner.pmx.convert import convert as pmx_convert
+from runner.pmx.convert import quantize_model, reshard
+from runner.pmx.quant import scheme_from_flags
+from runner.pmx.random_model import make_random_model as write_random_model
 from runner.serve.server import serve
 
 
 def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: PositiveInt = 1,
-            overwrite: bool = False, progress: bool = True, quantize: Optional[str] = None,
-            group_size: PositiveInt = 128, quantize_output: bool = False) -> None:
+            overwrite: Overwrite = False, progress: Progress = True, quantize: Optional[QuantMethod] = None,
+            group_size: GroupSize = 128, quantize_output: QuantizeOutput = False) -> None:
     """Convert a HuggingFace checkpoint directory into a PMX directory.
 
     Args:
@@ -32,39 +43,25 @@ def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: 
         output_dir: PMX directory to create (pmx_params.json, model.XX.safetensors, tokenizer files).
         dtype: auto (the checkpoint's), float32, float16 or bfloat16.
         num_shards: split into this many tensor-parallel shards while converting.
-        overwrite: replace a non-empty output_dir.
-        progress: show a progress bar on stderr for large models.
-        quantize: int8 (per output channel) or int4 (groups along the input dim): weight-only quantised linears.
-        group_size: int4 input columns per scale.
-        quantize_output: quantise the lm head (output.weight) too.
     """
-    from runner.pmx.convert import convert as _convert
-    from runner.pmx.quant import scheme_from_flags
     quant = scheme_from_flags(quantize, group_size, quantize_output)
-    p = _convert(input_dir, output_dir, dtype=dtype, num_shards=num_shards, overwrite=overwrite, progress=progress,
+    p = pmx_convert(input_dir, output_dir, dtype=dtype, num_shards=num_shards, overwrite=overwrite, progress=progress,
                  quant=quant)
     print(f"converted {input_dir} ({p.architecture}, {p.num_layers} layers, {p.dtype}"
           f"{', ' + quant.method + ' weights' if quant else ''}) -> {output_dir} "
           f"({p.num_shards} shard{'s' if p.num_shards > 1 else ''})")
 
 
-def quantize(input_dir: str, output_dir: str, quantize: str = "int8", group_size: PositiveInt = 128,
-             quantize_output: bool = False, num_shards: Optional[PositiveInt] = None, overwrite: bool = False,
-             progress: bool = True) -> None:
+def quantize(input_dir: str, output_dir: str, quantize: QuantMethod = "int8", group_size: GroupSize = 128,
+             quantize_output: QuantizeOutput = False, num_shards: Optional[PositiveInt] = None,
+             overwrite: Overwrite = False, progress: Progress = True) -> None:
     """Weight-only quantise a float PMX model (split or not): int8 per output channel or int4 in groups.
 
     Args:
         input_dir: float PMX directory.
-        output_dir: PMX directory to create.
-        quantize: int8 or int4.
-        group_size: int4 input columns per scale (a multiple of 2 that divides every input dim).
-        quantize_output: quantise the lm head (output.weight) too.
+        output_dir: PMX directory to create, its linears quantised.
         num_shards: shards of the output (default: as many as the input has).
-        overwrite: replace a non-empty output_dir.
-        progress: show a progress bar on stderr for large models.
     """
-    from runner.pmx.convert import quantize_model
-    from runner.pmx.quant import scheme_from_flags
     quant = scheme_from_flags(quantize, group_size, quantize_output)
     p = quantize_model(input_dir, output_dir, quant, num_shards=num_shards, overwrite=overwrite, progress=progress)
     print(f"quantized {input_dir} -> {output_dir} ({quant.method}"
@@ -72,36 +69,30 @@ def quantize(input_dir: str, output_dir: str, quantize: str = "int8", group_size
           f"{', output too' if quant.quantize_output else ''}; {p.num_shards} shard{'s' if p.num_shards > 1 else ''})")
 
 
-def split(input_dir: str, num_shards: PositiveInt, output_dir: str, overwrite: bool = False,
-          progress: bool = True) -> None:
+def split(input_dir: str, num_shards: PositiveInt, output_dir: str, overwrite: Overwrite = False,
+          progress: Progress = True) -> None:
     """Cut a PMX model into `num_shards` tensor-parallel shards (an already split model is re-cut).
 
     Args:
         input_dir: PMX directory.
         num_shards: number of ranks the output is for.
-        output_dir: PMX directory to create.
-        overwrite: replace a non-empty output_dir.
-        progress: show a progress bar on stderr for large models.
+        output_dir: PMX directory to create, in num_shards shards.
     """
-    from runner.pmx.convert import reshard
     p = reshard(input_dir, output_dir, num_shards, overwrite=overwrite, progress=progress)
     pads = f", padded {p.padded_dims}" if p.padded_dims else ""
     reps = f", each KV head on {p.kv_replication} ranks" if p.kv_replication > 1 else ""
     print(f"split {input_dir} -> {output_dir} ({p.num_shards} shards{reps}{pads})")
 
 
-def merge(input_dir: str, num_shards: PositiveInt, output_dir: str, overwrite: bool = False,
-          progress: bool = True) -> None:
+def merge(input_dir: str, num_shards: PositiveInt, output_dir: str, overwrite: Overwrite = False,
+          progress: Progress = True) -> None:
     """Put the `num_shards` shards of a split PMX model back into one, bit for bit.
 
     Args:
         input_dir: split PMX directory.
         num_shards: how many shards input_dir holds (checked against its pmx_params.json).
         output_dir: PMX directory to create (one shard, model.00.safetensors).
-        overwrite: replace a non-empty output_dir.
-        progress: show a progress bar on stderr for large models.
     """
-    from runner.pmx.convert import reshard
     reshard(input_dir, output_dir, 1, overwrite=overwrite, progress=progress, expect_input_shards=num_shards)
     print(f"merged {input_dir} ({num_shards} shards) -> {output_dir}")
 
@@ -110,7 +101,7 @@ def make_random_model(output_dir: str, hidden_dim: PositiveInt = 128, intermedia
                       num_layers: PositiveInt = 2, num_heads: PositiveInt = 8, num_kv_heads: PositiveInt = 4,
                       vocab_size: Annotated[int, Range(259)] = 512,
                       dtype: Annotated[str, OneOf("float32", "float16", "bfloat16")] = "float32", seed: int = 0,
-                      overwrite: bool = False) -> None:
+                      overwrite: Overwrite = False) -> None:
     """Write a random-weight HF Llama checkpoint with a small BPE tokenizer.json (for demos and benchmarks).
 
     Args:
@@ -123,10 +114,8 @@ def make_random_model(output_dir: str, hidden_dim: PositiveInt = 128, intermedia
         vocab_size: vocabulary size (at least 259: the byte-level tokenizer's 256 bytes and 3 special tokens).
         dtype: float32, float16 or bfloat16.
         seed: seed of the random weights.
-        overwrite: replace a non-empty output_dir.
     """
-    from runner.pmx.random_model import make_random_model as _make
-    _make(output_dir, hidden_dim, intermediate_dim, num_layers, num_heads, num_kv_heads, vocab_size, dtype, seed,
+    write_random_model(output_dir, hidden_dim, intermediate_dim, num_layers, num_heads, num_kv_heads, vocab_size, dtype, seed,
           overwrite)
     print(f"wrote a random-weight Llama checkpoint to {output_dir}")
 
@@ -145,7 +134,6 @@ def _resolve(component, argv: list[str], prog: str) -> tuple[Optional[Callable],
         return None, argv, prog
     name = argv[0].replace("-", "_")
     if name not in component:
-        import difflib
         close = difflib.get_close_matches(name, list(component), n=1)
         raise PmxError(f"{prog}: unknown command {argv[0]!r}" + (f"; did you mean {close[0]}?" if close else "") +
                        f" (commands: {', '.join(component)})")
@@ -169,12 +157,6 @@ def run(component, argv: Optional[list[str]] = None, prog: Optional[str] = None)
     bad input (1 for an unexpected exception, with its traceback; 130 / 143 for SIGINT / SIGTERM); under
     mpirun the launcher then ends the whole job and under torchrun the elastic agent stops the others.
     """
-    import contextlib
-    import os
-
-    import fire
-
-    from runner.parallel.job import JobControl, describe
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = prog or os.path.basename(sys.argv[0] or "pmx-runner")
     if prog == "__main__.py":

@@ -77,3 +77,46 @@ def test_no_import_cycles():
     report = "\n\n".join(f"cycle of {len(c)} modules:\n" + "\n".join(
         f"  {a} -> {b}" for a in sorted(c) for b in sorted(graph[a] & c)) for c in bad)
     assert not bad, f"import cycles among the project's modules:\n{report}"
+
+
+MAX_PARAMETERS = 12
+
+
+def test_no_function_takes_more_than_twelve_parameters():
+    """Host code passes typed objects (EngineConfig, PlanSpec, StepLengths), not flag lists. Exempt: the command
+    entry points (their flags are their parameters) and Triton kernels (a pointer, stride or constant per argument,
+    as a GPU launch takes them)."""
+    from runner.cli import COMMANDS
+    entry_points = {fn.__name__ for fn in COMMANDS.values()}
+    wide = []
+    for path in sorted((ROOT / "runner").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name in entry_points:
+                continue
+            if any("triton.jit" in ast.unparse(d) for d in node.decorator_list):
+                continue
+            a = node.args
+            names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+            if len(names) > MAX_PARAMETERS:
+                wide.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {len(names)} parameters")
+    assert not wide, "\n".join(wide)
+
+
+def test_no_flag_is_defined_twice():
+    """A flag that several commands take is defined once (a Help type in runner.args, or an EngineConfig field):
+    no two commands carry the same help text each in their own docstring, and a command's own flag of a shared
+    name means something else (its help differs)."""
+    from runner.args import flags_of
+    from runner.cli import COMMANDS
+    by_name: dict[str, list] = {}
+    for command, fn in COMMANDS.items():
+        for f in flags_of(fn):
+            by_name.setdefault(f.name, []).append((command, f))
+    copies = []
+    for name, defs in by_name.items():
+        own = [(c, f.help) for c, f in defs if not f.shared]
+        shared = {f.help for _, f in defs if f.shared}
+        helps = [h for _, h in own]
+        if len(set(helps)) < len(helps) or shared & set(helps):
+            copies.append(f"--{name}: {own}")
+    assert not copies, "flags written out again instead of shared:\n" + "\n".join(copies)

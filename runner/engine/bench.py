@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from runner.args import Count, PositiveInt, int_list
+from runner.args import Count, PositiveInt, Progress, int_list
 from runner.config import EngineConfig
 from runner.engine.session import open_session
 from runner.errors import PmxError
@@ -67,7 +67,7 @@ def peak_memory_gib(device: torch.device) -> float:
 def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 16 32 64 128 256",
           input_len: PositiveInt = 8, tokens_file: Optional[str] = None, gen_len: PositiveInt = 256,
           warmup_loops: Count = 1, benchmark_loops: PositiveInt = 1, seed: int = 0, csv: Optional[str] = None,
-          progress: bool = True, engine: EngineConfig = EngineConfig()) -> list[dict]:
+          progress: Progress = True, engine: EngineConfig = EngineConfig()) -> list[dict]:
     """Throughput per batch size (ppl.llm.serving's benchmark_llama); one CSV line per batch size:
     batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib). Run under mpirun -np N for tensor parallelism.
 
@@ -82,7 +82,6 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
         benchmark_loops: timed generations per batch size, averaged.
         seed: seed of the random prompts and weights.
         csv: also write the CSV to this file.
-        progress: progress lines on stderr.
     """
     batches = int_list(batch_sizes, "batch_sizes", minimum=1, allow_empty=False)
     sess = open_session(model, engine, random_weights=random_weights, seed=seed, progress=progress)

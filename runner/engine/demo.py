@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
 
-from runner.args import Count, PositiveInt, Range, int_list
+from runner.args import CkptDir, Count, PositiveInt, Progress, Range, TokenizerPath, int_list
 from runner.config import EngineConfig
 from runner.engine.dump import TensorDumper
 from runner.engine.sampler import SamplingParams
@@ -42,8 +42,8 @@ def run_meta(sess) -> dict:
 
 
 def generate(
-    ckpt_dir: str,
-    tokenizer_path: Optional[str] = None,
+    ckpt_dir: CkptDir,
+    tokenizer_path: TokenizerPath = None,
     prompt: Optional[str] = None,
     prompts_file: Optional[str] = None,
     temperature: Annotated[float, Range(0)] = 0.0,
@@ -58,14 +58,12 @@ def generate(
     dump_tensor_path: Optional[str] = None,
     dump_steps: Optional[str] = None,
     show_ids: bool = False,
-    progress: bool = True,
+    progress: Progress = True,
     engine: EngineConfig = EngineConfig(),
 ) -> None:
     """Generate text with a PMX model on 1 or N ranks (mpirun / torchrun).
 
     Args:
-        ckpt_dir: PMX directory split into as many shards as ranks are started.
-        tokenizer_path: tokenizer.model or tokenizer.json (default: the one in ckpt_dir).
         prompt: the prompt (default: ppl.pmx's "I believe the meaning of life is").
         prompts_file: a file with one prompt per line (instead of --prompt).
         temperature: 0 is greedy; > 0 samples from softmax(logits / temperature).
@@ -80,7 +78,6 @@ def generate(
         dump_tensor_path: write each chosen step's inputs and logits under this directory, per rank.
         dump_steps: steps to dump, e.g. 0,1,39 (default: every step when dump_tensor_path is set).
         show_ids: also print the generated token ids.
-        progress: progress bars on stderr (rank 0): loading, then sequences done and tokens/s.
     """
     if not dynamic_batching:
         raise PmxError("--dynamic_batching False (static batching) is not supported: this engine always batches "

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from runner.args import PositiveInt
+from runner.args import CkptDir, PositiveInt, TokenizerPath
 from runner.config import EngineConfig
 from runner.engine.session import open_session
 from runner.engine.tokenizer import Tokenizer
@@ -58,16 +58,14 @@ def evaluate(engine, ids: list[int], window: int, stride: int) -> dict:
             "forward_tokens": sum(e - b for b, e, _ in spans), "seconds": seconds}
 
 
-def perplexity(ckpt_dir: str, text_file: str, tokenizer_path: Optional[str] = None, window: PositiveInt = 256,
+def perplexity(ckpt_dir: CkptDir, text_file: str, tokenizer_path: TokenizerPath = None, window: PositiveInt = 256,
                stride: Optional[PositiveInt] = None, max_tokens: Optional[PositiveInt] = None,
                engine: EngineConfig = EngineConfig()) -> dict:
     """Perplexity (sliding window) and tokens/s of a PMX model, float or quantised, over a text file. Prints one
     line on rank 0 and returns the numbers.
 
     Args:
-        ckpt_dir: PMX directory split into as many shards as ranks (mpirun / torchrun for N > 1).
         text_file: a UTF-8 text file.
-        tokenizer_path: tokenizer.model or tokenizer.json (default: the one in ckpt_dir).
         window: tokens per forward pass (at most max_position_embeddings).
         stride: tokens between window starts (default window / 2); every token is scored once.
         max_tokens: use only the first max_tokens tokens of the text.

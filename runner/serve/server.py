@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 
 import uvicorn
 
-from runner.args import PositiveInt, Range
+from runner.args import CkptDir, PositiveInt, Range, TokenizerPath
 from runner.config import EngineConfig
 from runner.errors import PmxError
 from runner.serve.api import ApiContext, build_app
@@ -28,16 +28,13 @@ from runner.serve.loader import load
 from runner.serve.metrics import Metrics
 
 
-def serve(ckpt_dir: str, tokenizer_path: Optional[str] = None, host: str = "127.0.0.1",
+def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, host: str = "127.0.0.1",
           port: Annotated[int, Range(0, 65535)] = 8000, served_model_name: Optional[str] = None,
           max_waiting: PositiveInt = 256, drain_timeout: Annotated[float, Range(0)] = 5.0,
           engine: EngineConfig = EngineConfig(cache_mode=1)) -> None:
     """Serve a PMX model over OpenAI's HTTP API (completions, chat completions, streaming) on 1 or N ranks.
 
     Args:
-        ckpt_dir: PMX directory split into as many shards as ranks are started (mpirun -np N / torchrun).
-        tokenizer_path: tokenizer.model / tokenizer.json or their directory (default: ckpt_dir); its
-            tokenizer_config.json gives the chat template.
         host: address to listen on (rank 0).
         port: port to listen on; 0 picks a free one (the address is printed).
         served_model_name: the model's name in the API (default: ckpt_dir as given).
