@@ -50,9 +50,8 @@ def cpu_ops():
 def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of the CPU tensor `t`, from HUGE_PAGE_MIN_BYTES up in a private mapping of its own advised for
     transparent huge pages (madvise MADV_HUGEPAGE; torch's allocator asks for none unless THP_MEM_ALLOC_ENABLE
-    is set before it starts). A decode step streams every weight once: with 2 MiB pages the walk over 438 MB
-    of the 134M model's weights takes 4-6% less time on the project's CPU (benchmarks/RESULTS.md, "Session 5").
-    Where the kernel grants no huge page (THP off) this is an ordinary copy."""
+    is set before it starts): a decode step streams every weight once, and walks them in fewer TLB misses. Where the
+    kernel grants no huge page (THP off) this is an ordinary copy."""
     nbytes = t.numel() * t.element_size()
     if t.device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return t.contiguous()

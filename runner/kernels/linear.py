@@ -4,8 +4,7 @@ On CPU in float32 the weight is repacked once, at load, for one of two kernels (
 
 - `pmx` (the default): this project's kernel (runner/kernels/cpu_linear.cpp, `pmx_cpu::linear_f32`) on blocks of 64
   output channels, k-major: it streams the weight in one pass at decode sizes and is a 6 x 64 register-tile GEMM
-  for prefill. Measured against oneDNN's prepacked GEMM on the project's CPU over the benchmark model's layers:
-  1.1-1.5x faster at 1 row, 1.07-1.3x at 2 to 512 (benchmarks/RESULTS.md, "Session 4").
+  for prefill (faster than oneDNN's prepacked GEMM at 1 to 512 rows: benchmarks/RESULTS.md).
 - `onednn`: the weight reordered into oneDNN's blocked layout and applied with oneDNN's matmul, where the
   extension cannot be built (no compiler).
 
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 from runner.kernels.cpu_ext import cpu_ops, pack_blocks, unpack_blocks
 
-PREPACK_MIN_NUMEL = 1 << 14  # below this (128 x 128) plain F.linear is as fast: measured at 1 row, 1 and 2 threads
+PREPACK_MIN_NUMEL = 1 << 14  # below this (128 x 128) plain F.linear is as fast
 
 
 @torch.library.custom_op("pmx::onednn_linear", mutates_args=())

@@ -8,8 +8,7 @@ tests/test_quant.py: the format, convert, split and merge):
   linear_int4`), built on first use for the machine (-march=native) and cached by torch. The weight is
   repacked once at load into blocks of 64 output channels, k-major, and converted to floats in registers.
   torch's own weight-only CPU ops (`aten._weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, what
-  gpt-fast uses) measured 12-110x slower at M=1 on this project's CPU (benchmarks/RESULTS.md, "Weight-only
-  kernels"); they are the fallback (`aten`) where the extension cannot be built. Above CPU_KERNEL_MAX_ROWS
+  gpt-fast uses) are the fallback (`aten`) where the extension cannot be built. Above CPU_KERNEL_MAX_ROWS
   rows (prefill) each block of 64 channels is dequantised once per call into a buffer of its own and the float
   GEMM's tiles run on it (`linear_dequant`), which is faster there.
 - CUDA (`triton`): Triton W8A16 / W4A16 (runner/kernels/triton_quant.py), dequantising in registers.

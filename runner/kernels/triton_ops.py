@@ -255,9 +255,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, launch: Launch = _launch) -> to
 
 
 # --- decode linears ------------------------------------------------------------------------------
-DECODE_LINEAR_ROWS = 1    # rows up to which decode_linear replaces cuBLAS: a batch-1 decode step. (A 16-row tl.dot
-                          # tile that compiled without spills on sm_80 ran batch-16 decode at 11.4 against cuBLAS's
-                          # 6.3 ms a step on an H100, 2026-11-22: several rows stay on cuBLAS.)
+DECODE_LINEAR_ROWS = 1    # rows up to which decode_linear replaces cuBLAS: a batch-1 decode step (several rows are
+                          # faster on cuBLAS than on a 16-row tl.dot tile: benchmarks/RESULTS.md, session 8)
 
 
 @triton.jit

@@ -4,8 +4,8 @@ Reads the stored layout (runner.pmx.quant) as it is: int8 [N, K] with one scale 
 bytes [N, K/2] (column 2j in the low nibble, 2j+1 in the high one) with one scale per group of G input
 columns. Each program computes a [BLOCK_M, BLOCK_N] tile of y, walking K in steps of BLOCK_K = 32. int4 takes
 group sizes that are multiples of 16: a group of 32 or more covers a whole step with one scale per row; groups of 16
-take a scale per column (a 16-wide step, one group per step, gave wrong products on an H100 with Triton 3.6
-in float16, measured 2026-11-22, and half-filled the tensor cores besides). Activations in
+take a scale per column (a 16-wide step of one group each gave wrong float16 products on an H100 with Triton 3.6,
+and half-filled the tensor cores). Activations in
 float16 / bfloat16 / float32; accumulation in float32. Small M (decoding) runs the same kernel with a
 16-row tile (the smallest `tl.dot` takes). On CPU it runs under the Triton interpreter (tests).
 The spec is runner.kernels.quant_linear.reference_linear (dequantise, then matmul).
