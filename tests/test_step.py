@@ -251,3 +251,25 @@ def test_a_plan_without_cache_rows_is_refused_on_a_cache_the_kernel_cannot_read(
     kv, _ = m.model.new_cache(8)
     with pytest.raises(RuntimeError, match="must be float32"):
         m.run(tokens, plan, m.cache(kv.half(), None))
+
+
+def test_the_chain_is_built_from_what_the_engine_declares(make_hf, tmp_path):
+    """Which runner serves which step follows the config and the kernel set's declared ops, and the Stepper says so:
+    the one-call step where the CPU kernels read histories in place, torch.compile when asked for, eager always last;
+    a mixture of experts declines the one-call step by name."""
+    from runner.engine.fused_decode import OneCallDecode
+    from runner.engine.runners import Eager
+    src, _ = make_hf("llama_gqa_odd")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    kinds = lambda s: [type(r) for r in s.runners]  # noqa: E731
+    fast = engine(tmp_path / "pmx")
+    assert kinds(fast) == ([OneCallDecode, Eager] if cpu_ops() is not None else [Eager])
+    assert kinds(engine(tmp_path / "pmx", compile="on", fused_decode=False)) == [Compiled, Eager]
+    assert kinds(engine(tmp_path / "pmx", kernels="reference", compile="on")) == [Compiled, Eager]
+    assert fast.describe().startswith("decode steps: one-call C++ step, else eager; other steps: eager") or \
+        cpu_ops() is None
+    assert fast.decode_inputs is not None and engine(tmp_path / "pmx", kernels="reference").decode_inputs is None
+    src, _ = make_hf("mixtral")
+    convert(str(src), str(tmp_path / "moe"), progress=False)
+    moe = engine(tmp_path / "moe")
+    assert kinds(moe) == [Eager] and OneCallDecode.why_not(moe.model) == "mixture-of-experts layers"
