@@ -35,8 +35,7 @@
 
 namespace {
 
-constexpr int64_t NB = 64;          // output channels per block of a packed weight
-constexpr int64_t QUANT_GROUP = 8;  // int8 KV cache: values per float16 scale (reference.QUANT_GROUP)
+constexpr int64_t NB = 64;  // output channels per block of a packed weight
 
 struct Linear {
   pmx_cpu::PackedLinear p;
@@ -62,54 +61,6 @@ inline void add_bias(float* y, const float* b, int64_t M, int64_t N) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < N; ++j) y[m * N + j] += b[j];
 }
-
-// (a, b) -> (a cos - b sin, a sin + b cos) on the interleaved pairs of `heads` heads of D at x (reference.apply_rotary).
-inline void rotate(float* x, int64_t heads, int64_t D, const float* c, const float* s) {
-  for (int64_t h = 0; h < heads; ++h) {
-    float* p = x + h * D;
-    for (int64_t j = 0; j < D / 2; ++j) {
-      const float a = p[2 * j], b = p[2 * j + 1];
-      p[2 * j] = a * c[j] - b * s[j];
-      p[2 * j + 1] = a * s[j] + b * c[j];
-    }
-  }
-}
-
-// reference.quantize_int8 of one head's D values: scale = max(max|x| / 127, 1e-5) per group of 8 (stored float16),
-// q = clamp(round_half_even(x / scale), -127, 127) with the float32 scale.
-inline void quantize_head(const float* x, int64_t D, int8_t* q, at::Half* s) {
-  for (int64_t g = 0; g < D / QUANT_GROUP; ++g) {
-    float amax = 0;
-    for (int64_t i = 0; i < QUANT_GROUP; ++i) amax = std::max(amax, std::fabs(x[g * QUANT_GROUP + i]));
-    const float scale = std::max(amax / 127.0f, 1e-5f);
-    for (int64_t i = 0; i < QUANT_GROUP; ++i) {
-      const float r = std::nearbyint(x[g * QUANT_GROUP + i] / scale);
-      q[g * QUANT_GROUP + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
-    }
-    s[g] = at::Half(scale);
-  }
-}
-
-// A cache (or its scales) of ppl.pmx `layout` as (L, 2, MaxT, KV, last) strides (reference.cache_view).
-struct CacheView {
-  char* base = nullptr;
-  int64_t elem = 0, sL = 0, s2 = 0, sT = 0, sH = 0, L = 0, T = 0, KV = 0, last = 0;
-
-  CacheView(const at::Tensor& t, int64_t layout) {
-    static const int64_t perms[4][5] = {{1, 2, 0, 3, 4}, {0, 2, 1, 3, 4}, {0, 1, 2, 3, 4}, {0, 1, 3, 2, 4}};
-    TORCH_CHECK(layout >= 0 && layout <= 3, "cache layout must be 0..3, got ", layout);
-    TORCH_CHECK(t.dim() == 5 && t.stride(4) == 1, "the cache must be 5-d with its last dim contiguous");
-    const int64_t* p = perms[layout];
-    base = static_cast<char*>(t.data_ptr()), elem = t.element_size();
-    sL = t.stride(p[0]), s2 = t.stride(p[1]), sT = t.stride(p[2]), sH = t.stride(p[3]);
-    L = t.size(p[0]), T = t.size(p[2]), KV = t.size(p[3]), last = t.size(4);
-    TORCH_CHECK(t.size(p[1]) == 2, "the cache must hold k and v (a dim of 2), got shape ", t.sizes());
-  }
-  template <typename T_>
-  T_* row(int64_t layer, int64_t kv, int64_t t, int64_t h) const {
-    return reinterpret_cast<T_*>(base + elem * (layer * sL + kv * s2 + t * sT + h * sH));
-  }
-};
 
 struct DecodeModel : torch::CustomClassHolder {
   at::Tensor embedding;  // [V, Dn]: this rank's columns
@@ -192,25 +143,11 @@ struct DecodeModel : torch::CustomClassHolder {
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == B &&
                       t->size(1) == hd / 2,
                   "decode step: cos and sin must be contiguous float32 [", B, ", ", hd / 2, "]");
-    const bool quant = cache_scale.has_value() && cache_scale->defined();
-    TORCH_CHECK(cache.scalar_type() == (quant ? at::kChar : at::kFloat), "decode step: the cache must be float32, or ",
-                "int8 with its scales");
-    const CacheView cv(cache, layout);
+    const auto [cv, sv] = pmx_cpu::cache_views(cache, cache_scale, layout, "decode step");
+    const pmx_cpu::CacheView* scales = cache.scalar_type() == at::kChar ? &sv : nullptr;
     TORCH_CHECK(cv.L == L && cv.KV == KV && cv.last == hd, "decode step: cache of shape ", cache.sizes(), " is not ",
                 "one of ", L, " layers, ", KV, " KV heads of ", hd, " in layout ", layout);
-    CacheView sv = quant ? CacheView(*cache_scale, layout) : cv;
-    if (quant)
-      TORCH_CHECK(cache_scale->scalar_type() == at::kHalf && sv.L == L && sv.T == cv.T && sv.KV == KV &&
-                      sv.last == hd / QUANT_GROUP,
-                  "decode step: int8 cache scales must be float16 of the cache's shape with head_dim / 8 last");
-    pmx_cpu::HistoryRows hist;
-    hist.page_size = page_size, hist.offsets = page_size == 0;
-    TORCH_CHECK(cachestarts.scalar_type() == at::kLong && cachestarts.is_contiguous() && cachestarts.size(0) == B &&
-                    cachestarts.dim() == (page_size == 0 ? 1 : 2),
-                "decode step: cachestarts must be contiguous int64 [B] (offsets) or [B, MaxP] (pages)");
-    hist.rows = cachestarts.data_ptr<int64_t>();
-    hist.row_stride = page_size == 0 ? 0 : cachestarts.stride(0), hist.width = page_size == 0 ? 0 : cachestarts.size(1);
-    pmx_cpu::check_history(hist, lens, B, window, cv.T);
+    const pmx_cpu::HistoryRows hist = pmx_cpu::history_rows(cachestarts, page_size, lens, B, window, cv.T);
     const int64_t V = embedding.size(0), Dn = embedding.size(1);
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(tok[b] >= 0 && tok[b] < V, "decode step: token id ", tok[b], " is outside the vocabulary of ", V);
@@ -263,36 +200,15 @@ struct DecodeModel : torch::CustomClassHolder {
         pmx_cpu::skip_rms_norm_into(x, resid, norms[4 * l].data_ptr<float>(), B, D, eps, resid, h);
       pmx_cpu::linear_into(wqkv.p, h, B, qkv, dequant_above);
       add_bias(qkv, wqkv.b, B, NQKV);
-      for (int64_t b = 0; b < B; ++b) {
-        float* q = qkv + b * NQKV;
-        float* k = q + H * hd;
-        const float* v = k + KV * hd;
-        if (qn != nullptr) {
-          pmx_cpu::skip_rms_norm_into(q, nullptr, qn, H, hd, eps, nullptr, q);
-          pmx_cpu::skip_rms_norm_into(k, nullptr, kn, KV, hd, eps, nullptr, k);
-        }
-        rotate(q, H + KV, hd, cs + b * hd / 2, sn + b * hd / 2);  // q and k are adjacent: one pass
-        for (int64_t kh = 0; kh < KV; ++kh)
-          for (int64_t which = 0; which < 2; ++which) {
-            const float* src = (which == 0 ? k : v) + kh * hd;
-            if (quant)
-              quantize_head(src, hd, cv.row<int8_t>(l, which, slot[b], kh), sv.row<at::Half>(l, which, slot[b], kh));
-            else
-              std::memcpy(cv.row<float>(l, which, slot[b], kh), src, hd * sizeof(float));
-          }
+      for (int64_t b = 0; b < B && qn != nullptr; ++b) {
+        float *q = qkv + b * NQKV, *k = q + H * hd;
+        pmx_cpu::skip_rms_norm_into(q, nullptr, qn, H, hd, eps, nullptr, q);
+        pmx_cpu::skip_rms_norm_into(k, nullptr, kn, KV, hd, eps, nullptr, k);
       }
-      pmx_cpu::KVRows kr[2];
-      for (int64_t which = 0; which < 2; ++which) {
-        pmx_cpu::KVRows& r = kr[which];
-        r.row_stride = cv.sT, r.head_stride = cv.sH, r.KV = KV, r.D = hd;
-        if (quant) {
-          r.q = cv.row<int8_t>(l, which, 0, 0), r.s = sv.row<at::Half>(l, which, 0, 0);
-          r.srow_stride = sv.sT, r.shead_stride = sv.sH;
-        } else {
-          r.f = cv.row<float>(l, which, 0, 0);
-        }
-      }
-      pmx_cpu::decode_attention_into(qkv, NQKV, B, H, kr[0], kr[1], hist, lens, window, scale, attn);
+      pmx_cpu::rotary(qkv, B, NQKV, hd, H + KV, hd, cs, sn);  // q and k are adjacent: one pass
+      pmx_cpu::kv_store(qkv + H * hd, qkv + (H + KV) * hd, B, NQKV, hd, cv, scales, l, slot);
+      pmx_cpu::decode_attention_into(qkv, NQKV, B, H, pmx_cpu::kv_rows(cv, scales, l, 0),
+                                     pmx_cpu::kv_rows(cv, scales, l, 1), hist, lens, window, scale, attn);
       pmx_cpu::linear_into(wo.p, attn, B, x, dequant_above);
       reduce(x, B * D);
       add_bias(x, wo.b, B, D);

@@ -145,8 +145,5 @@ def decode_attention_rows(q: torch.Tensor, cache: torch.Tensor, scale: Optional[
     `rows` [B] holds each sequence's offset (page_size 0) or [B, MaxP] its page starts (page_size rows a page).
     Returns [B, H, D] float32: the math of `attend` over the gathered (and dequantised) rows, without gathering
     them."""
-    view = cache_view(cache, layout)[layer]                                      # (2, MaxT, KV, D), strided
-    sview = cache_view(scale, layout)[layer] if scale is not None else None      # (2, MaxT, KV, D / 8)
-    return torch.ops.pmx_cpu.decode_attention(q.contiguous(), view[0], view[1],
-                                              None if sview is None else sview[0], None if sview is None else sview[1],
-                                              rows, kvlens, sliding_window or 0, 1.0 / math.sqrt(q.shape[-1]), page_size)
+    return torch.ops.pmx_cpu.decode_attention(q.contiguous(), cache, scale, layout, layer, rows, kvlens,
+                                              sliding_window or 0, 1.0 / math.sqrt(q.shape[-1]), page_size)
