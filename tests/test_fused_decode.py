@@ -3,10 +3,13 @@ torch step and transformers, for every feature the engine has on CPU, at TP=1 an
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from runner.engine import fused_decode as fd
+from runner.engine.cache import KVCache
 from runner.kernels import linear as linear_mod
 from runner.kernels.cpu_ext import cpu_ops
 from runner.pmx.convert import convert, reshard
@@ -95,13 +98,52 @@ def test_one_call_decode_tensor_parallel(make_hf, tmp_path):
 def test_which_engines_take_the_one_call_step(make_hf, tmp_path):
     src, _ = make_hf("llama_gqa_odd")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
-    assert engine(tmp_path / "pmx")._fused is not None
+    model = engine(tmp_path / "pmx")
+    assert isinstance(model._fused, fd.OneCallDecode) and model._fused.name == "one-call C++ decode"
+    cache = KVCache(*model.new_cache(64), model.options.cache_layout, model.ops)
+    assert model._fused.accepts(model.step_inputs([3], [1], [4], [0], 1)[1], cache)
+    assert not model._fused.accepts(model.plan([2], [0], [0], 0), cache)  # a prefill step
     assert fd.why_not(engine(tmp_path / "pmx", fused_decode=False)) == "turned off (fused_decode=False)"
     assert "does not read the cache in place" in fd.why_not(engine(tmp_path / "pmx", kernels="reference"))
-    assert "fused_qkv" in fd.why_not(engine(tmp_path / "pmx", fused_qkv=False))
+    assert fd.why_not(engine(tmp_path / "pmx", fused_qkv=False)) == "layer 0 has split_qkv, which it does not support"
+    assert fd.why_not(engine(tmp_path / "pmx", fused_ffn_glu=False)) == \
+        "layer 0 has split_gate_up, which it does not support"
+    model.rotary.inv_freq = model.rotary.inv_freq[:-1]  # rotary on the first head_dim - 2 dims only
+    assert fd.why_not(model) == "layer 0 has rotary_partial, which it does not support"
     src, _ = make_hf("mixtral")
     convert(str(src), str(tmp_path / "moe"), progress=False)
-    assert fd.why_not(engine(tmp_path / "moe")) == "mixture-of-experts layers"
+    assert fd.why_not(engine(tmp_path / "moe")) == "layer 0 has moe, which it does not support"
+
+
+def test_layer_features_are_declared_or_declined_by_name():
+    """Each layer's features against the step's declared ones: what it lacks (ALiBi, partial rotary, MoE, ...) is
+    named, in the layer where it first appears."""
+    supported = torch.classes.pmx_cpu.DecodeModel.features()
+    plain = fd.LayerFeatures(position="rotary", mlp="swiglu", linears="packed_linears", split_qkv=False,
+                             split_gate_up=False, qkv_bias=True, o_bias=True, ffn_bias=True, qk_norm=True,
+                             sliding_window=True)
+    assert plain.names() == ["rotary", "swiglu", "packed_linears", "qkv_bias", "o_bias", "ffn_bias", "qk_norm",
+                             "sliding_window"]
+    assert fd.first_unsupported([plain, plain], supported) is None
+    for change, name in [(dict(position="alibi"), "alibi"), (dict(position="rotary_partial"), "rotary_partial"),
+                         (dict(mlp="moe"), "moe"), (dict(linears="other_linears"), "other_linears")]:
+        assert fd.first_unsupported([plain, replace(plain, **change)], supported) == \
+            f"layer 1 has {name}, which it does not support"
+
+
+def test_the_description_is_checked_by_layer_and_field(make_hf, tmp_path):
+    """A description that does not fit together is refused naming the decoder layer and the field."""
+    src, _ = make_hf("qwen3")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    model = engine(tmp_path / "pmx")
+    a = model.layers[1].attention
+    a.wo, a.q_norm = model.layers[1].feed_forward.w2, a.q_norm[:-1]
+    with pytest.raises(RuntimeError, match="decoder layer 1: q_norm and k_norm must be both absent or contiguous "
+                                           f"float32 \\[{a.head_dim}\\]"):
+        fd.OneCallDecode(model)
+    a.q_norm = model.layers[0].attention.q_norm
+    with pytest.raises(RuntimeError, match="decoder layer 1: wo must be row-parallel"):
+        fd.OneCallDecode(model)
 
 
 def test_one_call_decode_refuses_bad_steps_by_name(make_hf, tmp_path):
