@@ -3,10 +3,13 @@ torch step and transformers, for every feature the engine has on CPU, at TP=1 an
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from runner.engine import fused_decode as fd
+from runner.engine.plan import StepLengths
 from runner.kernels import linear as linear_mod
 from runner.kernels.cpu_ext import cpu_ops
 from runner.pmx.convert import convert, reshard
@@ -18,16 +21,29 @@ from tp_worker import teacher_forced_logits
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="this project's CPU kernels cannot be built here")
 
 
-def counted(model):
-    """Counts the engine's one-call decode steps."""
-    calls = []
-    inner = model._fused
+class Counted:
+    """A step runner that counts the steps it runs for another."""
 
-    def run(*args):
-        calls.append(1)
-        return inner(*args)
-    model._fused = run
-    return calls
+    def __init__(self, inner):
+        self.inner, self.name, self.calls = inner, inner.name, []
+
+    def accepts(self, plan, cache) -> bool:
+        return self.inner.accepts(plan, cache)
+
+    def __call__(self, *args):
+        self.calls.append(1)
+        return self.inner(*args)
+
+
+def counted(stepper) -> list:
+    """Counts the engine's one-call decode steps."""
+    i = next(i for i, r in enumerate(stepper.runners) if isinstance(r, fd.OneCallDecode))
+    stepper.runners[i] = Counted(stepper.runners[i])
+    return stepper.runners[i].calls
+
+
+def one_call(stepper):
+    return next((r for r in stepper.runners if isinstance(r, fd.OneCallDecode)), None)
 
 
 @pytest.mark.parametrize("arch,options", [
@@ -67,7 +83,7 @@ def test_one_call_decode_on_packed_and_quantised_weights(make_hf, tmp_path, monk
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     fused = engine(tmp_path / "q")
     if scheme is None:
-        assert {m.kernel for m in fused.modules() if isinstance(m, linear_mod.Linear)} == {"pmx"}
+        assert {m.kernel for m in fused.model.modules() if isinstance(m, linear_mod.Linear)} == {"pmx"}
     calls = counted(fused)
     got = torch.stack(teacher_forced_logits(fused, prompts, conts))
     assert len(calls) == len(conts[0])
@@ -95,24 +111,66 @@ def test_one_call_decode_tensor_parallel(make_hf, tmp_path):
 def test_which_engines_take_the_one_call_step(make_hf, tmp_path):
     src, _ = make_hf("llama_gqa_odd")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
-    assert engine(tmp_path / "pmx")._fused is not None
-    assert fd.why_not(engine(tmp_path / "pmx", fused_decode=False)) == "turned off (fused_decode=False)"
-    assert "does not read the cache in place" in fd.why_not(engine(tmp_path / "pmx", kernels="reference"))
-    assert "fused_qkv" in fd.why_not(engine(tmp_path / "pmx", fused_qkv=False))
+    stepper = engine(tmp_path / "pmx")
+    runner, why_not = one_call(stepper), fd.OneCallDecode.why_not
+    assert runner is not None and runner.name == "one-call C++ decode"
+    cache = stepper.cache(*stepper.model.new_cache(64))
+    assert runner.accepts(stepper.plan(StepLengths([3], [1], [4], [0], 1))[1], cache)
+    assert not runner.accepts(stepper.plan(StepLengths([3, 4], [2], [0], [0], 0))[1], cache)  # a prefill step
+    off = engine(tmp_path / "pmx", fused_decode=False)
+    assert why_not(off.model) == "turned off (fused_decode=False)" and one_call(off) is None
+    assert "does not read the cache in place" in why_not(engine(tmp_path / "pmx", kernels="reference").model)
+    assert why_not(engine(tmp_path / "pmx", fused_qkv=False).model) == \
+        "layer 0 has split_qkv, which it does not support"
+    assert why_not(engine(tmp_path / "pmx", fused_ffn_glu=False).model) == \
+        "layer 0 has split_gate_up, which it does not support"
+    model = stepper.model
+    model.rotary.inv_freq = model.rotary.inv_freq[:-1]  # rotary on the first head_dim - 2 dims only
+    assert why_not(model) == "layer 0 has rotary_partial, which it does not support"
     src, _ = make_hf("mixtral")
     convert(str(src), str(tmp_path / "moe"), progress=False)
-    assert fd.why_not(engine(tmp_path / "moe")) == "mixture-of-experts layers"
+    assert why_not(engine(tmp_path / "moe").model) == "layer 0 has moe, which it does not support"
+
+
+def test_layer_features_are_declared_or_declined_by_name():
+    """Each layer's features against the step's declared ones: what it lacks (ALiBi, partial rotary, MoE, ...) is
+    named, in the layer where it first appears."""
+    supported = torch.classes.pmx_cpu.DecodeModel.features()
+    plain = fd.LayerFeatures(position="rotary", mlp="swiglu", linears="packed_linears", split_qkv=False,
+                             split_gate_up=False, qkv_bias=True, o_bias=True, ffn_bias=True, qk_norm=True,
+                             sliding_window=True)
+    assert plain.names() == ["rotary", "swiglu", "packed_linears", "qkv_bias", "o_bias", "ffn_bias", "qk_norm",
+                             "sliding_window"]
+    assert fd.first_unsupported([plain, plain], supported) is None
+    for change, name in [(dict(position="alibi"), "alibi"), (dict(position="rotary_partial"), "rotary_partial"),
+                         (dict(mlp="moe"), "moe"), (dict(linears="other_linears"), "other_linears")]:
+        assert fd.first_unsupported([plain, replace(plain, **change)], supported) == \
+            f"layer 1 has {name}, which it does not support"
+
+
+def test_the_description_is_checked_by_layer_and_field(make_hf, tmp_path):
+    """A description that does not fit together is refused naming the decoder layer and the field."""
+    src, _ = make_hf("qwen3")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    model = engine(tmp_path / "pmx").model
+    a = model.layers[1].attention
+    a.wo, a.q_norm = model.layers[1].feed_forward.w2, a.q_norm[:-1]
+    with pytest.raises(RuntimeError, match="decoder layer 1: q_norm and k_norm must be both absent or contiguous "
+                                           f"float32 \\[{a.head_dim}\\]"):
+        fd.OneCallDecode(model)
+    a.q_norm = model.layers[0].attention.q_norm
+    with pytest.raises(RuntimeError, match="decoder layer 1: wo must be row-parallel"):
+        fd.OneCallDecode(model)
 
 
 def test_one_call_decode_refuses_bad_steps_by_name(make_hf, tmp_path):
     src, _ = make_hf("llama_gqa_odd")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
-    model = engine(tmp_path / "pmx")
-    kv, scale = model.new_cache(64)
-    toks, plan = model.step_inputs([3], [1], [4], [0], 1)
-    bad = torch.tensor([model.params.vocab_size])
-    with pytest.raises(RuntimeError, match=f"token id {model.params.vocab_size} is outside the vocabulary"):
-        model.step(bad, plan, kv, scale)
-    toks, plan = model.step_inputs([3], [1], [4], [62], 1)  # history rows 62..66 of a 64-row cache
+    stepper = engine(tmp_path / "pmx")
+    cache, vocab = stepper.cache(*stepper.model.new_cache(64)), stepper.model.params.vocab_size
+    toks, plan = stepper.plan(StepLengths([3], [1], [4], [0], 1))
+    with pytest.raises(RuntimeError, match=f"token id {vocab} is outside the vocabulary"):
+        stepper.run(torch.tensor([vocab]), plan, cache)
+    toks, plan = stepper.plan(StepLengths([3], [1], [4], [62], 1))  # history rows 62..66 of a 64-row cache
     with pytest.raises(RuntimeError, match="cache row 64 of sequence 0 is outside the cache's 64 rows"):
-        model.step(toks, plan, kv, scale)
+        stepper.run(toks, plan, cache)

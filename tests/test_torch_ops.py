@@ -9,6 +9,9 @@ import torch
 
 from runner.kernels import reference as ref
 from runner.kernels import torch_ops
+from runner.kernels.cpu_ext import cpu_ops
+
+needs_cpu_ops = pytest.mark.skipif(cpu_ops() is None, reason="this project's CPU kernels cannot be built here")
 
 
 @pytest.mark.parametrize("T,H,KV,D", [(1, 4, 4, 8), (5, 6, 2, 16), (3, 3, 1, 6)])
@@ -26,19 +29,83 @@ def test_rotary_in_place_on_fused_qkv(T, H, KV, D):
     assert torch.equal(qkv[:, (H + KV) * D:], before[:, (H + KV) * D:])  # v untouched
 
 
+def rotary_tolerance(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """|C++ - reference| allowed per element of x [T, heads, D]: 2^-22 (|a cos| + |b sin|) for a cos - b sin (and so
+    for a sin + b cos). The reference rounds both products; the compiler may fuse one product into the subtraction
+    (an FMA, one rounding fewer): the results then differ by at most ~3 roundings of 2^-24 relative to those terms."""
+    T, nh, D = x.shape
+    a, b = x.view(T, nh, D // 2, 2).abs().unbind(-1)
+    c, s = cos.abs()[:, None], sin.abs()[:, None]
+    return 2.0 ** -22 * torch.stack((a * c + b * s, a * s + b * c), -1).view(T, nh, D)
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("T,heads,D,stride", [(1, 1, 2, None), (7, 3, 10, None), (5, 3, 34, 5 * 34), (0, 2, 8, None),
+                                              (4, 9, 128, 12 * 128)])
+def test_rotary_op_matches_the_reference(T, heads, D, stride):
+    """pmx_cpu::rotary_ (the one-call decode step's rotary) in place, on contiguous and strided rows (a view of a wider
+    qkv row), at positions up to 10^5, within :func:`rotary_tolerance` of reference.apply_rotary."""
+    rows = torch.randn(T, stride or heads * D) * 4
+    x = rows[:, : heads * D].view(T, heads, D)
+    before, tail = x.clone(), rows[:, heads * D:].clone()
+    cos, sin = ref.rope_cos_sin(torch.randint(0, 100_000, (T,)), ref.rope_inv_freq(D, 1e6))
+    want = ref.apply_rotary(before, cos, sin)
+    torch.ops.pmx_cpu.rotary_(x, cos, sin)
+    assert ((x - want).abs() <= rotary_tolerance(before, cos, sin)).all()
+    assert torch.equal(rows[:, heads * D:], tail)
+
+
 def test_rotary_falls_back_for_half_precision():
     x = torch.randn(3, 2, 8, dtype=torch.bfloat16)
     cos, sin = ref.rope_cos_sin(torch.arange(3), ref.rope_inv_freq(8, 1e4))
     assert torch.equal(torch_ops.apply_rotary(x, cos, sin), ref.apply_rotary(x, cos, sin))
 
 
+def empty_caches(layout, quant, L, rows, KV, D, n=2):
+    dtype = torch.int8 if quant else torch.float32
+    return ([torch.zeros(ref.cache_shape(layout, L, rows, KV, D), dtype=dtype) for _ in range(n)],
+            [torch.zeros(ref.cache_shape(layout, L, rows, KV, D // 8), dtype=torch.float16) if quant else None
+             for _ in range(n)])
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("layout,quant", list(itertools.product(range(4), (False, True))))
+@pytest.mark.parametrize("T,KV,D", [(1, 1, 8), (7, 3, 24), (33, 2, 136)])
+def test_kv_store_op_matches_the_reference_bit_for_bit(layout, quant, T, KV, D):
+    """pmx_cpu::kv_store_ (the one-call decode step's K/V store and int8 quantiser) writes the reference's bits, every
+    other row untouched: k and v as the fused qkv GEMM leaves them (strided rows), values from 1e-8 to 1e3 (the
+    1e-5 scale floor, all-zero groups) and ties at .5."""
+    torch.manual_seed(T)
+    caches, scales = empty_caches(layout, quant, 3, 50, KV, D)
+    qkv = torch.randn(T, 4 * KV * D) * 10.0 ** torch.randint(-8, 4, (T, 1)).float()
+    qkv[0, : 8] = 0
+    k, v = qkv[:, KV * D: 2 * KV * D].view(T, KV, D), qkv[:, 2 * KV * D: 3 * KV * D].view(T, KV, D)
+    k[-1, 0, :8] = torch.tensor([127.0, 0.5, -0.5, 1.5, 2.5, -2.5, 3.5, 126.5])   # scale 1: round half to even
+    slots = torch.randperm(50)[:T]
+    torch.ops.pmx_cpu.kv_store_(caches[0], scales[0], layout, 1, k, v, slots)
+    ref.kv_store(caches[1], scales[1], layout, 1, k, v, slots)
+    assert torch.equal(caches[0], caches[1])
+    if quant:
+        assert torch.equal(scales[0], scales[1])
+        # the reference divides by the float32 scale, not the float16 one it stores: the test tells them apart
+        g = torch.stack((k, v)).unflatten(-1, (-1, 8))
+        s16 = (g.abs().amax(-1) / 127.0).clamp_min(1e-5).half().float()[..., None]
+        alt = torch.round(g / s16).clamp(-127, 127).to(torch.int8).flatten(-2)
+        assert T < 7 or not torch.equal(alt, torch.stack(ref.kv_load(caches[1], None, layout, 1, slots, torch.int8)))
+
+
+@needs_cpu_ops
+def test_kv_store_op_refuses_rows_outside_the_cache():
+    caches, _ = empty_caches(2, False, 2, 10, 1, 8, n=1)
+    with pytest.raises(RuntimeError, match="cache row 10 is outside the cache's 10 rows"):
+        torch.ops.pmx_cpu.kv_store_(caches[0], None, 2, 0, torch.randn(1, 1, 8), torch.randn(1, 1, 8),
+                                    torch.tensor([10]))
+
+
 @pytest.mark.parametrize("layout,quant", list(itertools.product(range(4), (False, True))))
 def test_kv_store_and_load_every_layout(layout, quant):
     L, rows, KV, D = 3, 40, 2, 16
-    dtype = torch.int8 if quant else torch.float32
-    caches = [torch.zeros(ref.cache_shape(layout, L, rows, KV, D), dtype=dtype) for _ in range(2)]
-    scales = [torch.zeros(ref.cache_shape(layout, L, rows, KV, D // 8), dtype=torch.float16) if quant else None
-              for _ in range(2)]
+    caches, scales = empty_caches(layout, quant, L, rows, KV, D)
     k, v = torch.randn(5, KV, D), torch.randn(5, KV, D)
     slots = torch.tensor([3, 39, 0, 17, 8])
     torch_ops.kv_store(caches[0], scales[0], layout, 2, k, v, slots)

@@ -1,21 +1,13 @@
-"""The decode step of a CPU engine in one C++ call: runner/kernels/cpu_decode.cpp, class `pmx_cpu.DecodeModel`.
-
-A batch-1 decode step on CPU streams every weight once (memory-bound); anything else it does is per-call cost. After the
-weights have gone through the caches every torch call is a cold one (15-40 us on the project's CPU), and the compiled
-step still made about ten per layer (custom ops through the dispatcher, inductor kernels, the wrapper). Here the step,
-from token ids to logits, is one call into C++ that chains this project's CPU kernels (the same ones the eager step
-runs, on the same packed weights) without coming back to Python or to torch's dispatcher between two of them; the
-tensor-parallel all-reduces and all-gathers go through the ranks' shared-memory workspace from C++ as well.
-
-It serves the steps where every sequence decodes one token and the history is read in place (the plans of
-`Transformer.step_inputs` and `forward` for such steps), on engines that :func:`fused_decode` accepts: CPU, float32
-activations, the packed float32 / int8 / int4 linears, fused qkv and gate/up, no mixture of experts, one rank or ranks
-that share memory. Every other step, and every other engine, runs the torch step (compiled or eager).
-`EngineConfig(fused_decode=False)` (--fused_decode false) turns it off.
+"""The decode step of a CPU engine in one C++ call (runner/kernels/cpu_decode.cpp): the eager step's kernels on the same
+packed weights, chained without Python or torch's dispatcher between them (their per-call cost is what it saves), driven
+by a description of the model's own layers. Each layer's :class:`LayerFeatures` name what it computes and
+`DecodeModel.features()` what the C++ step does; a model with a feature outside them keeps the torch step
+(:meth:`OneCallDecode.why_not` names it). `--fused_decode false` turns it off.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -24,93 +16,120 @@ from runner.kernels import reference as ref
 from runner.kernels.cpu_ext import cpu_ops, pack_blocks
 from runner.kernels.linear import PREPACK_MIN_NUMEL, Linear
 from runner.kernels.quant_linear import CPU_KERNEL_MAX_ROWS, packed_args
-
-_NONE = torch.empty(0)  # "no tensor" in the class's tensor lists (no scale, no bias, no q/k norm)
-
-
-def _kind(lin) -> Optional[int]:
-    """The C++ kernel kind of a linear layer: 32 float32, 8 int8, 4 int4; None where it has none. A float32 weight left
-    plain for its size (under PREPACK_MIN_NUMEL elements: MKL is as fast on it alone, but not worth a call of its own
-    here) is taken too, packed into a copy."""
-    if isinstance(lin, Linear) and lin.kernel == "plain" and lin.weight.dtype == torch.float32 \
-            and lin.weight.numel() < PREPACK_MIN_NUMEL:
-        return 32
-    args = packed_args(lin)
-    return None if args is None else args[2]
+from runner.parallel.layers import RowParallelLinear
 
 
-def _packed(lin) -> tuple:
-    """(packed weight, scale, kind, group) of a linear that has a :func:`_kind`."""
-    return packed_args(lin) or (pack_blocks(lin.weight), _NONE, 32, 0)
+@dataclass(frozen=True)
+class LayerFeatures:
+    """What one decoder layer computes, read from its modules; :meth:`names`: what a runner must support to run it."""
+    position: str         # "rotary": interleaved pairs of all head_dim; "rotary_partial": of its first dims; "alibi"
+    mlp: str              # "swiglu" (FeedForward) or "moe"
+    linears: str          # "packed_linears": this project's CPU kernels (float32, int8, int4); else "other_linears"
+    split_qkv: bool       # q, k, v in linears of their own (fused_qkv off)
+    split_gate_up: bool   # gate and up in linears of their own (fused_ffn_glu off)
+    qkv_bias: bool
+    o_bias: bool
+    ffn_bias: bool
+    qk_norm: bool         # per-head RMSNorm of q and k before rotary
+    sliding_window: bool
+
+    def names(self) -> list[str]:
+        """Field by field: a str field's value, a true bool field's name."""
+        return [v if isinstance(v, str) else f.name for f in fields(self) if (v := getattr(self, f.name))]
 
 
-def why_not(model) -> Optional[str]:
-    """Why `model` (a runner.engine.model.Transformer) cannot run its decode step in one call, or None if it can."""
-    c, p = model.config, model.params
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        return f"{model.device.type} {model.dtype}: it runs float32 on CPU"
-    if cpu_ops() is None:
-        return "this project's CPU extension could not be built"
-    if model.ops.decode_attention_rows is None or not c.fused_kvcache:
-        return f"--kernels {c.kernels} / fused_kvcache={c.fused_kvcache}: decode does not read the cache in place"
-    if p.num_experts:
-        return "mixture-of-experts layers"
-    if model.comm.world_size > 1 and model.comm.shm is None:
-        return "ranks that do not share a shared-memory workspace"
-    for layer in model.layers:
-        a, f = layer.attention, layer.feed_forward
-        if len(a.qkv) != 1 or len(f.gate_up) != 1:
-            return "unfused qkv or gate/up linears (fused_qkv / fused_ffn_glu off)"
-        if any(_kind(m.linear) is None for m in (a.qkv[0], a.wo, f.gate_up[0], f.w2)):
-            return "a linear layer on a kernel other than the packed CPU ones (prepack off)"
-    if _kind(model.output.linear) is None:
-        return "the vocabulary projection is not on a packed CPU kernel"
-    return None
+def _packable(lin) -> bool:
+    """On this project's packed CPU kernels (float32, int8, int4), or float32 left plain for its size (packed here)."""
+    return packed_args(lin) is not None or (isinstance(lin, Linear) and lin.kernel == "plain" and lin.weight.dtype
+                                            == torch.float32 and lin.weight.numel() < PREPACK_MIN_NUMEL)
+
+
+def layer_features(model, i: int) -> LayerFeatures:
+    """The features of decoder layer i of `model` (a runner.engine.model.Transformer)."""
+    layer, moe = model.layers[i], model.params.num_experts > 0
+    a, f = layer.attention, layer.feed_forward
+    rotary_dims = 2 * model.rotary.inv_freq.numel()  # the dims rotated: as many pairs as frequencies
+    lins = [*(m.linear for m in a.qkv), a.wo.linear] + ([] if moe else [*(m.linear for m in f.gate_up), f.w2.linear])
+    return LayerFeatures(
+        position="rotary" if rotary_dims == a.head_dim else "rotary_partial", mlp="moe" if moe else "swiglu",
+        linears="packed_linears" if all(map(_packable, lins)) else "other_linears",
+        split_qkv=len(a.qkv) != 1, split_gate_up=not moe and len(f.gate_up) != 1,
+        qkv_bias=any(m.linear.bias is not None for m in a.qkv), o_bias=a.wo.bias is not None,
+        ffn_bias=not moe and (f.w2.bias is not None or any(m.linear.bias is not None for m in f.gate_up)),
+        qk_norm=a.q_norm is not None, sliding_window=bool(a.window))
+
+
+def first_unsupported(features: list[LayerFeatures], supported) -> Optional[str]:
+    """Which layer first has a feature outside `supported`, and which feature; None where every one is in."""
+    return next((f"layer {i} has {n}, which it does not support" for i, lf in enumerate(features) for n in lf.names()
+                 if n not in supported), None)
+
+
+def decode_reads_cache_in_place(model) -> bool:
+    """Whether decode attention reads the history in place from the cache (plans carry no row table), as here."""
+    return model.config.fused_kvcache and model.ops.decode_attention_rows is not None
+
+
+def _linear(m, what: str):
+    """The pmx_cpu.Linear of a column- or row-parallel layer `m` (row-parallel: its bias added after the sum)."""
+    reduced, bias = isinstance(m, RowParallelLinear), m.bias if isinstance(m, RowParallelLinear) else m.linear.bias
+    w, scale, kind, group = packed_args(m.linear) or (pack_blocks(m.linear.weight), torch.empty(0), 32, 0)
+    return torch.classes.pmx_cpu.Linear(weight=w, scale=scale, bias=None if bias is None else bias.float().contiguous(),
+                                        kind=kind, group=group, out_features=m.linear.out_features, reduced=reduced,
+                                        what=what)
 
 
 class OneCallDecode:
-    """Step runner: a model's decode step as one `pmx_cpu.DecodeModel.step` call (see the module's docstring). The
-    C++ object points at the engine's packed weights (and keeps them alive); only float32 weights too small to have
-    been packed at load get packed copies of their own."""
-    name = "one-call C++ step"
-    why_not = staticmethod(why_not)
+    """Step runner: a model's decode steps as `pmx_cpu.DecodeModel.step` calls, on the engine's packed weights (kept
+    alive), under the communicator's watchdog (the collectives run inside the call)."""
+
+    name = "one-call C++ decode"
+
+    @staticmethod
+    def why_not(model) -> Optional[str]:
+        """Why `model` (a runner.engine.model.Transformer) cannot run its decode steps here, or None if it can."""
+        o, comm = model.config, model.comm
+        if not o.fused_decode:
+            return "turned off (fused_decode=False)"
+        if model.device.type != "cpu" or model.dtype != torch.float32:
+            return f"{model.device.type} {model.dtype}: it runs float32 on CPU"
+        if cpu_ops() is None:
+            return "this project's CPU extension could not be built"
+        if not decode_reads_cache_in_place(model):
+            return f"--kernels {o.kernels} / fused_kvcache={o.fused_kvcache}: decode does not read the cache in place"
+        if comm.world_size > 1 and comm.shm is None:
+            return "ranks that do not share a shared-memory workspace"
+        why = first_unsupported([layer_features(model, i) for i in range(len(model.layers))],
+                                torch.classes.pmx_cpu.DecodeModel.features())
+        return why if why is not None or _packable(model.output.linear) else "output has other_linears"
 
     def __init__(self, model):
-        p, comm = model.params, model.comm
-        norms, lins, row_bias = [], [], []
-        for layer in model.layers:
-            a, f = layer.attention, layer.feed_forward
-            norms += [layer.attention_norm.weight, layer.ffn_norm.weight,
-                      _NONE if a.q_norm is None else a.q_norm.float().contiguous(),
-                      _NONE if a.k_norm is None else a.k_norm.float().contiguous()]
-            lins += [a.qkv[0].linear, a.wo.linear, f.gate_up[0].linear, f.w2.linear]
-            row_bias += [None, a.wo.bias, None, f.w2.bias]  # row-parallel biases: added after the all-reduce
-        norms.append(model.norm.weight)
-        lins.append(model.output.linear)
-        row_bias.append(None)
-        packed = [_packed(lin) for lin in lins]
-        biases = [rb if rb is not None else (lin.bias if lin.bias is not None else _NONE)
-                  for lin, rb in zip(lins, row_bias)]
+        self.comm = comm = model.comm
         shm = comm.shm if comm.world_size > 1 else None
-        self.comm = comm
-        self.vocab_size = p.vocab_size
-        self.paged = model.config.paged
-        self.layout = model.config.cache_layout
+        layers = []
+        for i, layer in enumerate(model.layers):
+            a = layer.attention
+            qkv, wo, gate_up, w2 = (_linear(layer.get_submodule(p), f"layers.{i}.{p}") for p in (
+                "attention.qkv.0", "attention.wo", "feed_forward.gate_up.0", "feed_forward.w2"))
+            layers.append(torch.classes.pmx_cpu.Layer(
+                index=i, attention_norm=layer.attention_norm.weight, ffn_norm=layer.ffn_norm.weight, q_norm=a.q_norm,
+                k_norm=a.k_norm, qkv=qkv, wo=wo, gate_up=gate_up, w2=w2, heads=a.heads, kv_heads=a.kv_heads,
+                head_dim=a.head_dim, window=a.window or 0, eps=layer.attention_norm.eps))
+        self.vocab_size, self.layout, self.paged = model.params.vocab_size, model.config.cache_layout, model.config.paged
         self._model = torch.classes.pmx_cpu.DecodeModel(
-            model.tok_embeddings.weight.contiguous(), norms, [w for w, _, _, _ in packed], [s for _, s, _, _ in packed],
-            [b.float().contiguous() if b.numel() else b for b in biases], [k for _, _, k, _ in packed],
-            [g for _, _, _, g in packed],
-            [p.num_layers, p.hidden_dim, model.heads, model.kv_heads, model.head_dim, p.sliding_window or 0,
-             CPU_KERNEL_MAX_ROWS, model.output.linear.out_features],
-            float(p.norm_eps), _NONE.to(torch.uint8) if shm is None else shm.workspace, comm.rank, comm.world_size,
-            0.0 if shm is None else float(shm.deadline_s))
+            embedding=model.tok_embeddings.weight.contiguous(), layers=layers, norm=model.norm.weight,
+            eps=model.norm.eps, output=_linear(model.output, "output"), dequant_above=CPU_KERNEL_MAX_ROWS,
+            workspace=torch.empty(0, dtype=torch.uint8) if shm is None else shm.workspace, rank=comm.rank,
+            world=comm.world_size, deadline_s=0.0 if shm is None else float(shm.deadline_s))
 
-    def accepts(self, plan, cache) -> bool:
+    @staticmethod
+    def accepts(plan, cache) -> bool:
+        """A step where every sequence decodes one token, its history read in place, on a float32 or int8 cache."""
         return (plan.decode_only and plan.decode.kv_slots is None
                 and cache.data.dtype == (torch.int8 if cache.scale is not None else torch.float32))
 
     def __call__(self, tokens: torch.Tensor, plan, cache) -> torch.Tensor:
-        """Logits [B, vocab] float32 of a decode-only plan whose history is read in place (plan.decode.kv_slots None)."""
+        """Logits [B, vocab] float32 of a step it :meth:`accepts`."""
         d = plan.decode
         with self.comm.guard("decode step"):
             logits = self._model.step(tokens, cache.data, cache.scale, self.layout, plan.slots, plan.cos, plan.sin,

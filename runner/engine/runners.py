@@ -156,7 +156,7 @@ class Stepper:
                   and not model.params.num_experts and comm.captures_cuda_graphs)
         in_place = not self.spec.gather_decode and c.fused_kvcache
         self.decode_inputs = DecodeInputs(self.spec, bucket_of if graphs else int) if in_place else None
-        one_call = OneCallDecode(model) if c.fused_decode and OneCallDecode.why_not(model) is None else None
+        one_call = OneCallDecode(model) if OneCallDecode.why_not(model) is None else None
         runners = [CudaGraphs(model, self.decode_inputs) if graphs else None, one_call, compiled(model, c),
                    Eager(model, seq_parallel(model, c))]
         self.runners: list[StepRunner] = [r for r in runners if r is not None]

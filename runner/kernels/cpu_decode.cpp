@@ -1,176 +1,138 @@
-// The whole decode step of a CPU engine in one call (class pmx_cpu.DecodeModel, runner/engine/fused_decode.py).
-//
-// A decode step on CPU streams every weight once; what it spends besides is per-call cost: after the weights have
-// gone through the caches, every torch call, dispatcher lookup and Python line of a step is a cold one (15-40 us each
-// on the project's CPU: benchmarks/RESULTS.md, "Session 7"), and the compiled step made ~10 of them per layer. Here
-// one call runs the step from token ids to logits: the embedding, per layer the residual add + RMSNorm, the fused qkv
-// linear, q/k norms where the model has them, rotary on q and k, the K/V store, decode attention read in place from
-// the cache, the output projection, the all-reduce (ranks on one machine, shared memory), the second norm, gate|up,
-// SwiGLU, the down projection and its all-reduce; then the final norm, the vocabulary projection and the logits'
-// all-gather. Each piece is the kernel the op of the same name runs (cpu_kernels.h): the linears on the weights packed
-// at load (float32, int8, int4), so this is the eager step's arithmetic without its calls. Buffers are the object's
-// own, reused from step to step.
-//
-// The weights are given once, at construction: per layer attention_norm, ffn_norm, q_norm, k_norm (the last two empty
-// where the model has none) and then the final norm; per layer the linears qkv, wo, gate_up, w2 (fused: one each) and
-// then the vocabulary projection, each as its packed weight, scale (empty for float32), bias (empty where none; wo's
-// and w2's are added after the all-reduce, as the row-parallel layers do), kind (32 float32, 8 int8, 4 int4) and group.
+// The decode step of a CPU engine in one call, from token ids to logits (class pmx_cpu.DecodeModel): the kernels the
+// eager step calls (cpu_kernels.h), on the same packed weights, chained without Python or torch's dispatcher between
+// them (on CPU, once a step has streamed the weights through the caches, each such call is a cold one); at TP > 1 the
+// collectives on the ranks' shared memory. It is driven by a description of the model (runner/engine/fused_decode.py):
+// a Linear per linear layer, a Layer per decoder layer, DecodeModel over them; DecodeModel.features() declares what a
+// layer may have, and fused_decode.why_not keeps every other model away.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/Half.h>
+#include <c10/util/StringUtil.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu_kernels.h"
 
 namespace {
 
-constexpr int64_t NB = 64;          // output channels per block of a packed weight
-constexpr int64_t QUANT_GROUP = 8;  // int8 KV cache: values per float16 scale (reference.QUANT_GROUP)
-
-struct Linear {
+// A linear layer on a packed weight (kind 32 float32, 8 int8, 4 int4; scale empty for float32) and its bias.
+// `reduced`: row-parallel, its partial sums all-reduced before the bias is added (once, as RowParallelLinear does).
+struct Linear : torch::CustomClassHolder {
+  at::Tensor weight, scale, bias;  // held: p and b point into them
   pmx_cpu::PackedLinear p;
-  at::Tensor weight, scale, bias;  // held: p points into them
   const float* b = nullptr;
+  bool reduced;
+
+  Linear(at::Tensor w, at::Tensor s, c10::optional<at::Tensor> b_, int64_t kind, int64_t group, int64_t out_features,
+         bool reduced_, const std::string& what)
+      : weight(std::move(w)), scale(std::move(s)), bias(b_.value_or(at::Tensor())), reduced(reduced_) {
+    p = pmx_cpu::packed_linear(weight, scale, kind, group, out_features, what);
+    TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == p.n),
+                what, ": bias must be contiguous float32 [", p.n, "]");
+    b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  }
 };
+using LinearPtr = c10::intrusive_ptr<Linear>;
 
-Linear make_linear(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias, int64_t kind, int64_t group,
-                   int64_t n, int64_t index) {
-  Linear l;
-  l.weight = w, l.scale = scale, l.bias = bias;
-  l.p = pmx_cpu::packed_linear(w, scale, kind, group, n, "DecodeModel: linear " + std::to_string(index));
-  if (bias.numel() > 0) {
-    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == n, "DecodeModel: linear ",
-                index, ": bias must be contiguous float32 [", n, "]");
-    l.b = bias.data_ptr<float>();
-  }
-  return l;
-}
+// A decoder layer (runner.engine.model.Block): x += wo(attention(norm(x))), x += w2(swiglu(gate_up(norm(x)))), with
+// `heads` over kv_heads K/V heads of head_dim, q and k rms-normed where q_norm / k_norm are given, then rotated on
+// interleaved pairs, the last `window` positions seen (0: all).
+struct Layer : torch::CustomClassHolder {
+  at::Tensor attention_norm, ffn_norm, q_norm, k_norm;  // q_norm, k_norm: both undefined where the layer has none
+  LinearPtr qkv, wo, gate_up, w2;
+  int64_t heads, kv_heads, head_dim, window, ffn;  // ffn: this rank's intermediate size (w2's inputs)
+  float eps;
 
-inline void add_bias(float* y, const float* b, int64_t M, int64_t N) {
-  if (b == nullptr) return;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < N; ++j) y[m * N + j] += b[j];
-}
-
-// (a, b) -> (a cos - b sin, a sin + b cos) on the interleaved pairs of `heads` heads of D at x (reference.apply_rotary).
-inline void rotate(float* x, int64_t heads, int64_t D, const float* c, const float* s) {
-  for (int64_t h = 0; h < heads; ++h) {
-    float* p = x + h * D;
-    for (int64_t j = 0; j < D / 2; ++j) {
-      const float a = p[2 * j], b = p[2 * j + 1];
-      p[2 * j] = a * c[j] - b * s[j];
-      p[2 * j + 1] = a * s[j] + b * c[j];
-    }
-  }
-}
-
-// reference.quantize_int8 of one head's D values: scale = max(max|x| / 127, 1e-5) per group of 8 (stored float16),
-// q = clamp(round_half_even(x / scale), -127, 127) with the float32 scale.
-inline void quantize_head(const float* x, int64_t D, int8_t* q, at::Half* s) {
-  for (int64_t g = 0; g < D / QUANT_GROUP; ++g) {
-    float amax = 0;
-    for (int64_t i = 0; i < QUANT_GROUP; ++i) amax = std::max(amax, std::fabs(x[g * QUANT_GROUP + i]));
-    const float scale = std::max(amax / 127.0f, 1e-5f);
-    for (int64_t i = 0; i < QUANT_GROUP; ++i) {
-      const float r = std::nearbyint(x[g * QUANT_GROUP + i] / scale);
-      q[g * QUANT_GROUP + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
-    }
-    s[g] = at::Half(scale);
-  }
-}
-
-// A cache (or its scales) of ppl.pmx `layout` as (L, 2, MaxT, KV, last) strides (reference.cache_view).
-struct CacheView {
-  char* base = nullptr;
-  int64_t elem = 0, sL = 0, s2 = 0, sT = 0, sH = 0, L = 0, T = 0, KV = 0, last = 0;
-
-  CacheView(const at::Tensor& t, int64_t layout) {
-    static const int64_t perms[4][5] = {{1, 2, 0, 3, 4}, {0, 2, 1, 3, 4}, {0, 1, 2, 3, 4}, {0, 1, 3, 2, 4}};
-    TORCH_CHECK(layout >= 0 && layout <= 3, "cache layout must be 0..3, got ", layout);
-    TORCH_CHECK(t.dim() == 5 && t.stride(4) == 1, "the cache must be 5-d with its last dim contiguous");
-    const int64_t* p = perms[layout];
-    base = static_cast<char*>(t.data_ptr()), elem = t.element_size();
-    sL = t.stride(p[0]), s2 = t.stride(p[1]), sT = t.stride(p[2]), sH = t.stride(p[3]);
-    L = t.size(p[0]), T = t.size(p[2]), KV = t.size(p[3]), last = t.size(4);
-    TORCH_CHECK(t.size(p[1]) == 2, "the cache must hold k and v (a dim of 2), got shape ", t.sizes());
-  }
-  template <typename T_>
-  T_* row(int64_t layer, int64_t kv, int64_t t, int64_t h) const {
-    return reinterpret_cast<T_*>(base + elem * (layer * sL + kv * s2 + t * sT + h * sH));
+  Layer(int64_t index, at::Tensor attention_norm_, at::Tensor ffn_norm_, c10::optional<at::Tensor> q_norm_,
+        c10::optional<at::Tensor> k_norm_, LinearPtr qkv_, LinearPtr wo_, LinearPtr gate_up_, LinearPtr w2_,
+        int64_t heads_, int64_t kv_heads_, int64_t head_dim_, int64_t window_, double eps_)
+      : attention_norm(std::move(attention_norm_)), ffn_norm(std::move(ffn_norm_)),
+        q_norm(q_norm_.value_or(at::Tensor())), k_norm(k_norm_.value_or(at::Tensor())), qkv(std::move(qkv_)),
+        wo(std::move(wo_)), gate_up(std::move(gate_up_)), w2(std::move(w2_)), heads(heads_), kv_heads(kv_heads_),
+        head_dim(head_dim_), window(window_), ffn(w2->p.k), eps(static_cast<float>(eps_)) {
+    const int64_t D = attention_norm.numel(), hd = head_dim;
+    const auto need = [&](bool ok, const char* field, const std::string& want) {
+      TORCH_CHECK(ok, "decoder layer ", index, ": ", field, " must be ", want);
+    };
+    const auto vec = [](const at::Tensor& t, int64_t n) {
+      return t.defined() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1 && t.numel() == n;
+    };
+    need(kv_heads > 0 && heads % kv_heads == 0, "heads", c10::str("a multiple of kv_heads ", kv_heads, ", not ",
+                                                                  heads));
+    need(hd > 0 && hd % 2 == 0 && window >= 0, "head_dim, window", c10::str("even, >= 0, not ", hd, ", ", window));
+    need(D > 0 && vec(attention_norm, D) && vec(ffn_norm, D), "attention_norm, ffn_norm", "float32 [hidden]");
+    need(q_norm.defined() == k_norm.defined() && (!q_norm.defined() || (vec(q_norm, hd) && vec(k_norm, hd))),
+         "q_norm and k_norm", c10::str("both absent or contiguous float32 [", hd, "]"));
+    const std::tuple<const Linear*, const char*, int64_t, int64_t, bool> lins[] = {
+        {qkv.get(), "qkv", (heads + 2 * kv_heads) * hd, D, false}, {wo.get(), "wo", D, heads * hd, true},
+        {gate_up.get(), "gate_up", 2 * ffn, D, false}, {w2.get(), "w2", D, ffn, true}};
+    for (const auto& [l, field, n, k, row] : lins)  // [outputs x inputs]; row-parallel: bias after the all-reduce
+      need(l->p.n == n && l->p.k == k && l->reduced == row, field, c10::str(row ? "row" : "column", "-parallel [", n,
+           " x ", k, "], not ", l->reduced ? "row" : "column", "-parallel [", l->p.n, " x ", l->p.k, "]"));
   }
 };
 
 struct DecodeModel : torch::CustomClassHolder {
-  at::Tensor embedding;  // [V, Dn]: this rank's columns
-  std::vector<at::Tensor> norms;
-  std::vector<Linear> lins;
-  int64_t L = 0, hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, window = 0, dequant_above = 0, ffn = 0;
-  float eps = 0;
+  at::Tensor embedding, norm;  // [V, hidden / ranks]: this rank's columns; the final norm [hidden]
+  std::vector<c10::intrusive_ptr<Layer>> layers;
+  LinearPtr output;  // this rank's part of the vocabulary
+  float eps;
+  int64_t hidden, dequant_above, widest_window = 0, ffn = 0;  // widest_window 0: a layer sees every position
   at::Tensor ws;  // shared-memory workspace of the ranks (world > 1)
-  int64_t rank = 0, world = 1;
-  double timeout_s = 0;
+  int64_t rank, world;
+  double timeout_s;
   std::vector<float> scratch;
   std::mutex busy;  // one step at a time per model (the scratch is shared)
 
-  DecodeModel(at::Tensor embedding_, std::vector<at::Tensor> norms_, std::vector<at::Tensor> weights,
-              std::vector<at::Tensor> scales, std::vector<at::Tensor> biases, std::vector<int64_t> kinds,
-              std::vector<int64_t> groups, std::vector<int64_t> dims, double eps_, at::Tensor ws_, int64_t rank_,
-              int64_t world_, double timeout_s_)
-      : embedding(std::move(embedding_)), norms(std::move(norms_)), ws(std::move(ws_)), rank(rank_), world(world_),
-        timeout_s(timeout_s_) {
-    TORCH_CHECK(dims.size() == 8, "DecodeModel: dims = [layers, hidden, heads, kv_heads, head_dim, window, "
-                "dequant_above, vocab part]");
-    L = dims[0], hidden = dims[1], heads = dims[2], kv_heads = dims[3], head_dim = dims[4], window = dims[5];
-    dequant_above = dims[6];
-    const int64_t vocab_part = dims[7];
-    eps = static_cast<float>(eps_);
-    const size_t n_lin = 4 * L + 1;
-    TORCH_CHECK(norms.size() == static_cast<size_t>(4 * L + 1), "DecodeModel: ", 4 * L + 1, " norms expected, got ",
-                norms.size());
-    TORCH_CHECK(weights.size() == n_lin && scales.size() == n_lin && biases.size() == n_lin && kinds.size() == n_lin &&
-                    groups.size() == n_lin,
-                "DecodeModel: ", n_lin, " linears expected (weights, scales, biases, kinds, groups)");
+  // dequant_above: the quantised linears' row count above which they dequantise (pmx_cpu::linear_into)
+  DecodeModel(at::Tensor embedding_, std::vector<c10::intrusive_ptr<Layer>> layers_, at::Tensor norm_, double eps_,
+              LinearPtr output_, int64_t dequant_above_, at::Tensor workspace, int64_t rank_, int64_t world_,
+              double deadline_s)
+      : embedding(std::move(embedding_)), norm(std::move(norm_)), layers(std::move(layers_)),
+        output(std::move(output_)), eps(static_cast<float>(eps_)), hidden(norm.numel()), dequant_above(dequant_above_),
+        ws(std::move(workspace)), rank(rank_), world(world_), timeout_s(deadline_s) {
+    TORCH_CHECK(!layers.empty() && norm.scalar_type() == at::kFloat && norm.is_contiguous() && norm.dim() == 1,
+                "DecodeModel: decoder layers and a final norm of contiguous float32 [hidden] expected");
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer &l = *layers[i], &l0 = *layers[0];
+      TORCH_CHECK(l.attention_norm.numel() == hidden && l.heads == l0.heads && l.kv_heads == l0.kv_heads &&
+                      l.head_dim == l0.head_dim, "DecodeModel: decoder layer ", i, " must have the final norm's ",
+                  "hidden (", hidden, ") and layer 0's heads, kv_heads, head_dim (", l0.heads, ", ", l0.kv_heads,
+                  ", ", l0.head_dim, ")");
+      widest_window = (i == 0 || widest_window > 0) && l.window > 0 ? std::max(widest_window, l.window) : 0;
+      ffn = std::max(ffn, l.ffn);
+    }
+    TORCH_CHECK(output->p.k == hidden && !output->reduced, "DecodeModel: output must be column-parallel with ", hidden,
+                " inputs, not ", output->p.k);
     TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == at::kFloat && embedding.is_contiguous() &&
-                    embedding.size(1) * world >= hidden,
-                "DecodeModel: embedding must be contiguous float32 [V, hidden / ranks]");
-    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "DecodeModel: heads (", heads, ") must be a multiple of ",
-                "kv_heads (", kv_heads, ") and head_dim (", head_dim, ") even");
+                    embedding.size(1) * world >= hidden, "DecodeModel: embedding must be contiguous float32 [V, ",
+                "hidden / ranks]");
     TORCH_CHECK(world == 1 || (ws.scalar_type() == at::kByte && ws.numel() > 0),
                 "DecodeModel: ", world, " ranks need the shared-memory workspace");
-    const int64_t qkv_n = (heads + 2 * kv_heads) * head_dim;
-    for (int64_t l = 0; l < L; ++l) {
-      const int64_t f2 = weights[4 * l + 2].size(0) * NB;  // gate|up: 2 F (padded to blocks; checked below)
-      ffn = weights[4 * l + 3].size(1) * (kinds[4 * l + 3] == 4 && pmx_cpu::int4_layout(groups[4 * l + 3]) == 1 ? 2 : 1);
-      TORCH_CHECK(f2 >= 2 * ffn, "DecodeModel: layer ", l, ": gate_up holds fewer than 2 x ", ffn, " channels");
-      const int64_t ns[4] = {qkv_n, hidden, 2 * ffn, hidden}, ks[4] = {hidden, heads * head_dim, hidden, ffn};
-      for (int64_t i = 0; i < 4; ++i) {
-        const int64_t j = 4 * l + i;
-        lins.push_back(make_linear(weights[j], scales[j], biases[j], kinds[j], groups[j], ns[i], j));
-        TORCH_CHECK(lins.back().p.k == ks[i], "DecodeModel: linear ", j, " takes ", lins.back().p.k, " inputs, expected ",
-                    ks[i]);
-      }
-      for (int64_t i = 0; i < 4; ++i) {
-        const at::Tensor& w = norms[4 * l + i];
-        const int64_t want = i < 2 ? hidden : (w.numel() ? head_dim : 0);
-        TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == want, "DecodeModel: layer ", l,
-                    " norm ", i, " must be float32 [", want, "]");
-      }
-    }
-    const at::Tensor& out = weights[4 * L];
-    lins.push_back(make_linear(out, scales[4 * L], biases[4 * L], kinds[4 * L], groups[4 * L], vocab_part, 4 * L));
-    TORCH_CHECK(lins.back().p.k == hidden && norms[4 * L].numel() == hidden, "DecodeModel: output projection and final "
-                "norm must take ", hidden, " inputs");
+  }
+
+  // y [M, n] = x W^T of l, all-reduced where it is row-parallel, plus its bias
+  void linear(const Linear& l, const float* x, int64_t M, float* y) {
+    pmx_cpu::linear_into(l.p, x, M, y, dequant_above);
+    if (l.reduced && world > 1) pmx_cpu::shm_all_reduce_f32(ws, rank, world, y, M * l.p.n, timeout_s);
+    for (int64_t m = 0; l.b != nullptr && m < M; ++m)
+      for (int64_t j = 0; j < l.p.n; ++j) y[m * l.p.n + j] += l.b[j];
+  }
+
+  // out [B, n_out] = the ranks' parts [B, n] (this rank's: part) side by side, cut at n_out
+  void all_gather(const float* part, int64_t B, int64_t n, float* gathered, float* out, int64_t n_out) {
+    pmx_cpu::shm_all_gather_bytes(ws, rank, world, part, B * n * sizeof(float), gathered, timeout_s);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t r = 0; r < world && r * n < n_out; ++r)
+        std::memcpy(out + b * n_out + r * n, gathered + (r * B + b) * n, std::min(n, n_out - r * n) * sizeof(float));
   }
 
   // logits [B, ranks x vocab part] of the step where each of the B sequences decodes tokens[b] at position
@@ -179,7 +141,8 @@ struct DecodeModel : torch::CustomClassHolder {
   at::Tensor step(const at::Tensor& tokens, const at::Tensor& cache, const c10::optional<at::Tensor>& cache_scale,
                   int64_t layout, const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin,
                   const at::Tensor& cachestarts, const at::Tensor& kvlens, int64_t page_size) {
-    const int64_t B = tokens.numel(), D = hidden, H = heads, KV = kv_heads, hd = head_dim, F = ffn;
+    const int64_t B = tokens.numel(), D = hidden, L = layers.size(), H = layers[0]->heads, KV = layers[0]->kv_heads;
+    const int64_t hd = layers[0]->head_dim, F = ffn;
     auto int64_vec = [&](const at::Tensor& t, const char* what) {
       TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.numel() == B && t.is_contiguous(), "decode step: ",
                   what, " must be contiguous int64 [", B, "]");
@@ -192,25 +155,11 @@ struct DecodeModel : torch::CustomClassHolder {
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == B &&
                       t->size(1) == hd / 2,
                   "decode step: cos and sin must be contiguous float32 [", B, ", ", hd / 2, "]");
-    const bool quant = cache_scale.has_value() && cache_scale->defined();
-    TORCH_CHECK(cache.scalar_type() == (quant ? at::kChar : at::kFloat), "decode step: the cache must be float32, or ",
-                "int8 with its scales");
-    const CacheView cv(cache, layout);
+    const auto [cv, sv] = pmx_cpu::cache_views(cache, cache_scale, layout, "decode step");
+    const pmx_cpu::CacheView* scales = cache.scalar_type() == at::kChar ? &sv : nullptr;
     TORCH_CHECK(cv.L == L && cv.KV == KV && cv.last == hd, "decode step: cache of shape ", cache.sizes(), " is not ",
                 "one of ", L, " layers, ", KV, " KV heads of ", hd, " in layout ", layout);
-    CacheView sv = quant ? CacheView(*cache_scale, layout) : cv;
-    if (quant)
-      TORCH_CHECK(cache_scale->scalar_type() == at::kHalf && sv.L == L && sv.T == cv.T && sv.KV == KV &&
-                      sv.last == hd / QUANT_GROUP,
-                  "decode step: int8 cache scales must be float16 of the cache's shape with head_dim / 8 last");
-    pmx_cpu::HistoryRows hist;
-    hist.page_size = page_size, hist.offsets = page_size == 0;
-    TORCH_CHECK(cachestarts.scalar_type() == at::kLong && cachestarts.is_contiguous() && cachestarts.size(0) == B &&
-                    cachestarts.dim() == (page_size == 0 ? 1 : 2),
-                "decode step: cachestarts must be contiguous int64 [B] (offsets) or [B, MaxP] (pages)");
-    hist.rows = cachestarts.data_ptr<int64_t>();
-    hist.row_stride = page_size == 0 ? 0 : cachestarts.stride(0), hist.width = page_size == 0 ? 0 : cachestarts.size(1);
-    pmx_cpu::check_history(hist, lens, B, window, cv.T);
+    const pmx_cpu::HistoryRows hist = pmx_cpu::history_rows(cachestarts, page_size, lens, B, widest_window, cv.T);
     const int64_t V = embedding.size(0), Dn = embedding.size(1);
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(tok[b] >= 0 && tok[b] < V, "decode step: token id ", tok[b], " is outside the vocabulary of ", V);
@@ -219,103 +168,50 @@ struct DecodeModel : torch::CustomClassHolder {
     }
     const pmx_cpu::GilRelease unlocked;  // the step touches no Python object: other threads run meanwhile
     std::lock_guard<std::mutex> lock(busy);  // (after the GIL is released: a second caller waits without holding it)
-    const Linear& out_lin = lins[4 * L];
-    const int64_t NQKV = (H + 2 * KV) * hd, Vn = out_lin.p.n;
-    // scratch: x, resid, h [B, D]; qkv [B, NQKV]; attn [B, H hd]; gu [B, 2F]; act [B, F]; gathered [world B max(Dn, Vn)],
-    // local [B max(Dn, Vn)] (this rank's embedding columns or vocabulary part before a gather)
-    const int64_t sizes[] = {B * D, B * D, B * D, B * NQKV, B * H * hd, B * 2 * F, B * F,
-                             world * B * std::max(Dn, Vn), B * std::max(Dn, Vn)};
+    const int64_t NQKV = (H + 2 * KV) * hd, Vn = output->p.n;
+    // scratch: x, resid, h [B, D]; qkv [B, NQKV]; attn [B, H hd]; gu [B, 2F]; act [B, F]; gathered [world B G] and
+    // local [B G], G = max(Dn, Vn) (this rank's embedding columns or vocabulary part before a gather)
+    const int64_t G = std::max(Dn, Vn), sizes[] = {B * D, B * D, B * D, B * NQKV, B * H * hd, B * 2 * F, B * F,
+                                                    world * B * G, B * G};
     int64_t total = 0;
     for (int64_t s : sizes) total += (s + 15) / 16 * 16;
-    if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
+    scratch.resize(std::max<int64_t>(scratch.size(), total));
     float* bufs[9];
-    float* p = scratch.data();
-    for (int i = 0; i < 9; ++i) bufs[i] = p, p += (sizes[i] + 15) / 16 * 16;
+    for (int64_t i = 0, off = 0; i < 9; off += (sizes[i] + 15) / 16 * 16, ++i) bufs[i] = scratch.data() + off;
     float *x = bufs[0], *resid = bufs[1], *h = bufs[2], *qkv = bufs[3], *attn = bufs[4], *gu = bufs[5], *act = bufs[6];
     float *gathered = bufs[7], *local = bufs[8];
 
-    // the embedding: this rank's columns, all-gathered (ParallelEmbedding), into the residual stream
-    const float* emb = embedding.data_ptr<float>();
-    if (world == 1) {
-      for (int64_t b = 0; b < B; ++b) std::memcpy(resid + b * D, emb + tok[b] * Dn, D * sizeof(float));
-    } else {
-      for (int64_t b = 0; b < B; ++b) std::memcpy(local + b * Dn, emb + tok[b] * Dn, Dn * sizeof(float));
-      pmx_cpu::shm_all_gather_bytes(ws, rank, world, local, B * Dn * sizeof(float), gathered, timeout_s);
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t r = 0; r < world; ++r) {
-          const int64_t n = std::min(Dn, D - r * Dn);
-          if (n > 0) std::memcpy(resid + b * D + r * Dn, gathered + (r * B + b) * Dn, n * sizeof(float));
-        }
-    }
-    auto reduce = [&](float* t, int64_t n) {
-      if (world > 1) pmx_cpu::shm_all_reduce_f32(ws, rank, world, t, n, timeout_s);
-    };
-    const float* cs = cos.data_ptr<float>();
-    const float* sn = sin.data_ptr<float>();
+    const float* emb = embedding.data_ptr<float>();  // this rank's columns (ParallelEmbedding), gathered into resid
+    for (int64_t b = 0; b < B; ++b)
+      std::memcpy(world == 1 ? resid + b * D : local + b * Dn, emb + tok[b] * Dn,
+                  (world == 1 ? D : Dn) * sizeof(float));
+    if (world > 1) all_gather(local, B, Dn, gathered, resid, D);
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     for (int64_t l = 0; l < L; ++l) {
-      const Linear &wqkv = lins[4 * l], &wo = lins[4 * l + 1], &wgu = lins[4 * l + 2], &w2 = lins[4 * l + 3];
-      const float* qn = norms[4 * l + 2].numel() ? norms[4 * l + 2].data_ptr<float>() : nullptr;
-      const float* kn = norms[4 * l + 3].numel() ? norms[4 * l + 3].data_ptr<float>() : nullptr;
-      if (l == 0)
-        pmx_cpu::skip_rms_norm_into(resid, nullptr, norms[0].data_ptr<float>(), B, D, eps, nullptr, h);
-      else
-        pmx_cpu::skip_rms_norm_into(x, resid, norms[4 * l].data_ptr<float>(), B, D, eps, resid, h);
-      pmx_cpu::linear_into(wqkv.p, h, B, qkv, dequant_above);
-      add_bias(qkv, wqkv.b, B, NQKV);
-      for (int64_t b = 0; b < B; ++b) {
-        float* q = qkv + b * NQKV;
-        float* k = q + H * hd;
-        const float* v = k + KV * hd;
-        if (qn != nullptr) {
-          pmx_cpu::skip_rms_norm_into(q, nullptr, qn, H, hd, eps, nullptr, q);
-          pmx_cpu::skip_rms_norm_into(k, nullptr, kn, KV, hd, eps, nullptr, k);
-        }
-        rotate(q, H + KV, hd, cs + b * hd / 2, sn + b * hd / 2);  // q and k are adjacent: one pass
-        for (int64_t kh = 0; kh < KV; ++kh)
-          for (int64_t which = 0; which < 2; ++which) {
-            const float* src = (which == 0 ? k : v) + kh * hd;
-            if (quant)
-              quantize_head(src, hd, cv.row<int8_t>(l, which, slot[b], kh), sv.row<at::Half>(l, which, slot[b], kh));
-            else
-              std::memcpy(cv.row<float>(l, which, slot[b], kh), src, hd * sizeof(float));
-          }
+      const Layer& y = *layers[l];
+      pmx_cpu::skip_rms_norm_into(l == 0 ? resid : x, l == 0 ? nullptr : resid, y.attention_norm.data_ptr<float>(), B,
+                                  D, y.eps, l == 0 ? nullptr : resid, h);
+      linear(*y.qkv, h, B, qkv);
+      for (int64_t b = 0; b < B && y.q_norm.defined(); ++b) {
+        float *q = qkv + b * NQKV, *k = q + H * hd;
+        pmx_cpu::skip_rms_norm_into(q, nullptr, y.q_norm.data_ptr<float>(), H, hd, y.eps, nullptr, q);
+        pmx_cpu::skip_rms_norm_into(k, nullptr, y.k_norm.data_ptr<float>(), KV, hd, y.eps, nullptr, k);
       }
-      pmx_cpu::KVRows kr[2];
-      for (int64_t which = 0; which < 2; ++which) {
-        pmx_cpu::KVRows& r = kr[which];
-        r.row_stride = cv.sT, r.head_stride = cv.sH, r.KV = KV, r.D = hd;
-        if (quant) {
-          r.q = cv.row<int8_t>(l, which, 0, 0), r.s = sv.row<at::Half>(l, which, 0, 0);
-          r.srow_stride = sv.sT, r.shead_stride = sv.sH;
-        } else {
-          r.f = cv.row<float>(l, which, 0, 0);
-        }
-      }
-      pmx_cpu::decode_attention_into(qkv, NQKV, B, H, kr[0], kr[1], hist, lens, window, scale, attn);
-      pmx_cpu::linear_into(wo.p, attn, B, x, dequant_above);
-      reduce(x, B * D);
-      add_bias(x, wo.b, B, D);
-      pmx_cpu::skip_rms_norm_into(x, resid, norms[4 * l + 1].data_ptr<float>(), B, D, eps, resid, h);
-      pmx_cpu::linear_into(wgu.p, h, B, gu, dequant_above);
-      add_bias(gu, wgu.b, B, 2 * F);
-      pmx_cpu::swiglu_into(gu, 2 * F, gu + F, 2 * F, B, F, act);
-      pmx_cpu::linear_into(w2.p, act, B, x, dequant_above);
-      reduce(x, B * D);
-      add_bias(x, w2.b, B, D);
+      pmx_cpu::rotary(qkv, B, NQKV, hd, H + KV, hd, cos.data_ptr<float>(), sin.data_ptr<float>());  // q, k: adjacent
+      pmx_cpu::kv_store(qkv + H * hd, qkv + (H + KV) * hd, B, NQKV, hd, cv, scales, l, slot);
+      pmx_cpu::decode_attention_into(qkv, NQKV, B, H, pmx_cpu::kv_rows(cv, scales, l, 0),
+                                     pmx_cpu::kv_rows(cv, scales, l, 1), hist, lens, y.window, scale, attn);
+      linear(*y.wo, attn, B, x);
+      pmx_cpu::skip_rms_norm_into(x, resid, y.ffn_norm.data_ptr<float>(), B, D, y.eps, resid, h);
+      linear(*y.gate_up, h, B, gu);
+      pmx_cpu::swiglu_into(gu, 2 * y.ffn, gu + y.ffn, 2 * y.ffn, B, y.ffn, act);
+      linear(*y.w2, act, B, x);
     }
-    pmx_cpu::skip_rms_norm_into(x, resid, norms[4 * L].data_ptr<float>(), B, D, eps, resid, h);
+    pmx_cpu::skip_rms_norm_into(x, resid, norm.data_ptr<float>(), B, D, eps, resid, h);
     at::Tensor logits = at::empty({B, world * Vn}, embedding.options());
     float* lp = logits.data_ptr<float>();
-    if (world == 1) {
-      pmx_cpu::linear_into(out_lin.p, h, B, lp, dequant_above);
-    } else {
-      pmx_cpu::linear_into(out_lin.p, h, B, local, dequant_above);
-      pmx_cpu::shm_all_gather_bytes(ws, rank, world, local, B * Vn * sizeof(float), gathered, timeout_s);
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t r = 0; r < world; ++r)
-          std::memcpy(lp + b * world * Vn + r * Vn, gathered + (r * B + b) * Vn, Vn * sizeof(float));
-    }
+    linear(*output, h, B, world == 1 ? lp : local);
+    if (world > 1) all_gather(local, B, Vn, gathered, lp, world * Vn);
     return logits;
   }
 };
@@ -323,9 +219,24 @@ struct DecodeModel : torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
+  using torch::arg;
+  m.class_<Linear>("Linear").def(
+      torch::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t, int64_t, bool, std::string>(),
+      "", {arg("weight"), arg("scale"), arg("bias"), arg("kind"), arg("group"), arg("out_features"), arg("reduced"),
+           arg("what")});
+  m.class_<Layer>("Layer").def(
+      torch::init<int64_t, at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, LinearPtr,
+                  LinearPtr, LinearPtr, LinearPtr, int64_t, int64_t, int64_t, int64_t, double>(), "",
+      {arg("index"), arg("attention_norm"), arg("ffn_norm"), arg("q_norm"), arg("k_norm"), arg("qkv"), arg("wo"),
+       arg("gate_up"), arg("w2"), arg("heads"), arg("kv_heads"), arg("head_dim"), arg("window"), arg("eps")});
   m.class_<DecodeModel>("DecodeModel")
-      .def(torch::init<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, double,
-                       at::Tensor, int64_t, int64_t, double>())
-      .def("step", &DecodeModel::step);
+      .def(torch::init<at::Tensor, std::vector<c10::intrusive_ptr<Layer>>, at::Tensor, double, LinearPtr, int64_t,
+                       at::Tensor, int64_t, int64_t, double>(), "",
+           {arg("embedding"), arg("layers"), arg("norm"), arg("eps"), arg("output"), arg("dequant_above"),
+            arg("workspace"), arg("rank"), arg("world"), arg("deadline_s")})
+      .def("step", &DecodeModel::step)
+      .def_static("features", []() {  // what a layer may have (fused_decode.LayerFeatures.names); nothing else
+        return std::vector<std::string>{"rotary", "swiglu", "packed_linears", "qkv_bias", "o_bias", "ffn_bias",
+                                        "qk_norm", "sliding_window"};
+      });
 }

@@ -39,8 +39,8 @@ def cpu_ops():
     torch.library.register_fake("pmx_cpu::linear_int8")(lambda x, w, s, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::linear_int4")(lambda x, w, s, g, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::linear_dequant")(lambda x, w, s, m, g, n: x.new_empty(x.shape[0], n))
-    torch.library.register_fake("pmx_cpu::decode_attention")(lambda q, k, v, ks, vs, rows, kvlens, window, scale,
-                                                             page_size=0: torch.empty_like(q))
+    torch.library.register_fake("pmx_cpu::decode_attention")(lambda q, cache, kv_scale, layout, layer, rows, kvlens,
+                                                             window, scale, page_size=0: torch.empty_like(q))
     torch.library.register_fake("pmx_cpu::shm_all_reduce_")(lambda t, ws, rank, world, timeout: None)
     torch.library.register_fake("pmx_cpu::shm_all_gather")(lambda t, ws, rank, world, timeout:
                                                            t.new_empty(world * t.numel()))
@@ -50,8 +50,8 @@ def cpu_ops():
 def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of the CPU tensor `t`, from HUGE_PAGE_MIN_BYTES up in a private mapping of its own advised for
     transparent huge pages (madvise MADV_HUGEPAGE; torch's allocator asks for none unless THP_MEM_ALLOC_ENABLE
-    is set before it starts): a decode step streams every weight once, and walks them in fewer TLB misses. Where the
-    kernel grants no huge page (THP off) this is an ordinary copy."""
+    is set before it starts): a decode step streams every weight once, with fewer TLB misses on 2 MiB pages.
+    Where the kernel grants no huge page (THP off) this is an ordinary copy."""
     nbytes = t.numel() * t.element_size()
     if t.device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return t.contiguous()

@@ -1,7 +1,6 @@
-// The CPU kernels of this project as plain functions on raw pointers, for C++ callers: the ops in
-// cpu_linear.cpp, cpu_step.cpp and cpu_comm.cpp are thin wrappers (argument checks, output allocation) around
-// them, and the whole-decode-step op of cpu_decode.cpp chains them without going back to Python or torch's
-// dispatcher between two kernels. Every function runs its own at::parallel_for where it is parallel.
+// The CPU kernels of this project as plain functions on raw pointers: the ops of cpu_linear.cpp, cpu_step.cpp and
+// cpu_comm.cpp wrap them (argument checks, outputs), and the one-call decode step of cpu_decode.cpp chains them.
+// Every function runs its own at::parallel_for where it is parallel.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -49,13 +48,47 @@ struct HistoryRows {
   bool table = false, offsets = false;
 };
 
-// Checks that every position a sequence sees maps to a row inside the cache's `maxt` rows (TORCH_CHECK).
-void check_history(const HistoryRows& h, const int64_t* kvlens, int64_t B, int64_t window, int64_t maxt);
-
 // out [B, H, D] = decode attention of q (row b at q + b * q_stride, H x D contiguous) over the history rows, read in
-// place (cpu_step.cpp, pmx_cpu::decode_attention); the rows must have been checked (check_history).
+// place (cpu_step.cpp, pmx_cpu::decode_attention); h from history_rows (checked).
 void decode_attention_into(const float* q, int64_t q_stride, int64_t B, int64_t H, const KVRows& k, const KVRows& v,
                            const HistoryRows& h, const int64_t* kvlens, int64_t window, float scale, float* out);
+
+// A KV cache (or its int8 scales) of ppl.pmx `layout` 0..3 as (L, 2, MaxT, KV, last) strides (reference.cache_view).
+struct CacheView {
+  char* base = nullptr;
+  int64_t elem = 0, sL = 0, s2 = 0, sT = 0, sH = 0, L = 0, T = 0, KV = 0, last = 0;
+  CacheView(const at::Tensor& t, int64_t layout);
+  template <typename T_>
+  T_* row(int64_t layer, int64_t kv, int64_t t, int64_t h) const {  // one head's `last` contiguous values
+    return reinterpret_cast<T_*>(base + elem * (layer * sL + kv * s2 + t * sT + h * sH));
+  }
+};
+constexpr int64_t QUANT_GROUP = 8;  // int8 KV cache: values per float16 scale (reference.QUANT_GROUP)
+
+// The views of a cache and its scales (the cache's again where none), checked: float32, or int8 with float16 scales
+// of its shape and head_dim / 8 last (errors begin with `what`); and the KVRows of a layer's K (which 0) or V (1).
+std::pair<CacheView, CacheView> cache_views(const at::Tensor& cache, const c10::optional<at::Tensor>& scale,
+                                            int64_t layout, const char* what);
+KVRows kv_rows(const CacheView& c, const CacheView* scales, int64_t layer, int64_t which);
+
+// The HistoryRows of `rows` (as above), after checking that every position the B sequences see (kvlens[b] long, the
+// last `window` where > 0) has a row inside the cache's `maxt` rows.
+HistoryRows history_rows(const at::Tensor& rows, int64_t page_size, const int64_t* kvlens, int64_t B, int64_t window,
+                         int64_t maxt);
+
+// reference.quantize_int8 of n values: per group of 8, scale = max(max|x| / 127, 1e-5) (stored float16), and
+// q = clamp(round_half_even(x / scale), -127, 127) divided by the float32 scale, as the reference does.
+void quantize_int8(const float* x, int64_t n, int8_t* q, at::Half* s);
+
+// reference.kv_store of k, v [T, KV, D] (head h of row t at t * t_stride + h * h_stride) into rows slots[t] of layer
+// `layer` of the cache c: float32, or (s not null) int8 quantised, with its float16 scales in s.
+void kv_store(const float* k, const float* v, int64_t T, int64_t t_stride, int64_t h_stride, const CacheView& c,
+              const CacheView* s, int64_t layer, const int64_t* slots);
+
+// reference.apply_rotary in place: pairs (a, b) of x [T, heads, D] (strided as kv_store's k) -> (a cos - b sin,
+// a sin + b cos), cos and sin [T, D/2] contiguous.
+void rotary(float* x, int64_t T, int64_t t_stride, int64_t h_stride, int64_t heads, int64_t D, const float* cos,
+            const float* sin);
 
 // r = x + skip (skip may be null: r = x; r may alias x or skip), y = rms_norm(r) * w, rows of D.
 void skip_rms_norm_into(const float* x, const float* skip, const float* w, int64_t M, int64_t D, float eps, float* r,

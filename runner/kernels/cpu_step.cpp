@@ -1,24 +1,21 @@
 // The non-GEMM ops of a step on CPU, in C++ where torch's would take several passes over memory:
 // - decode_attention: one query token per sequence against its history, read in place from the KV cache;
-// - skip_rms_norm: the residual add and RMSNorm in one pass over each row (the eager prefill step; the compiled
-//   decode step has inductor fuse them);
-// - swiglu: silu(gate) * up in one pass.
+// - skip_rms_norm: the residual add and RMSNorm in one pass over each row; swiglu: silu(gate) * up in one pass;
+// - rotary_, kv_store_: reference.apply_rotary and kv_store (the int8 quantiser, every cache layout), which the
+//   one-call decode step (cpu_decode.cpp) runs too.
 //
 // Decode attention.
 // out[b, h] = softmax_n(q[b, h] . k[rows[b, n], h / G] * scale) v[rows[b, n], h / G] over the keys a sequence sees:
 // n in [max(0, kvlens[b] - window), kvlens[b]) (window <= 0: all). rows[b] holds the cache row of each position of
 // the sequence's history (rows past kvlens[b] are never read); or, without a row table, the cache's own bookkeeping:
 // rows [B] the offset of each sequence (position j at row rows[b] + j), or with page_size > 0 rows [B, MaxP] its
-// page starts (position j at row rows[b, j / page_size] + j % page_size), as the plan has them, so the host builds
-// nothing per history. k, v are strided [MaxT, KV, D] views of one layer of the cache in any layout (head_dim
-// contiguous), float32
-// or int8 with float16 scales per group of 8 (dequantised a row at a time, as reference.dequantize_int8).
+// page starts (position j at row rows[b, j / page_size] + j % page_size), as the plan has them. The cache, of any
+// layout, is float32 or int8 with float16 scales per group of 8 (dequantised a row at a time, as the reference).
 // Nothing is gathered: a task is one sequence (or one part of a long history, when there are fewer sequences than
 // threads), which walks its rows in order, all heads of a row at once (they are adjacent in the cache; each K/V
 // row read once for the G = H / KV query heads of its group), with the rows a few ahead prefetched; scores into a
 // buffer of H x N floats, an exact softmax (vectorised exp), then the weighted sum of the value rows. Parts of one
-// history are merged by their softmax statistics (max, sum). float32 throughout, as the torch path it replaces
-// (torch_ops.attend): the tests compare the two.
+// history are merged by their softmax statistics (max, sum). float32 throughout, as torch_ops.attend.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -117,7 +114,7 @@ inline void softmax_part(float* s, int64_t n, float* mx_out, float* sum_out) {
 
 // Cache rows are far apart (a token's row of one layer, in layouts 0 and 1, is one of 2 L per token), so the hardware
 // prefetchers do not see the next one coming: its lines are prefetched PF_ROWS rows ahead.
-constexpr int64_t PF_ROWS = 4;  // 2, 4 and 8 measured alike; none: 2x slower at 512 rows
+constexpr int64_t PF_ROWS = 4;
 
 // One layer's K or V: [MaxT, KV, D], float32 (rows used in place) or int8 with float16 scales per group of 8
 // (QUANT_GROUP, reference.quantize_int8: dequantised row by row into a buffer, q * scale in float32 as the spec).
@@ -162,53 +159,23 @@ inline int64_t row_at(const pmx_cpu::HistoryRows& h, int64_t b, int64_t j) {
   return h.rows[b * h.row_stride + j / h.page_size] + j % h.page_size;
 }
 
-// A [MaxT, KV, D] view of one layer's K or V (strided, head_dim contiguous) and its scales as kernel arguments.
-pmx_cpu::KVRows kv_rows(const at::Tensor& t, const c10::optional<at::Tensor>& scale) {
-  pmx_cpu::KVRows r;
-  r.row_stride = t.stride(0), r.head_stride = t.stride(1), r.KV = t.size(1), r.D = t.size(2);
-  if (t.scalar_type() == at::kFloat) {
-    r.f = t.data_ptr<float>();
-  } else {
-    r.q = t.data_ptr<int8_t>();
-    r.s = scale->data_ptr<at::Half>();
-    r.srow_stride = scale->stride(0), r.shead_stride = scale->stride(1);
-  }
-  return r;
-}
-
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
-                            const at::Tensor& rows, const at::Tensor& kvlens, int64_t window, double scale,
-                            int64_t page_size) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, H, D]");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const bool quant = k_scale.has_value() && k_scale->defined();
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() &&
-                  k.scalar_type() == (quant ? at::kChar : at::kFloat) && k.size(2) == D && k.stride(2) == 1 &&
-                  v.stride(2) == 1,
-              "k and v must be float32 (or int8 with scales) [MaxT, KV, D] with head_dim contiguous");
-  if (quant)
-    TORCH_CHECK(v_scale.has_value() && D % 8 == 0 && k_scale->scalar_type() == at::kHalf &&
-                    v_scale->scalar_type() == at::kHalf && k_scale->dim() == 3 && k_scale->size(0) == k.size(0) &&
-                    k_scale->size(1) == k.size(1) && k_scale->size(2) == D / 8 && k_scale->sizes() == v_scale->sizes() &&
-                    k_scale->stride(2) == 1 && v_scale->stride(2) == 1 && k_scale->strides() == v_scale->strides(),
-                "int8 cache: k_scale and v_scale must be float16 [MaxT, KV, D/8] with the last dim contiguous");
-  const int64_t KV = k.size(1);
-  TORCH_CHECK(KV > 0 && H % KV == 0, "query heads (", H, ") must be a multiple of the KV heads (", KV, ")");
-  pmx_cpu::HistoryRows h;
-  h.table = rows.dim() == 2 && page_size == 0, h.offsets = rows.dim() == 1 && page_size == 0;
-  TORCH_CHECK((h.table || h.offsets || (rows.dim() == 2 && page_size > 0)) && rows.size(0) == B &&
-                  rows.scalar_type() == at::kLong && rows.stride(-1) == 1,
-              "rows must be int64 with a contiguous last dim: a row table [B, N] (page_size 0), offsets [B] (page_size "
-              "0) or page starts [B, MaxP] (page_size > 0); got ", rows.sizes(), " with page_size ", page_size);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const c10::optional<at::Tensor>& kv_scale,
+                            int64_t layout, int64_t layer, const at::Tensor& rows, const at::Tensor& kvlens,
+                            int64_t window, double scale, int64_t page_size) {
+  const auto [c, s] = pmx_cpu::cache_views(cache, kv_scale, layout, "decode_attention");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.size(2) == c.last,
+              "q must be contiguous float32 [B, H, ", c.last, "]");
+  const int64_t B = q.size(0), H = q.size(1);
+  TORCH_CHECK(c.KV > 0 && H % c.KV == 0 && layer >= 0 && layer < c.L, "query heads (", H, ") must be a multiple of ",
+              "the KV heads (", c.KV, ") and layer ", layer, " one of the cache's ", c.L);
   TORCH_CHECK(kvlens.dim() == 1 && kvlens.size(0) == B && kvlens.scalar_type() == at::kLong, "kvlens must be int64 [B]");
-  h.rows = rows.data_ptr<int64_t>(), h.page_size = page_size;
-  h.row_stride = h.offsets ? 0 : rows.stride(0), h.width = h.offsets ? 0 : rows.size(1);
   const at::Tensor kl = kvlens.contiguous();
-  pmx_cpu::check_history(h, kl.data_ptr<int64_t>(), B, window, k.size(0));
-  at::Tensor out = at::empty({B, H, D}, q.options());
-  pmx_cpu::decode_attention_into(q.data_ptr<float>(), H * D, B, H, kv_rows(k, k_scale), kv_rows(v, v_scale), h,
-                                 kl.data_ptr<int64_t>(), window, (float)scale, out.data_ptr<float>());
+  const pmx_cpu::HistoryRows h = pmx_cpu::history_rows(rows, page_size, kl.data_ptr<int64_t>(), B, window, c.T);
+  const pmx_cpu::CacheView* sp = cache.scalar_type() == at::kChar ? &s : nullptr;
+  at::Tensor out = at::empty({B, H, c.last}, q.options());
+  pmx_cpu::decode_attention_into(q.data_ptr<float>(), H * c.last, B, H, pmx_cpu::kv_rows(c, sp, layer, 0),
+                                 pmx_cpu::kv_rows(c, sp, layer, 1), h, kl.data_ptr<int64_t>(), window, (float)scale,
+                                 out.data_ptr<float>());
   return out;
 }
 
@@ -248,11 +215,128 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   return out.view(gate.sizes());
 }
 
+void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rotary_: x must be float32 [T, heads, D] with D even and contiguous");
+  const int64_t T = x.size(0), D = x.size(2);
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == T &&
+                    t->size(1) == D / 2, "rotary_: cos and sin must be contiguous float32 [", T, ", ", D / 2, "]");
+  pmx_cpu::rotary(x.data_ptr<float>(), T, x.stride(0), x.stride(1), x.size(1), D, cos.data_ptr<float>(),
+                  sin.data_ptr<float>());
+}
+
+void kv_store_(at::Tensor cache, const c10::optional<at::Tensor>& scale, int64_t layout, int64_t layer,
+               const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  const auto [c, s] = pmx_cpu::cache_views(cache, scale, layout, "kv_store_");
+  const int64_t T = k.size(0), ts = T > 1 ? k.stride(0) : 0, hs = k.size(1) > 1 ? k.stride(1) : 0;  // (size 1: any)
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3 && k.sizes() == v.sizes()
+                  && (ts == 0 || v.stride(0) == ts) && (hs == 0 || v.stride(1) == hs) && k.stride(2) == 1 &&
+                  v.stride(2) == 1 && k.size(1) == c.KV && k.size(2) == c.last && layer >= 0 && layer < c.L,
+              "kv_store_: k and v must be float32 [T, ", c.KV, ", ", c.last, "] of one stride, head_dim contiguous, ",
+              "and layer ", layer, " one of the cache's ", c.L);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == T && slots.is_contiguous(),
+              "kv_store_: slots must be contiguous int64 [", T, "]");
+  const int64_t* rows = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(rows[t] >= 0 && rows[t] < c.T, "kv_store_: cache row ", rows[t], " is outside the cache's ", c.T,
+                " rows");
+  pmx_cpu::kv_store(k.data_ptr<float>(), v.data_ptr<float>(), T, ts, hs, c,
+                    cache.scalar_type() == at::kChar ? &s : nullptr, layer, rows);
+}
+
 }  // namespace
 
 namespace pmx_cpu {
 
-void check_history(const HistoryRows& h, const int64_t* lens, int64_t B, int64_t window, int64_t maxt) {
+CacheView::CacheView(const at::Tensor& t, int64_t layout) {
+  static const int64_t perms[4][5] = {{1, 2, 0, 3, 4}, {0, 2, 1, 3, 4}, {0, 1, 2, 3, 4}, {0, 1, 3, 2, 4}};
+  TORCH_CHECK(layout >= 0 && layout <= 3, "cache layout must be 0..3, got ", layout);
+  TORCH_CHECK(t.dim() == 5 && t.stride(4) == 1, "the cache must be 5-d with its last dim contiguous");
+  const int64_t* p = perms[layout];
+  base = static_cast<char*>(t.data_ptr()), elem = t.element_size();
+  sL = t.stride(p[0]), s2 = t.stride(p[1]), sT = t.stride(p[2]), sH = t.stride(p[3]);
+  L = t.size(p[0]), T = t.size(p[2]), KV = t.size(p[3]), last = t.size(4);
+  TORCH_CHECK(t.size(p[1]) == 2, "the cache must hold k and v (a dim of 2), got shape ", t.sizes());
+}
+
+std::pair<CacheView, CacheView> cache_views(const at::Tensor& cache, const c10::optional<at::Tensor>& scale,
+                                            int64_t layout, const char* what) {
+  const bool quant = scale.has_value() && scale->defined();
+  TORCH_CHECK(cache.scalar_type() == (quant ? at::kChar : at::kFloat), what, ": the cache must be float32, or int8 ",
+              "with its scales");
+  const CacheView c(cache, layout), s = quant ? CacheView(*scale, layout) : c;
+  TORCH_CHECK(!quant || (scale->scalar_type() == at::kHalf && s.L == c.L && s.T == c.T && s.KV == c.KV &&
+                         s.last * QUANT_GROUP == c.last),
+              what, ": int8 cache scales must be float16 of the cache's shape with head_dim / 8 last");
+  return {c, s};
+}
+
+void quantize_int8(const float* x, int64_t n, int8_t* q, at::Half* s) {
+  for (int64_t g = 0; g < n; g += QUANT_GROUP, ++s) {
+    float amax = 0;
+    for (int64_t i = g; i < g + QUANT_GROUP; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float scale = std::max(amax / 127.0f, 1e-5f);
+    for (int64_t i = g; i < g + QUANT_GROUP; ++i)
+      q[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] / scale))));
+    *s = at::Half(scale);
+  }
+}
+
+void kv_store(const float* k, const float* v, int64_t T, int64_t t_stride, int64_t h_stride, const CacheView& c,
+              const CacheView* s, int64_t layer, const int64_t* slots) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(c.KV * c.last, 1));
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {  // (a step's slots are distinct)
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < c.KV; ++h)
+        for (int64_t kv = 0; kv < 2; ++kv) {
+          const float* x = (kv == 0 ? k : v) + t * t_stride + h * h_stride;
+          if (s != nullptr)
+            quantize_int8(x, c.last, c.row<int8_t>(layer, kv, slots[t], h), s->row<at::Half>(layer, kv, slots[t], h));
+          else
+            std::memcpy(c.row<float>(layer, kv, slots[t], h), x, c.last * sizeof(float));
+        }
+  });
+}
+
+void rotary(float* x, int64_t T, int64_t t_stride, int64_t h_stride, int64_t heads, int64_t D, const float* cos,
+            const float* sin) {
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * D, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        float* p = x + t * t_stride + h * h_stride;
+        const float *c = cos + t * (D / 2), *s = sin + t * (D / 2);
+        for (int64_t j = 0; j < D / 2; ++j) {
+          const float a = p[2 * j], b = p[2 * j + 1];
+          p[2 * j] = a * c[j] - b * s[j];
+          p[2 * j + 1] = a * s[j] + b * c[j];
+        }
+      }
+  });
+}
+
+KVRows kv_rows(const CacheView& c, const CacheView* s, int64_t layer, int64_t which) {
+  KVRows r;
+  r.row_stride = c.sT, r.head_stride = c.sH, r.KV = c.KV, r.D = c.last;
+  if (s == nullptr) {
+    r.f = c.row<float>(layer, which, 0, 0);
+  } else {
+    r.q = c.row<int8_t>(layer, which, 0, 0), r.s = s->row<at::Half>(layer, which, 0, 0);
+    r.srow_stride = s->sT, r.shead_stride = s->sH;
+  }
+  return r;
+}
+
+HistoryRows history_rows(const at::Tensor& rows, int64_t page_size, const int64_t* lens, int64_t B, int64_t window,
+                         int64_t maxt) {
+  HistoryRows h;
+  h.table = rows.dim() == 2 && page_size == 0, h.offsets = rows.dim() == 1 && page_size == 0;
+  TORCH_CHECK((h.table || h.offsets || (rows.dim() == 2 && page_size > 0)) && rows.size(0) == B &&
+                  rows.scalar_type() == at::kLong && rows.stride(-1) == 1,
+              "rows must be int64 with a contiguous last dim: a row table [B, N] (page_size 0), offsets [B] (page_size "
+              "0) or page starts [B, MaxP] (page_size > 0); got ", rows.sizes(), " with page_size ", page_size);
+  h.rows = rows.data_ptr<int64_t>(), h.page_size = page_size;
+  h.row_stride = h.offsets ? 0 : rows.stride(0), h.width = h.offsets ? 0 : rows.size(1);
   const int64_t N = h.offsets ? std::numeric_limits<int64_t>::max() : h.width * (h.table ? 1 : h.page_size);
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= N, "kvlens[", b, "] = ", lens[b], " must be in [1, ", N, "]");
@@ -260,6 +344,7 @@ void check_history(const HistoryRows& h, const int64_t* lens, int64_t B, int64_t
       TORCH_CHECK(row_at(h, b, j) >= 0 && row_at(h, b, j) < maxt, "cache row ", row_at(h, b, j), " of sequence ", b,
                   " is outside the cache's ", maxt, " rows");
   }
+  return h;
 }
 
 void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t H, const KVRows& k, const KVRows& v,
@@ -396,14 +481,19 @@ void swiglu_into(const float* gp, int64_t gs, const float* upp, int64_t us, int6
 }  // namespace pmx_cpu
 
 TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, Tensor rows, Tensor kvlens, "
+  m.def("decode_attention(Tensor q, Tensor cache, Tensor? kv_scale, int layout, int layer, Tensor rows, Tensor kvlens, "
         "int window, float scale, int page_size=0) -> Tensor");
   m.def("skip_rms_norm(Tensor x, Tensor? skip, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("kv_store_(Tensor(a!) cache, Tensor(b!)? scale, int layout, int layer, Tensor k, Tensor v, Tensor slots) "
+        "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("skip_rms_norm", &skip_rms_norm);
   m.impl("swiglu", &swiglu);
+  m.impl("rotary_", &rotary_);
+  m.impl("kv_store_", &kv_store_);
 }

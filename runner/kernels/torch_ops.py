@@ -1,20 +1,15 @@
-"""The engine's ops in fast torch: few dispatches in eager mode, and plain enough for torch.compile's
-inductor to fuse them into a handful of C++ kernels per layer (the CPU path).
+"""The engine's ops in fast torch: few dispatches in eager mode, and plain enough for torch.compile's inductor to fuse
+them into a handful of C++ kernels per layer (the CPU path). Same signatures and meaning as `runner.kernels.reference`
+(the specification), against which the tests check them:
 
-Same signatures and meaning as `runner.kernels.reference` (the specification), against which the
-tests check them:
-
-- apply_rotary: in place on q and k where the fused qkv GEMM left them (float32: one complex multiply
-  per call); under torch.compile the reference's real arithmetic, which inductor fuses.
-- kv_store / kv_load: one index_put_ on the cache / one index_select over a strided view of it, any
-  layout (an int8 cache: quantised with the reference quantiser, dequantised by the reference).
-- attend: decode as two batched GEMVs per KV head group; prefill with torch's scaled_dot_product_attention
-  (flash attention on CPU); GQA without repeating K/V.
-- decode_attention_rows: decode attention that reads the history rows where they lie in a float32 or int8 cache
-  (this project's C++ kernel, runner/kernels/cpu_step.cpp), for float32 engines on CPU (:func:`cpu_kernels_for`);
-  elsewhere the engine gathers the rows (kv_load) and calls attend.
-- skip_rms_norm, swiglu: eagerly (the prefill and mixed steps) on float32 CPU tensors, one pass each in C++
-  (cpu_step.cpp) instead of torch's five and two; under torch.compile the spec's arithmetic, which inductor fuses.
+- skip_rms_norm, swiglu, apply_rotary, kv_store: eagerly on float32 CPU tensors this project's C++ (cpu_step.cpp: one
+  pass each; rotary and the int8 quantiser are the one-call decode step's), rotary in place where the fused qkv GEMM
+  left q and k; else the spec's arithmetic (inductor fuses it), rotary as a complex multiply and one index_put_.
+- kv_load: one index_select over a strided view of the cache, any layout (int8: dequantised by the reference).
+- attend: decode as two batched GEMVs per KV head group; prefill with torch's scaled_dot_product_attention (flash
+  attention on CPU); GQA without repeating K/V.
+- decode_attention_rows: decode attention reading the history rows where they lie in a float32 or int8 cache (C++,
+  cpu_step.cpp), for float32 engines on CPU (:func:`cpu_kernels_for`); elsewhere kv_load, then attend.
 """
 
 from __future__ import annotations
@@ -57,6 +52,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates interleaved pairs of x [T, heads, D] (see reference.apply_rotary); in place where it can."""
+    if _cpu_kernel_takes(x, cos, sin) and x.stride(-1) == 1:
+        torch.ops.pmx_cpu.rotary_(x, cos.contiguous(), sin.contiguous())
+        return x
     T, nh, D = x.shape
     if (torch.compiler.is_compiling() or x.dtype != torch.float32 or x.stride(-1) != 1
             or x.stride(0) % 2 or x.stride(1) % 2):
@@ -66,8 +64,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x
 
 
+_KV_STORE_CACHES = ((torch.float32, None), (torch.int8, torch.float16))  # (cache, scale) dtypes of pmx_cpu.kv_store_
+
+
 def kv_store(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
              k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Writes k, v [T, KV, D] into rows `slots` of layer `layer` (see reference.kv_store)."""
+    if (_cpu_kernel_takes(k, v) and cache.device.type == "cpu" and slots.dtype == torch.int64
+            and (cache.dtype, None if scale is None else scale.dtype) in _KV_STORE_CACHES):
+        k, v = (k, v) if k.stride() == v.stride() and k.stride(-1) == 1 else (k.contiguous(), v.contiguous())
+        torch.ops.pmx_cpu.kv_store_(cache, scale, layout, layer, k, v, slots.contiguous())
+        return
     kv = torch.stack((k, v))                                                      # (2, T, KV, D)
     if scale is not None:
         kv, s = ref.quantize_int8(kv)
@@ -136,8 +143,5 @@ def decode_attention_rows(q: torch.Tensor, cache: torch.Tensor, scale: Optional[
     `rows` [B] holds each sequence's offset (page_size 0) or [B, MaxP] its page starts (page_size rows a page).
     Returns [B, H, D] float32: the math of `attend` over the gathered (and dequantised) rows, without gathering
     them."""
-    view = cache_view(cache, layout)[layer]                                      # (2, MaxT, KV, D), strided
-    sview = cache_view(scale, layout)[layer] if scale is not None else None      # (2, MaxT, KV, D / 8)
-    return torch.ops.pmx_cpu.decode_attention(q.contiguous(), view[0], view[1],
-                                              None if sview is None else sview[0], None if sview is None else sview[1],
-                                              rows, kvlens, sliding_window or 0, 1.0 / math.sqrt(q.shape[-1]), page_size)
+    return torch.ops.pmx_cpu.decode_attention(q.contiguous(), cache, scale, layout, layer, rows, kvlens,
+                                              sliding_window or 0, 1.0 / math.sqrt(q.shape[-1]), page_size)
