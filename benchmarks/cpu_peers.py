@@ -200,7 +200,7 @@ def _pmx_model(n: int, a: dict, quant: str | None = None) -> Path:
     pmx = a["work"] / (f"pmx{n}-{quant}" if quant else f"pmx{n}")
     if not (pmx / "pmx_params.json").exists():
         convert(str(a["hf"]), str(pmx), num_shards=n, overwrite=True, progress=False,
-                quant=scheme_from_flags(quant, quantize_output=True))
+                quant=scheme_from_flags(quant, quantize_output=quant is not None))
     return pmx
 
 
