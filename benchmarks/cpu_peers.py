@@ -32,8 +32,8 @@ against TP=1 at every point (decode batch 1 and 16, prefill 512): both jobs stay
 
 One shape per invocation (base: dim 768, 12 layers, 12 heads MHA, intermediate 2048, vocab 32000;
 gqa: dim 1024, 10 layers, 16 heads / 4 KV heads, intermediate 2816, vocab 32000); run it twice for
-both. `--engine_options` is a JSON object of runner.engine.model.EngineOptions fields, passed to
-open_session(options=...) of both pmx runs. Checkpoints and conversions are cached under --workdir.
+both. `--engine_options` is a JSON object of engine option fields (runner.engine.model.EngineOptions),
+passed to open_session through open_engine in every pmx run. Checkpoints and conversions are cached under --workdir.
 
 A missing peer is skipped with a one-line reason. With `--install True` (the default) a missing
 ctranslate2 is installed into this venv (`python -m pip install ctranslate2`). llama.cpp comes from
@@ -68,6 +68,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import fire
 
@@ -134,16 +135,40 @@ def _engine_options(opts) -> dict:
             for k, v in dict(opts).items()}
 
 
+def open_engine(model: str, engine_options="{}") -> SimpleNamespace:
+    """This rank's pmx-runner engine on `model`, behind one face whatever the engine API of the `runner` imported:
+    the one place that knows that API (issue 24 moves it; fix it here). `engine_options`: JSON or a dict of the
+    engine option fields (the same names in both APIs). The face: generate(prompts, n) -> the generated id lists;
+    forward(**ppl.pmx step inputs, kv_cache=, kv_scale=) -> logits (benchmarks/cpu_step.py); new_cache(rows) ->
+    (kv_cache, kv_scale); vocab_size; is_main; close(); api (which API was found) and runner (runner.__file__)."""
+    import runner
+    from runner.engine.session import open_session
+    opts = _engine_options(engine_options)
+    try:
+        from runner.config import EngineConfig  # issue 24: one engine core
+    except ImportError:
+        EngineConfig = None
+    if EngineConfig is not None:
+        sess = open_session(model, EngineConfig(**opts))
+        generate, stepper = sess.engine.generate, sess.stepper
+    else:  # before issue 24 (5ae015a and earlier)
+        from runner.engine.generator import Generator
+        from runner.engine.model import EngineOptions
+        sess = open_session(model, options=EngineOptions(**opts))
+        generate, stepper = (lambda p, n: Generator(sess.model).generate(p, n)), sess.model
+    return SimpleNamespace(api="EngineConfig" if EngineConfig else "EngineOptions", runner=runner.__file__,
+                           generate=generate, forward=stepper.forward, new_cache=lambda rows: stepper.new_cache(rows),
+                           vocab_size=json.loads((Path(model) / "pmx_params.json").read_text())["vocab_size"],
+                           is_main=sess.is_main, close=sess.close)
+
+
 def _pmx_numbers(model: str, decode_tokens: int, engine_options: str) -> dict:
     import torch
-    from runner.engine.generator import Generator
-    from runner.engine.model import EngineOptions
-    from runner.engine.session import open_session
-    sess = open_session(model, options=EngineOptions(**_engine_options(engine_options)))
-    res = _measure(lambda p, n: Generator(sess.model).generate(p, n), decode_tokens)
+    eng = open_engine(model, engine_options)
+    res = _measure(eng.generate, decode_tokens)
     res["threads"] = torch.get_num_threads()
-    sess.close()
-    return res if sess.is_main else {}
+    eng.close()
+    return res if eng.is_main else {}
 
 
 def _transformers_numbers(model: str, decode_tokens: int, threads: int) -> dict:
@@ -466,9 +491,6 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
             [--point decode_b1|prefill_512] [--pairs 12] [--tokens 64]
     """
     import torch
-    from runner.engine.generator import Generator
-    from runner.engine.model import EngineOptions
-    from runner.engine.session import open_session
     from runner.pmx.random_model import make_random_model
     quant = pmx.split("-", 1)[1] if "-" in pmx else None
     peers = ("llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "ct2", "ct2-int8")
@@ -502,9 +524,8 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
     except Skip as e:
         raise SystemExit(f"paired: {LABELS[peer]} is not available: {e}") from None
     torch.set_num_threads(threads)
-    sess = open_session(str(_pmx_model(1, a, quant)), options=EngineOptions(**_engine_options(engine_options)))
-    pmx_generate = lambda p, n: Generator(sess.model).generate(p, n)  # noqa: E731
-    rate = partial(_point_rate, pmx_generate, point, tokens)
+    eng = open_engine(str(_pmx_model(1, a, quant)), engine_options)
+    rate = partial(_point_rate, eng.generate, point, tokens)
     rate()  # warm-up
 
     ours, theirs = [], []
@@ -514,7 +535,7 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
         theirs.append(y)
         print(f"pair {i + 1}/{pairs}: {LABELS[pmx]} {x:.1f}, {LABELS[peer]} {y:.1f} tok/s, ratio {x / y:.3f}",
               file=sys.stderr, flush=True)
-    sess.close()
+    eng.close()
     ratios = [x / y for x, y in zip(ours, theirs)]
     what = f"batch 1, {tokens} tokens a slice" if point == "decode_b1" else "prefill of 512 tokens, 2 a slice"
     print(f"shape {shape}, {what}, {pairs} pairs: {LABELS[pmx]} {statistics.median(ours):.1f} tok/s, {LABELS[peer]} "
@@ -528,11 +549,8 @@ def job_worker(system: str, model: str, ctl: str, tokens: int = 64, threads: int
     one says quit. It waits for a command by polling every 2 ms, so it takes no cycles from the job being measured."""
     ctl, main_rank = Path(ctl), True
     if system == "pmx":
-        from runner.engine.generator import Generator
-        from runner.engine.model import EngineOptions
-        from runner.engine.session import open_session
-        sess = open_session(model, options=EngineOptions(**_engine_options(engine_options)))
-        gen, main_rank, close = (lambda p, n: Generator(sess.model).generate(p, n)), sess.is_main, sess.close
+        eng = open_engine(model, engine_options)
+        gen, main_rank, close = eng.generate, eng.is_main, eng.close
     else:
         import ctranslate2
         ct2 = ctranslate2.Generator(model, device="cpu", intra_threads=threads, inter_threads=1)
