@@ -544,13 +544,20 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
 
 
 def job_worker(system: str, model: str, ctl: str, tokens: int = 64, threads: int = 2, engine_options="{}") -> None:
-    """One measured job of `tp_paired` / `paired` (every rank of it: system pmx, or ct2): loads the model, then
-    measures what the command files ctl/cmd.K (K = 0, 1, ...) ask for, writing the rate to ctl/res.K (rank 0), until
-    one says quit. It waits for a command by polling every 2 ms, so it takes no cycles from the job being measured."""
-    ctl, main_rank = Path(ctl), True
+    """One measured job of `tp_paired` / `paired` / `versions` (every rank of it: system pmx, or ct2): loads the model,
+    then measures what the command files ctl/cmd.K (K = 0, 1, ...) ask for, writing the rate (JSON: a number, or for
+    the pmx point `mixed` a dict, see _mixed_point) to ctl/res.K (rank 0), until one says quit. It waits for a command
+    by polling every 2 ms, so it takes no cycles from the job being measured. A pmx job's every rank writes
+    ctl/info.RANK.json first: the `runner` it imported, the engine API found, its threads."""
+    ctl, main_rank, steps = Path(ctl), True, {}
     if system == "pmx":
+        import torch
         eng = open_engine(model, engine_options)
         gen, main_rank, close = eng.generate, eng.is_main, eng.close
+        rank = next((os.environ[v] for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+                     if v in os.environ), "0")
+        (ctl / f"info.{rank}.json").write_text(json.dumps({"rank": int(rank), "runner": eng.runner, "api": eng.api,
+                                                           "threads": torch.get_num_threads(), "pid": os.getpid()}))
     else:
         import ctranslate2
         ct2 = ctranslate2.Generator(model, device="cpu", intra_threads=threads, inter_threads=1)
@@ -569,36 +576,71 @@ def job_worker(system: str, model: str, ctl: str, tokens: int = 64, threads: int
         what = cmd.read_text()
         if what == "quit":
             break
-        r = _point_rate(gen, what, tokens)
+        r = _mixed_point(eng, steps) if what == "mixed" else _point_rate(gen, what, tokens)
         if main_rank:
-            (ctl / f"res.{k}.tmp").write_text(repr(r))
+            (ctl / f"res.{k}.tmp").write_text(json.dumps(r))
             (ctl / f"res.{k}.tmp").rename(ctl / f"res.{k}")
     close()
 
 
-def _alternate(jobs: dict, metrics: list, pairs: int) -> tuple[dict, dict]:
-    """Starts `jobs` ({label: (command, threads)}, each running job_worker), lets them load one after the other,
-    then has them measure each metric in turn, `pairs` times, alternating who goes first. Returns
-    (rates {(label, metric): [...]}, ratios {metric: [second / first, ...]}) for the two labels in order."""
+STEP_ROWS = 128  # cache rows between the mixed point's sequences (cpu_step.py: 1024; base's cache would be 4.9 GB a job)
+
+
+def _mixed_point(eng, steps: dict, reps: int = 3) -> dict:
+    """The mixed step of benchmarks/cpu_step.py (64 sequences decoding one token after 64 of history, and one
+    512-token prompt chunk, in one step through the ppl.pmx step contract) and the same two apart, taking turns step by
+    step, each the median of `reps`; `steps` keeps the inputs and the cache from one call to the next (the first call
+    builds them and runs each step once untimed). rate: the mixed step's tokens/s (576 tokens)."""
+    import torch
+    import cpu_step as cs
+    first = not steps
+    if first:
+        g = torch.Generator().manual_seed(0)
+        steps["cache"] = eng.new_cache(cs.cache_rows(STEP_ROWS))
+        steps["inputs"] = {"mixed": cs.mixed_inputs(eng.vocab_size, g, STEP_ROWS),
+                           "decode_b64": cs.decode_inputs(eng.vocab_size, cs.DECODERS, g, STEP_ROWS),
+                           "prefill_512": cs.prefill_inputs(eng.vocab_size, g, STEP_ROWS)}
+    ms = {k: t * 1e3 for k, t in cs.time_steps(eng.forward, steps["inputs"], steps["cache"], reps,
+                                                 warmup=1 if first else 0).items()}
+    return {"rate": (cs.DECODERS + cs.CHUNK) / ms["mixed"] * 1e3, "mixed_ms": ms["mixed"],
+            "decode_b64_ms": ms["decode_b64"], "prefill_512_ms": ms["prefill_512"],
+            "mixed_over_apart": ms["mixed"] / (ms["decode_b64"] + ms["prefill_512"])}
+
+
+def _rate(r) -> float:
+    """A job's figure for one point: its rate (tokens/s) whether the point gave a number or a dict."""
+    return r["rate"] if isinstance(r, dict) else r
+
+
+def _alternate(jobs: dict, metrics: list, pairs: int, on_ready=None) -> tuple[dict, dict]:
+    """Starts `jobs` ({label: (command, threads)} or {label: (command, threads, env, cwd)}, each running job_worker;
+    env: variables set over this process's), lets them load one after the other, then has them measure each metric
+    in turn, `pairs` times, alternating who goes first. `on_ready({label: [ctl/info.*.json of its ranks]})` is called
+    once all are loaded (it may raise to stop). Returns (rates {(label, metric): [...]}, ratios {metric: [second /
+    first, ...]}) for the two labels in order; a rate is what job_worker wrote (a number, or a dict holding "rate")."""
     import tempfile
     first, second = list(jobs)
     rates = {(n, m): [] for n in jobs for m in metrics}
     ratios = {m: [] for m in metrics}
     with tempfile.TemporaryDirectory(prefix="pmx-paired-") as tmp:
         procs, count = {}, {n: 0 for n in jobs}
-        for i, (n, (cmd, threads)) in enumerate(jobs.items()):
-            ctl = Path(tmp) / f"job{i}"
-            ctl.mkdir()
-            procs[n] = (ctl, subprocess.Popen([str(c) for c in cmd + ["--ctl", ctl]], cwd=REPO, start_new_session=True,
-                                              env={**os.environ, "OMP_NUM_THREADS": str(threads)}))
         try:
-            for n, (ctl, proc) in procs.items():  # loaded one after the other: their warm-ups do not overlap
-                while not (ctl / "ready").exists():
+            for i, (n, (cmd, threads, *rest)) in enumerate(jobs.items()):
+                env, cwd = rest if rest else ({}, REPO)
+                ctl = Path(tmp) / f"job{i}"
+                ctl.mkdir()
+                proc = subprocess.Popen([str(c) for c in cmd + ["--ctl", ctl]], cwd=cwd, start_new_session=True,
+                                        env={**os.environ, "OMP_NUM_THREADS": str(threads), **env})
+                procs[n] = (ctl, proc)
+                while not (ctl / "ready").exists():  # loaded one after the other: their warm-ups do not overlap
                     if proc.poll() is not None:
                         raise SystemExit(f"{n}: the job exited ({proc.returncode}) before it was ready")
                     time.sleep(0.05)
+            if on_ready:
+                on_ready({n: [json.loads(f.read_text()) for f in sorted(ctl.glob("info.*.json"))]
+                          for n, (ctl, _) in procs.items()})
 
-            def measure(n: str, metric: str) -> float:
+            def measure(n: str, metric: str):
                 ctl, proc = procs[n]
                 k = count[n]
                 count[n] += 1
@@ -608,17 +650,17 @@ def _alternate(jobs: dict, metrics: list, pairs: int) -> tuple[dict, dict]:
                     if proc.poll() is not None:
                         raise SystemExit(f"{n}: the job exited ({proc.returncode}) measuring {metric}")
                     time.sleep(0.002)
-                return float((ctl / f"res.{k}").read_text())
+                return json.loads((ctl / f"res.{k}").read_text())
 
             for i in range(pairs):
                 for m in metrics:
                     got = {n: measure(n, m) for n in ((first, second) if i % 2 == 0 else (second, first))}
                     for n in jobs:
                         rates[n, m].append(got[n])
-                    ratios[m].append(got[second] / got[first])
+                    ratios[m].append(_rate(got[second]) / _rate(got[first]))
                 print(f"pair {i + 1}/{pairs}: " + ", ".join(
-                    f"{m} {first} {rates[first, m][-1]:.1f} {second} {rates[second, m][-1]:.1f} ({ratios[m][-1]:.3f})"
-                    for m in metrics), file=sys.stderr, flush=True)
+                    f"{m} {first} {_rate(rates[first, m][-1]):.1f} {second} {_rate(rates[second, m][-1]):.1f} "
+                    f"({ratios[m][-1]:.3f})" for m in metrics), file=sys.stderr, flush=True)
         finally:
             for n, (ctl, proc) in procs.items():
                 (ctl / f"cmd.{count[n]}.tmp").write_text("quit")
