@@ -24,16 +24,34 @@ load average at start and end. About 2 minutes a round for base on 2 cores, plus
     python benchmarks/cpu_peers.py paired [--shape base|gqa] [--pmx pmx1|pmx1-int8|pmx1-int4]
         [--peer llama.cpp|llama.cpp-q8_0|llama.cpp-q4_0|ct2|ct2-int8] [--point decode_b1|prefill_512] [--pairs 12]
     python benchmarks/cpu_peers.py tp_paired [--shape gqa|base] [--pairs 12] [--quant int8|int4]
+    python benchmarks/cpu_peers.py versions --base BEFORE_TREE [--shape gqa|base|all] [--tp 1,2] [--quant none,int8]
+        [--pairs 12] [--metrics decode_b1,decode_b16,prefill_512,mixed] [--json_path out/versions_SHAPE.json]
 
 `paired` measures batch-1 decode (or a 512-token prefill) of pmx-runner TP=1 and one peer in alternating slices of
 a few seconds and reports the median of the per-pair ratios: on a box whose memory bandwidth swings between rounds, this
 resolves differences of a few percent that round medians cannot. `tp_paired` does the same for pmx-runner TP=2
 against TP=1 at every point (decode batch 1 and 16, prefill 512): both jobs stay loaded and take turns.
 
+`versions` does the same for two versions of pmx-runner (a before/after check of a change): the code in BEFORE_TREE
+(a checkout, e.g. `git worktree add --detach /work/baseline main`) against this checkout, at every point and for
+each shape, TP (1: one process, THREADS threads; 2: mpirun, THREADS/2 a rank) and weights (fp32, int8) asked for,
+both jobs on the same model files. Each job imports `runner` from its own tree (PYTHONPATH and cwd set to the tree;
+every rank's runner.__file__ is checked and recorded) and builds the C++ extension into a directory of its own
+(~/.cache/pmx-runner/ext-before, ext-after). Point `mixed` is benchmarks/cpu_step.py's mixed step (64 sequences
+decoding after 64 tokens of history and one 512-token prompt chunk, one step through the ppl.pmx step contract) and
+the same two apart, taking turns step by step (3 of each a slice; cache rows STEP_ROWS apart). It prints per point
+the median of the per-pair after / before ratios of tokens/s (above 1: after is faster), their geometric mean and
+range; for `mixed` the ratio of the mixed step's time (below 1: faster) and each tree's mixed / apart (the per-pair
+lines on stderr give tokens/s throughout; mixed: 576 tokens over its step time); at the end one markdown table of
+every configuration and which of issue 24's marks were missed. The JSON (written after each configuration) holds
+every raw figure, both trees' `git describe`, the CPU, thread counts and load averages. The engine's API is known in
+one place, open_engine, which finds the API of the `runner` it imports.
+
 One shape per invocation (base: dim 768, 12 layers, 12 heads MHA, intermediate 2048, vocab 32000;
 gqa: dim 1024, 10 layers, 16 heads / 4 KV heads, intermediate 2816, vocab 32000); run it twice for
-both. `--engine_options` is a JSON object of engine option fields (runner.engine.model.EngineOptions),
-passed to open_session through open_engine in every pmx run. Checkpoints and conversions are cached under --workdir.
+both (versions: `--shape all`). `--engine_options` is a JSON object of engine option fields
+(runner.engine.model.EngineOptions), passed to open_session through open_engine in every pmx run. Checkpoints and
+conversions are cached under --workdir.
 
 A missing peer is skipped with a one-line reason. With `--install True` (the default) a missing
 ctranslate2 is installed into this venv (`python -m pip install ctranslate2`). llama.cpp comes from
@@ -583,7 +601,7 @@ def job_worker(system: str, model: str, ctl: str, tokens: int = 64, threads: int
     close()
 
 
-STEP_ROWS = 128  # cache rows between the mixed point's sequences (cpu_step.py: 1024; base's cache would be 4.9 GB a job)
+STEP_ROWS = 128  # cache rows between the mixed point's sequences (cpu_step.py: 1024, for base 4.9 GB a job)
 
 
 def _mixed_point(eng, steps: dict, reps: int = 3) -> dict:
@@ -711,6 +729,166 @@ def tp_paired(shape: str = "gqa", pairs: int = 12, tokens: int = 64, threads: in
     _summary(rates, ratios, "TP1", "TP2")
 
 
+VERSION_POINTS = METRICS + ("mixed",)
+
+
+def _csv(x) -> list[str]:
+    """A comma-separated flag as strings, whether fire left it a string or made it a tuple or a number."""
+    if isinstance(x, (list, tuple)):
+        return [str(v) for v in x]
+    return [v.strip() for v in str(x).split(",") if v.strip()]
+
+
+def _git(tree: Path) -> dict:
+    def g(*args) -> str | None:
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True).stdout.strip() or None
+    return {"path": str(tree), "describe": g("describe", "--always", "--dirty"), "commit": g("rev-parse", "HEAD")}
+
+
+def _tree_env(tree: Path, label: str) -> dict:
+    """A job's environment for the code in `tree`: its runner first on the path (PYTHONPATH goes ahead of the venv's
+    editable install), its own C++ extension builds (the two trees' sources would rebuild over each other in one
+    directory), and no .pyc written into the tree."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
+            "TORCH_EXTENSIONS_DIR": str(CACHE / f"ext-{label}"), "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def _stats(r: list) -> dict:
+    return {"median": statistics.median(r), "geomean": statistics.geometric_mean(r), "min": min(r), "max": max(r)}
+
+
+def versions(base: str, shape: str = "gqa", tp="1,2", quant="none,int8", pairs: int = 12, tokens: int = 64,
+             threads: int = 2, metrics: str = ",".join(VERSION_POINTS), engine_options="{}",
+             json_path: str | None = None, workdir: str = str(CACHE / "peers")) -> None:
+    """The code at `base` ("before") against this checkout ("after"), paired as tp_paired: for each shape, TP and
+    weights, one job of each (the same model files and threads; TP=2: scripts/mpirun.sh -np 2, threads / 2 a rank)
+    stays loaded and they take turns at every point, alternating who goes first. Prints, per point, the median of
+    the per-pair after / before ratios of tokens/s (above 1: after is faster), their geometric mean and range; for
+    `mixed` (cpu_step.py's mixed step: 64 decoding + one 512-token chunk, and the two apart) the after / before
+    ratio of the mixed step's time (below 1: after is faster) and each tree's mixed / apart; then one table of all.
+    Every raw figure goes to `json_path` (default out/versions_SHAPE.json), written after each configuration.
+
+        python benchmarks/cpu_peers.py versions --base /work/baseline [--shape gqa|base|all] [--tp 1,2]
+            [--quant none,int8] [--pairs 12] [--metrics decode_b1,decode_b16,prefill_512,mixed]
+    """
+    before, after = Path(base).expanduser().resolve(), REPO
+    shapes = list(SHAPES) if shape == "all" else _csv(shape)
+    tps, quants, chosen = _csv(tp), _csv(quant), _csv(metrics)
+    if set(shapes) - set(SHAPES) or not shapes or set(tps) - {"1", "2"} or not tps or \
+            set(quants) - {"none", "int8", "int4"} or not quants or set(chosen) - set(VERSION_POINTS) or not chosen:
+        raise SystemExit(f"versions: --shape base|gqa|all, --tp some of 1,2, --quant some of none,int8,int4, "
+                         f"--metrics some of {','.join(VERSION_POINTS)}")
+    if not (before / "runner" / "__init__.py").is_file():
+        raise SystemExit(f"versions: --base {before} holds no runner/ (a checkout of pmx-runner, e.g. a git worktree)")
+    sys.path.insert(0, str(REPO))  # the conversions by this checkout's runner (not the venv's editable install's)
+    import torch
+    from runner.pmx.random_model import make_random_model
+    opts, trees = _engine_options(engine_options), {"before": before, "after": after}
+    report = {"command": sys.argv[1:], "trees": {k: _git(t) for k, t in trees.items()},
+              "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                           "mpi4py": _versions({})["mpi4py"]},
+              "cpu": {"cores": os.cpu_count(), "machine": platform.machine(), "processor": _cpu_name()},
+              "threads": threads, "tokens": tokens, "pairs": pairs, "engine_options": opts, "step_rows": STEP_ROWS,
+              "ratios": "after / before of tokens/s (mixed: also of the mixed step's time)", "configs": []}
+    path = Path(json_path or REPO / "out" / f"versions_{shape}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"before: {before} ({report['trees']['before']['describe']}); after: {after} "
+          f"({report['trees']['after']['describe']}); {_cpu_name()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}; "
+          f"{pairs} pairs, {threads} threads; ratios after / before", flush=True)
+    t_all = time.time()
+    for sh in shapes:
+        work = Path(workdir).expanduser() / sh
+        if not (work / "hf" / "config.json").exists():
+            make_random_model(str(work / "hf"), **SHAPES[sh], overwrite=True)
+        a = dict(work=work, hf=work / "hf")
+        for n in map(int, tps):
+            for q in quants:
+                model, per_rank = _pmx_model(n, a, None if q == "none" else q), max(1, threads // n)
+                head = [REPO / "scripts" / "mpirun.sh", "-np", n] if n > 1 else []
+                cmd = head + [sys.executable, SELF, "job_worker", "pmx", model, "--tokens", tokens,
+                              "--engine_options", json.dumps(opts)]
+                name = f"{sh} TP={n} {'fp32' if q == 'none' else q}"
+                rec = {"shape": {"name": sh, **SHAPES[sh]}, "tp": n, "quant": q, "model": str(model),
+                       "threads_per_rank": per_rank, "jobs": {}, "loadavg": {"start": os.getloadavg()}}
+
+                def check(infos: dict) -> None:  # every rank of each job runs its own tree's runner
+                    for label, ranks in infos.items():
+                        wrong = [i["runner"] for i in ranks if not Path(i["runner"]).is_relative_to(trees[label])]
+                        if len(ranks) != n or wrong:
+                            raise SystemExit(f"versions: the {label} job imported runner from {wrong or ranks}, "
+                                             f"not from {trees[label]} on {n} rank(s)")
+                        print(f"  {label}: {ranks[0]['runner']} ({ranks[0]['api']}), {n} x {ranks[0]['threads']} "
+                              f"thread(s)", flush=True)
+                    rec["jobs"] = infos
+
+                t0 = time.time()
+                print(f"\n{name}: loading", flush=True)
+                rates, ratios = _alternate({k: (cmd, per_rank, _tree_env(t, k), t) for k, t in trees.items()},
+                                           chosen, pairs, on_ready=check)
+                rec.update(seconds=time.time() - t0, first_in_pair=["before" if i % 2 == 0 else "after"
+                                                                    for i in range(pairs)])
+                rec["loadavg"]["end"] = os.getloadavg()
+                rec["points"] = {m: {"before": rates["before", m], "after": rates["after", m],
+                                     "after_over_before": ratios[m], **_stats(ratios[m])} for m in chosen}
+                print(f"{name}: {n} rank(s) x {per_rank} thread(s), {pairs} pairs, "
+                      f"load {rec['loadavg']['start'][0]:.2f}"
+                      f" -> {rec['loadavg']['end'][0]:.2f}, {rec['seconds'] / 60:.1f} min")
+                _summary({k: v for k, v in rates.items() if k[1] != "mixed"},
+                         {m: r for m, r in ratios.items() if m != "mixed"}, "before", "after")
+                if "mixed" in chosen:
+                    pt = rec["points"]["mixed"]
+                    pt["time_after_over_before"] = t = [y["mixed_ms"] / x["mixed_ms"]
+                                                        for x, y in zip(pt["before"], pt["after"])]
+                    pt["time"] = _stats(t)
+                    pt["mixed_over_apart"] = {k: _stats([x["mixed_over_apart"] for x in pt[k]]) for k in trees}
+                    ms = {k: statistics.median(x["mixed_ms"] for x in pt[k]) for k in trees}
+                    moa = pt["mixed_over_apart"]
+                    print(f"  mixed step (64 decoding + 512 prefill): before {ms['before']:.1f}, after "
+                          f"{ms['after']:.1f} ms (medians); time ratio median {pt['time']['median']:.3f}, geometric "
+                          f"mean {pt['time']['geomean']:.3f}, range {pt['time']['min']:.2f}-{pt['time']['max']:.2f}; "
+                          f"mixed / apart: before {moa['before']['median']:.3f}, after {moa['after']['median']:.3f}")
+                report["configs"].append(rec)
+                path.write_text(json.dumps(report, indent=1))
+    report["minutes"] = (time.time() - t_all) / 60
+    path.write_text(json.dumps(report, indent=1))
+    _versions_table(report)
+    print(f"\n{report['minutes']:.1f} min; raw numbers: {path}")
+
+
+def _versions_table(report: dict) -> None:
+    """All configurations of a `versions` run in one markdown table, and what misses issue 24's marks."""
+    cols = [("decode_b1", "decode b=1"), ("decode_b16", "decode b=16"), ("prefill_512", "prefill 512")]
+
+    def cell(s: dict) -> str:
+        return f"{s['median']:.3f} ({s['min']:.2f}-{s['max']:.2f})"
+
+    print(f"\nafter / before, median of {report['pairs']} per-pair ratios (range): tokens/s, above 1 is faster; "
+          f"the mixed step's time, below 1 is faster\n")
+    print("| shape | TP | weights | " + " | ".join(c for _, c in cols) + " | mixed step time | mixed / apart, "
+          "before / after |")
+    print("|---|---|---|---|---|---|---|---|")
+    misses = []
+    for c in report["configs"]:
+        pts, name = c["points"], f"{c['shape']['name']} TP={c['tp']} {'fp32' if c['quant'] == 'none' else c['quant']}"
+        row = [cell(pts[m]) if m in pts else "" for m, _ in cols]
+        misses += [f"{name} {label} {pts[m]['median']:.3f}" for m, label in cols
+                   if m in pts and pts[m]["median"] < 0.97]
+        if "mixed" in pts:
+            mx = pts["mixed"]
+            row += [cell(mx["time"]), f"{mx['mixed_over_apart']['before']['median']:.3f} / "
+                                      f"{mx['mixed_over_apart']['after']['median']:.3f}"]
+            misses += [f"{name} mixed step time {mx['time']['median']:.3f}"] * (mx["time"]["median"] > 1.03)
+            misses += [f"{name} mixed / apart {mx['mixed_over_apart']['after']['median']:.3f}"] * \
+                (mx["mixed_over_apart"]["after"]["median"] > 1.3)
+        else:
+            row += ["", ""]
+        print(f"| {c['shape']['name']} | {c['tp']} | {'fp32' if c['quant'] == 'none' else c['quant']} | "
+              + " | ".join(row) + " |")
+    print("\nissue 24's marks (medians: tokens/s ratio >= 0.97, mixed time ratio <= 1.03, after's mixed / apart <= "
+          "1.3): " + ("all met" if not misses else "missed: " + "; ".join(misses)))
+
+
 def _cpu_name() -> str:
     try:
         return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
@@ -719,5 +897,6 @@ def _cpu_name() -> str:
 
 
 if __name__ == "__main__":
-    commands = {"main": main, "worker": worker, "paired": paired, "job_worker": job_worker, "tp_paired": tp_paired}
+    commands = {"main": main, "worker": worker, "paired": paired, "job_worker": job_worker, "tp_paired": tp_paired,
+                "versions": versions}
     fire.Fire(commands if len(sys.argv) > 1 and sys.argv[1] in set(commands) - {"main"} else main)
