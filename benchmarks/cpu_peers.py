@@ -24,16 +24,39 @@ load average at start and end. About 2 minutes a round for base on 2 cores, plus
     python benchmarks/cpu_peers.py paired [--shape base|gqa] [--pmx pmx1|pmx1-int8|pmx1-int4]
         [--peer llama.cpp|llama.cpp-q8_0|llama.cpp-q4_0|ct2|ct2-int8] [--point decode_b1|prefill_512] [--pairs 12]
     python benchmarks/cpu_peers.py tp_paired [--shape gqa|base] [--pairs 12] [--quant int8|int4]
+    python benchmarks/cpu_peers.py versions --base BEFORE_TREE [--shape gqa|base|all] [--tp 1,2] [--quant none,int8]
+        [--pairs 12] [--metrics decode_b1,decode_b16,prefill_512,mixed] [--json_path out/versions_SHAPE.json]
 
 `paired` measures batch-1 decode (or a 512-token prefill) of pmx-runner TP=1 and one peer in alternating slices of
 a few seconds and reports the median of the per-pair ratios: on a box whose memory bandwidth swings between rounds, this
 resolves differences of a few percent that round medians cannot. `tp_paired` does the same for pmx-runner TP=2
 against TP=1 at every point (decode batch 1 and 16, prefill 512): both jobs stay loaded and take turns.
 
+`versions` does the same for two versions of pmx-runner (a before/after check of a change): the code in BEFORE_TREE
+(a checkout, e.g. `git worktree add --detach /work/baseline main`) against this checkout, at every point and for
+each shape, TP (1: one process, THREADS threads; 2: mpirun, THREADS/2 a rank) and weights (fp32, int8) asked for,
+both jobs on the same model files. Each job imports `runner` from its own tree (PYTHONPATH and cwd set to the tree;
+every rank's runner.__file__ is checked and recorded) and builds the C++ extension into a directory of its own
+(~/.cache/pmx-runner/ext-before, ext-after). Point `mixed` is benchmarks/cpu_step.py's mixed step (64 sequences
+decoding after 64 tokens of history and one 512-token prompt chunk, one step through the ppl.pmx step contract) and
+the same two apart, taking turns step by step (3 of each a slice; cache rows STEP_ROWS apart). It prints per point
+the median of the per-pair after / before ratios of tokens/s (above 1: after is faster), their geometric mean and
+range; for `mixed` the ratio of the mixed step's time (below 1: faster) and each tree's mixed / apart (the per-pair
+lines on stderr give tokens/s throughout; mixed: 576 tokens over its step time); at the end one markdown table of
+every configuration and which of issue 24's marks were missed. Other users' processes disturb it: one that keeps a
+core busy slows TP=1 (two OpenMP threads, one sharing its core) several times over, and the two slices of a pair
+unequally. So every slice also measures the cores everything else kept busy meanwhile (/proc, CPU seconds a second);
+a pair where either slice saw more than BUSY_CORES is not quiet, and per point the count of quiet pairs and their
+median ratio are printed too (the headline medians are over all pairs). The JSON (written after each configuration)
+holds every raw figure, both trees' `git describe`, the CPU, thread counts, load averages and the other processes'
+cores of each slice. The engine's API is known in one place, open_engine, which finds the API of the `runner` it
+imports.
+
 One shape per invocation (base: dim 768, 12 layers, 12 heads MHA, intermediate 2048, vocab 32000;
 gqa: dim 1024, 10 layers, 16 heads / 4 KV heads, intermediate 2816, vocab 32000); run it twice for
-both. `--engine_options` is a JSON object of runner.engine.model.EngineOptions fields, passed to
-open_session(options=...) of both pmx runs. Checkpoints and conversions are cached under --workdir.
+both (versions: `--shape all`). `--engine_options` is a JSON object of engine option fields
+(runner.engine.model.EngineOptions), passed to open_session through open_engine in every pmx run. Checkpoints and
+conversions are cached under --workdir.
 
 A missing peer is skipped with a one-line reason. With `--install True` (the default) a missing
 ctranslate2 is installed into this venv (`python -m pip install ctranslate2`). llama.cpp comes from
@@ -68,6 +91,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import fire
 
@@ -134,16 +158,40 @@ def _engine_options(opts) -> dict:
             for k, v in dict(opts).items()}
 
 
+def open_engine(model: str, engine_options="{}") -> SimpleNamespace:
+    """This rank's pmx-runner engine on `model`, behind one face whatever the engine API of the `runner` imported:
+    the one place that knows that API (issue 24 moves it; fix it here). `engine_options`: JSON or a dict of the
+    engine option fields (the same names in both APIs). The face: generate(prompts, n) -> the generated id lists;
+    forward(**ppl.pmx step inputs, kv_cache=, kv_scale=) -> logits (benchmarks/cpu_step.py); new_cache(rows) ->
+    (kv_cache, kv_scale); vocab_size; is_main; close(); api (which API was found) and runner (runner.__file__)."""
+    import runner
+    from runner.engine.session import open_session
+    opts = _engine_options(engine_options)
+    try:
+        from runner.config import EngineConfig  # issue 24: one engine core
+    except ImportError:
+        EngineConfig = None
+    if EngineConfig is not None:
+        sess = open_session(model, EngineConfig(**opts))
+        generate, stepper = sess.engine.generate, sess.stepper
+    else:  # before issue 24 (5ae015a and earlier)
+        from runner.engine.generator import Generator
+        from runner.engine.model import EngineOptions
+        sess = open_session(model, options=EngineOptions(**opts))
+        generate, stepper = (lambda p, n: Generator(sess.model).generate(p, n)), sess.model
+    return SimpleNamespace(api="EngineConfig" if EngineConfig else "EngineOptions", runner=runner.__file__,
+                           generate=generate, forward=stepper.forward, new_cache=lambda rows: stepper.new_cache(rows),
+                           vocab_size=json.loads((Path(model) / "pmx_params.json").read_text())["vocab_size"],
+                           is_main=sess.is_main, close=sess.close)
+
+
 def _pmx_numbers(model: str, decode_tokens: int, engine_options: str) -> dict:
     import torch
-    from runner.engine.generator import Generator
-    from runner.engine.model import EngineOptions
-    from runner.engine.session import open_session
-    sess = open_session(model, options=EngineOptions(**_engine_options(engine_options)))
-    res = _measure(lambda p, n: Generator(sess.model).generate(p, n), decode_tokens)
+    eng = open_engine(model, engine_options)
+    res = _measure(eng.generate, decode_tokens)
     res["threads"] = torch.get_num_threads()
-    sess.close()
-    return res if sess.is_main else {}
+    eng.close()
+    return res if eng.is_main else {}
 
 
 def _transformers_numbers(model: str, decode_tokens: int, threads: int) -> dict:
@@ -200,7 +248,7 @@ def _pmx_model(n: int, a: dict, quant: str | None = None) -> Path:
     pmx = a["work"] / (f"pmx{n}-{quant}" if quant else f"pmx{n}")
     if not (pmx / "pmx_params.json").exists():
         convert(str(a["hf"]), str(pmx), num_shards=n, overwrite=True, progress=False,
-                quant=scheme_from_flags(quant, quantize_output=True))
+                quant=scheme_from_flags(quant, quantize_output=quant is not None))
     return pmx
 
 
@@ -466,9 +514,6 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
             [--point decode_b1|prefill_512] [--pairs 12] [--tokens 64]
     """
     import torch
-    from runner.engine.generator import Generator
-    from runner.engine.model import EngineOptions
-    from runner.engine.session import open_session
     from runner.pmx.random_model import make_random_model
     quant = pmx.split("-", 1)[1] if "-" in pmx else None
     peers = ("llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "ct2", "ct2-int8")
@@ -502,9 +547,8 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
     except Skip as e:
         raise SystemExit(f"paired: {LABELS[peer]} is not available: {e}") from None
     torch.set_num_threads(threads)
-    sess = open_session(str(_pmx_model(1, a, quant)), options=EngineOptions(**_engine_options(engine_options)))
-    pmx_generate = lambda p, n: Generator(sess.model).generate(p, n)  # noqa: E731
-    rate = partial(_point_rate, pmx_generate, point, tokens)
+    eng = open_engine(str(_pmx_model(1, a, quant)), engine_options)
+    rate = partial(_point_rate, eng.generate, point, tokens)
     rate()  # warm-up
 
     ours, theirs = [], []
@@ -514,7 +558,7 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
         theirs.append(y)
         print(f"pair {i + 1}/{pairs}: {LABELS[pmx]} {x:.1f}, {LABELS[peer]} {y:.1f} tok/s, ratio {x / y:.3f}",
               file=sys.stderr, flush=True)
-    sess.close()
+    eng.close()
     ratios = [x / y for x, y in zip(ours, theirs)]
     what = f"batch 1, {tokens} tokens a slice" if point == "decode_b1" else "prefill of 512 tokens, 2 a slice"
     print(f"shape {shape}, {what}, {pairs} pairs: {LABELS[pmx]} {statistics.median(ours):.1f} tok/s, {LABELS[peer]} "
@@ -523,16 +567,20 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
 
 
 def job_worker(system: str, model: str, ctl: str, tokens: int = 64, threads: int = 2, engine_options="{}") -> None:
-    """One measured job of `tp_paired` / `paired` (every rank of it: system pmx, or ct2): loads the model, then
-    measures what the command files ctl/cmd.K (K = 0, 1, ...) ask for, writing the rate to ctl/res.K (rank 0), until
-    one says quit. It waits for a command by polling every 2 ms, so it takes no cycles from the job being measured."""
-    ctl, main_rank = Path(ctl), True
+    """One measured job of `tp_paired` / `paired` / `versions` (every rank of it: system pmx, or ct2): loads the model,
+    then measures what the command files ctl/cmd.K (K = 0, 1, ...) ask for, writing the rate (JSON: a number, or for
+    the pmx point `mixed` a dict, see _mixed_point) to ctl/res.K (rank 0), until one says quit. It waits for a command
+    by polling every 2 ms, so it takes no cycles from the job being measured. A pmx job's every rank writes
+    ctl/info.RANK.json first: the `runner` it imported, the engine API found, its threads."""
+    ctl, main_rank, steps = Path(ctl), True, {}
     if system == "pmx":
-        from runner.engine.generator import Generator
-        from runner.engine.model import EngineOptions
-        from runner.engine.session import open_session
-        sess = open_session(model, options=EngineOptions(**_engine_options(engine_options)))
-        gen, main_rank, close = (lambda p, n: Generator(sess.model).generate(p, n)), sess.is_main, sess.close
+        import torch
+        eng = open_engine(model, engine_options)
+        gen, main_rank, close = eng.generate, eng.is_main, eng.close
+        rank = next((os.environ[v] for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+                     if v in os.environ), "0")
+        (ctl / f"info.{rank}.json").write_text(json.dumps({"rank": int(rank), "runner": eng.runner, "api": eng.api,
+                                                           "threads": torch.get_num_threads(), "pid": os.getpid()}))
     else:
         import ctranslate2
         ct2 = ctranslate2.Generator(model, device="cpu", intra_threads=threads, inter_threads=1)
@@ -551,56 +599,125 @@ def job_worker(system: str, model: str, ctl: str, tokens: int = 64, threads: int
         what = cmd.read_text()
         if what == "quit":
             break
-        r = _point_rate(gen, what, tokens)
+        r = _mixed_point(eng, steps) if what == "mixed" else _point_rate(gen, what, tokens)
         if main_rank:
-            (ctl / f"res.{k}.tmp").write_text(repr(r))
+            (ctl / f"res.{k}.tmp").write_text(json.dumps(r))
             (ctl / f"res.{k}.tmp").rename(ctl / f"res.{k}")
     close()
 
 
-def _alternate(jobs: dict, metrics: list, pairs: int) -> tuple[dict, dict]:
-    """Starts `jobs` ({label: (command, threads)}, each running job_worker), lets them load one after the other,
-    then has them measure each metric in turn, `pairs` times, alternating who goes first. Returns
-    (rates {(label, metric): [...]}, ratios {metric: [second / first, ...]}) for the two labels in order."""
+BUSY_CORES = 0.25  # a slice during which other processes kept more cores than this busy is disturbed (versions)
+STEP_ROWS = 128  # cache rows between the mixed point's sequences (cpu_step.py: 1024, for base 4.9 GB a job)
+
+
+def _mixed_point(eng, steps: dict, reps: int = 3) -> dict:
+    """The mixed step of benchmarks/cpu_step.py (64 sequences decoding one token after 64 of history, and one
+    512-token prompt chunk, in one step through the ppl.pmx step contract) and the same two apart, taking turns step by
+    step, each the median of `reps`; `steps` keeps the inputs and the cache from one call to the next (the first call
+    builds them and runs each step once untimed). rate: the mixed step's tokens/s (576 tokens)."""
+    import torch
+    import cpu_step as cs
+    first = not steps
+    if first:
+        g = torch.Generator().manual_seed(0)
+        steps["cache"] = eng.new_cache(cs.cache_rows(STEP_ROWS))
+        steps["inputs"] = {"mixed": cs.mixed_inputs(eng.vocab_size, g, STEP_ROWS),
+                           "decode_b64": cs.decode_inputs(eng.vocab_size, cs.DECODERS, g, STEP_ROWS),
+                           "prefill_512": cs.prefill_inputs(eng.vocab_size, g, STEP_ROWS)}
+    ms = {k: t * 1e3 for k, t in cs.time_steps(eng.forward, steps["inputs"], steps["cache"], reps,
+                                                 warmup=1 if first else 0).items()}
+    return {"rate": (cs.DECODERS + cs.CHUNK) / ms["mixed"] * 1e3, "mixed_ms": ms["mixed"],
+            "decode_b64_ms": ms["decode_b64"], "prefill_512_ms": ms["prefill_512"],
+            "mixed_over_apart": ms["mixed"] / (ms["decode_b64"] + ms["prefill_512"])}
+
+
+def _rate(r) -> float:
+    """A job's figure for one point: its rate (tokens/s) whether the point gave a number or a dict."""
+    return r["rate"] if isinstance(r, dict) else r
+
+
+def _cpu_seconds(root: int | None = None) -> float:
+    """CPU seconds used so far by process `root` and its descendants (their threads included), or (None) by the whole
+    machine (/proc/stat: all but idle and iowait; steal, time the hypervisor gave to other guests, included)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    if root is None:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        return (sum(v) - v[3] - v[4]) / hz
+    ticks, children = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the name: state, ppid, ..., utime (11), stime (12)
+        except OSError:
+            continue
+        ticks[int(pid)] = int(fields[11]) + int(fields[12])
+        children.setdefault(int(fields[1]), []).append(int(pid))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += ticks.get(pid, 0)
+        todo += children.get(pid, [])
+    return total / hz
+
+
+def _alternate(jobs: dict, metrics: list, pairs: int, on_ready=None, others: dict | None = None
+               ) -> tuple[dict, dict]:
+    """Starts `jobs` ({label: (command, threads)} or {label: (command, threads, env, cwd)}, each running job_worker;
+    env: variables set over this process's), lets them load one after the other, then has them measure each metric
+    in turn, `pairs` times, alternating who goes first. `on_ready({label: [ctl/info.*.json of its ranks]})` is called
+    once all are loaded (it may raise to stop). Returns (rates {(label, metric): [...]}, ratios {metric: [second /
+    first, ...]}) for the two labels in order; a rate is what job_worker wrote (a number, or a dict holding "rate").
+    With `others` (a dict), others[label, metric] lists, slice by slice, the cores that everything but the measured
+    job kept busy meanwhile (CPU seconds a second; the idle job's and this process's polling included, ~0.02)."""
     import tempfile
     first, second = list(jobs)
     rates = {(n, m): [] for n in jobs for m in metrics}
     ratios = {m: [] for m in metrics}
     with tempfile.TemporaryDirectory(prefix="pmx-paired-") as tmp:
         procs, count = {}, {n: 0 for n in jobs}
-        for i, (n, (cmd, threads)) in enumerate(jobs.items()):
-            ctl = Path(tmp) / f"job{i}"
-            ctl.mkdir()
-            procs[n] = (ctl, subprocess.Popen([str(c) for c in cmd + ["--ctl", ctl]], cwd=REPO, start_new_session=True,
-                                              env={**os.environ, "OMP_NUM_THREADS": str(threads)}))
         try:
-            for n, (ctl, proc) in procs.items():  # loaded one after the other: their warm-ups do not overlap
-                while not (ctl / "ready").exists():
+            for i, (n, (cmd, threads, *rest)) in enumerate(jobs.items()):
+                env, cwd = rest if rest else ({}, REPO)
+                ctl = Path(tmp) / f"job{i}"
+                ctl.mkdir()
+                proc = subprocess.Popen([str(c) for c in cmd + ["--ctl", ctl]], cwd=cwd, start_new_session=True,
+                                        env={**os.environ, "OMP_NUM_THREADS": str(threads), **env})
+                procs[n] = (ctl, proc)
+                while not (ctl / "ready").exists():  # loaded one after the other: their warm-ups do not overlap
                     if proc.poll() is not None:
                         raise SystemExit(f"{n}: the job exited ({proc.returncode}) before it was ready")
                     time.sleep(0.05)
+            if on_ready:
+                on_ready({n: [json.loads(f.read_text()) for f in sorted(ctl.glob("info.*.json"))]
+                          for n, (ctl, _) in procs.items()})
 
-            def measure(n: str, metric: str) -> float:
+            def measure(n: str, metric: str):
                 ctl, proc = procs[n]
                 k = count[n]
                 count[n] += 1
+                if others is not None:
+                    t0, busy0, own0 = time.perf_counter(), _cpu_seconds(), _cpu_seconds(proc.pid)
                 (ctl / f"cmd.{k}.tmp").write_text(metric)
                 (ctl / f"cmd.{k}.tmp").rename(ctl / f"cmd.{k}")
                 while not (ctl / f"res.{k}").exists():
                     if proc.poll() is not None:
                         raise SystemExit(f"{n}: the job exited ({proc.returncode}) measuring {metric}")
                     time.sleep(0.002)
-                return float((ctl / f"res.{k}").read_text())
+                if others is not None:
+                    busy, own = _cpu_seconds() - busy0, _cpu_seconds(proc.pid) - own0
+                    others.setdefault((n, metric), []).append(max(0.0, busy - own) / (time.perf_counter() - t0))
+                return json.loads((ctl / f"res.{k}").read_text())
 
             for i in range(pairs):
                 for m in metrics:
                     got = {n: measure(n, m) for n in ((first, second) if i % 2 == 0 else (second, first))}
                     for n in jobs:
                         rates[n, m].append(got[n])
-                    ratios[m].append(got[second] / got[first])
+                    ratios[m].append(_rate(got[second]) / _rate(got[first]))
                 print(f"pair {i + 1}/{pairs}: " + ", ".join(
-                    f"{m} {first} {rates[first, m][-1]:.1f} {second} {rates[second, m][-1]:.1f} ({ratios[m][-1]:.3f})"
-                    for m in metrics), file=sys.stderr, flush=True)
+                    f"{m} {first} {_rate(rates[first, m][-1]):.1f} {second} {_rate(rates[second, m][-1]):.1f} "
+                    f"({ratios[m][-1]:.3f})" for m in metrics), file=sys.stderr, flush=True)
         finally:
             for n, (ctl, proc) in procs.items():
                 (ctl / f"cmd.{count[n]}.tmp").write_text("quit")
@@ -651,6 +768,195 @@ def tp_paired(shape: str = "gqa", pairs: int = 12, tokens: int = 64, threads: in
     _summary(rates, ratios, "TP1", "TP2")
 
 
+VERSION_POINTS = METRICS + ("mixed",)
+
+
+def _csv(x) -> list[str]:
+    """A comma-separated flag as strings, whether fire left it a string or made it a tuple or a number."""
+    if isinstance(x, (list, tuple)):
+        return [str(v) for v in x]
+    return [v.strip() for v in str(x).split(",") if v.strip()]
+
+
+def _git(tree: Path) -> dict:
+    def g(*args) -> str | None:
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True).stdout.strip() or None
+    return {"path": str(tree), "describe": g("describe", "--always", "--dirty"), "commit": g("rev-parse", "HEAD")}
+
+
+def _tree_env(tree: Path, label: str) -> dict:
+    """A job's environment for the code in `tree`: its runner first on the path (PYTHONPATH goes ahead of the venv's
+    editable install), its own C++ extension builds (the two trees' sources would rebuild over each other in one
+    directory), and no .pyc written into the tree."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
+            "TORCH_EXTENSIONS_DIR": str(CACHE / f"ext-{label}"), "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def _stats(r: list) -> dict:
+    return {"median": statistics.median(r), "geomean": statistics.geometric_mean(r), "min": min(r), "max": max(r)}
+
+
+def versions(base: str, shape: str = "gqa", tp="1,2", quant="none,int8", pairs: int = 12, tokens: int = 64,
+             threads: int = 2, metrics: str = ",".join(VERSION_POINTS), engine_options="{}",
+             json_path: str | None = None, workdir: str = str(CACHE / "peers")) -> None:
+    """The code at `base` ("before") against this checkout ("after"), paired as tp_paired: for each shape, TP and
+    weights, one job of each (the same model files and threads; TP=2: scripts/mpirun.sh -np 2, threads / 2 a rank)
+    stays loaded and they take turns at every point, alternating who goes first. Prints, per point, the median of
+    the per-pair after / before ratios of tokens/s (above 1: after is faster), their geometric mean and range; for
+    `mixed` (cpu_step.py's mixed step: 64 decoding + one 512-token chunk, and the two apart) the after / before
+    ratio of the mixed step's time (below 1: after is faster) and each tree's mixed / apart; then one table of all.
+    Each slice also records the cores other processes kept busy meanwhile: a pair where either slice saw more than
+    BUSY_CORES is not quiet, and the quiet pairs' medians are printed beside the medians of all. Every raw figure
+    goes to `json_path` (default out/versions_SHAPE.json), written after each configuration.
+
+        python benchmarks/cpu_peers.py versions --base /work/baseline [--shape gqa|base|all] [--tp 1,2]
+            [--quant none,int8] [--pairs 12] [--metrics decode_b1,decode_b16,prefill_512,mixed]
+    """
+    before, after = Path(base).expanduser().resolve(), REPO
+    shapes = list(SHAPES) if shape == "all" else _csv(shape)
+    tps, quants, chosen = _csv(tp), _csv(quant), _csv(metrics)
+    if set(shapes) - set(SHAPES) or not shapes or set(tps) - {"1", "2"} or not tps or \
+            set(quants) - {"none", "int8", "int4"} or not quants or set(chosen) - set(VERSION_POINTS) or not chosen:
+        raise SystemExit(f"versions: --shape base|gqa|all, --tp some of 1,2, --quant some of none,int8,int4, "
+                         f"--metrics some of {','.join(VERSION_POINTS)}")
+    if not (before / "runner" / "__init__.py").is_file():
+        raise SystemExit(f"versions: --base {before} holds no runner/ (a checkout of pmx-runner, e.g. a git worktree)")
+    sys.path.insert(0, str(REPO))  # the conversions by this checkout's runner (not the venv's editable install's)
+    import torch
+    from runner.pmx.random_model import make_random_model
+    opts, trees = _engine_options(engine_options), {"before": before, "after": after}
+    report = {"command": sys.argv[1:], "trees": {k: _git(t) for k, t in trees.items()},
+              "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                           "mpi4py": _versions({})["mpi4py"]},
+              "cpu": {"cores": os.cpu_count(), "machine": platform.machine(), "processor": _cpu_name()},
+              "threads": threads, "tokens": tokens, "pairs": pairs, "engine_options": opts, "step_rows": STEP_ROWS,
+              "ratios": "after / before of tokens/s (mixed: also of the mixed step's time)", "configs": []}
+    path = Path(json_path or REPO / "out" / f"versions_{shape}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"before: {before} ({report['trees']['before']['describe']}); after: {after} "
+          f"({report['trees']['after']['describe']}); {_cpu_name()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}; "
+          f"{pairs} pairs, {threads} threads; ratios after / before", flush=True)
+    t_all = time.time()
+    for sh in shapes:
+        work = Path(workdir).expanduser() / sh
+        if not (work / "hf" / "config.json").exists():
+            make_random_model(str(work / "hf"), **SHAPES[sh], overwrite=True)
+        a = dict(work=work, hf=work / "hf")
+        for n in map(int, tps):
+            for q in quants:
+                model, per_rank = _pmx_model(n, a, None if q == "none" else q), max(1, threads // n)
+                head = [REPO / "scripts" / "mpirun.sh", "-np", n] if n > 1 else []
+                cmd = head + [sys.executable, SELF, "job_worker", "pmx", model, "--tokens", tokens,
+                              "--engine_options", json.dumps(opts)]
+                name = f"{sh} TP={n} {'fp32' if q == 'none' else q}"
+                rec = {"shape": {"name": sh, **SHAPES[sh]}, "tp": n, "quant": q, "model": str(model),
+                       "threads_per_rank": per_rank, "jobs": {}, "loadavg": {"start": os.getloadavg()}}
+
+                def check(infos: dict) -> None:  # every rank of each job runs its own tree's runner
+                    for label, ranks in infos.items():
+                        wrong = [i["runner"] for i in ranks if not Path(i["runner"]).is_relative_to(trees[label])]
+                        if len(ranks) != n or wrong:
+                            raise SystemExit(f"versions: the {label} job imported runner from {wrong or ranks}, "
+                                             f"not from {trees[label]} on {n} rank(s)")
+                        print(f"  {label}: {ranks[0]['runner']} ({ranks[0]['api']}), {n} x {ranks[0]['threads']} "
+                              f"thread(s)", flush=True)
+                    rec["jobs"] = infos
+
+                t0 = time.time()
+                print(f"\n{name}: loading", flush=True)
+                others = {}
+                rates, ratios = _alternate({k: (cmd, per_rank, _tree_env(t, k), t) for k, t in trees.items()},
+                                           chosen, pairs, on_ready=check, others=others)
+                rec.update(seconds=time.time() - t0, first_in_pair=["before" if i % 2 == 0 else "after"
+                                                                    for i in range(pairs)])
+                rec["loadavg"]["end"] = os.getloadavg()
+                rec["points"] = {m: {"before": rates["before", m], "after": rates["after", m],
+                                     "after_over_before": ratios[m], **_stats(ratios[m]),
+                                     "other_cores": {k: others[k, m] for k in trees}} for m in chosen}
+                if "mixed" in chosen:
+                    pt = rec["points"]["mixed"]
+                    pt["time_after_over_before"] = [y["mixed_ms"] / x["mixed_ms"] for x, y in zip(pt["before"],
+                                                                                                 pt["after"])]
+                    pt["time"] = _stats(pt["time_after_over_before"])
+                    pt["mixed_over_apart"] = {k: _stats([x["mixed_over_apart"] for x in pt[k]]) for k in trees}
+                for m, pt in rec["points"].items():  # quiet: no other process kept BUSY_CORES busy in either slice
+                    r = pt["time_after_over_before"] if m == "mixed" else pt["after_over_before"]
+                    pt["quiet_pairs"] = [i for i in range(pairs) if max(pt["other_cores"]["before"][i],
+                                                                        pt["other_cores"]["after"][i]) <= BUSY_CORES]
+                    if pt["quiet_pairs"]:
+                        pt["quiet"] = _stats([r[i] for i in pt["quiet_pairs"]])
+                busy = statistics.median(x for pt in rec["points"].values() for k in trees
+                                         for x in pt["other_cores"][k])
+                print(f"{name}: {n} rank(s) x {per_rank} thread(s), {pairs} pairs, "
+                      f"load {rec['loadavg']['start'][0]:.2f} -> {rec['loadavg']['end'][0]:.2f}, "
+                      f"{rec['seconds'] / 60:.1f} min; other processes: {busy:.2f} cores a slice (median), quiet "
+                      f"pairs " + ", ".join(f"{m} {len(pt['quiet_pairs'])}" for m, pt in rec["points"].items()))
+                _summary({k: v for k, v in rates.items() if k[1] != "mixed"},
+                         {m: r for m, r in ratios.items() if m != "mixed"}, "before", "after")
+                if "mixed" in chosen:
+                    pt = rec["points"]["mixed"]
+                    ms = {k: statistics.median(x["mixed_ms"] for x in pt[k]) for k in trees}
+                    moa = pt["mixed_over_apart"]
+                    print(f"  mixed step (64 decoding + 512 prefill): before {ms['before']:.1f}, after "
+                          f"{ms['after']:.1f} ms (medians); time ratio median {pt['time']['median']:.3f}, geometric "
+                          f"mean {pt['time']['geomean']:.3f}, range {pt['time']['min']:.2f}-{pt['time']['max']:.2f}; "
+                          f"mixed / apart: before {moa['before']['median']:.3f}, after {moa['after']['median']:.3f}")
+                for m, pt in rec["points"].items():
+                    if 0 < len(pt["quiet_pairs"]) < pairs:
+                        q = pt["quiet"]
+                        print(f"  {m}, the {len(pt['quiet_pairs'])} quiet pairs only: {'time ' * (m == 'mixed')}"
+                              f"ratio median {q['median']:.3f}, range {q['min']:.2f}-{q['max']:.2f}")
+                report["configs"].append(rec)
+                path.write_text(json.dumps(report, indent=1))
+    report["minutes"] = (time.time() - t_all) / 60
+    path.write_text(json.dumps(report, indent=1))
+    _versions_table(report)
+    print(f"\n{report['minutes']:.1f} min; raw numbers: {path}")
+
+
+def _versions_table(report: dict) -> None:
+    """All configurations of a `versions` run in one markdown table, and what misses issue 24's marks."""
+    cols = [("decode_b1", "decode b=1"), ("decode_b16", "decode b=16"), ("prefill_512", "prefill 512"),
+            ("mixed", "mixed step time")]
+
+    def cell(s: dict) -> str:
+        return f"{s['median']:.3f} ({s['min']:.2f}-{s['max']:.2f})"
+
+    print(f"\nafter / before, median of {report['pairs']} per-pair ratios (range): tokens/s, above 1 is faster; "
+          f"the mixed step's time, below 1 is faster. Quiet pairs: no other process kept {BUSY_CORES} cores busy "
+          f"in either slice (the fewest of any point)\n")
+    print("| shape | TP | weights | " + " | ".join(c for _, c in cols) + " | mixed / apart, before / after | "
+          "quiet pairs |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    misses = []
+    for c in report["configs"]:
+        pts, w = c["points"], "fp32" if c["quant"] == "none" else c["quant"]
+        name = f"{c['shape']['name']} TP={c['tp']} {w}"
+        row = []
+        for m, label in cols:
+            if m not in pts:
+                row.append("")
+                continue
+            s = pts[m]["time"] if m == "mixed" else pts[m]
+            row.append(cell(s))
+            if (s["median"] > 1.03) if m == "mixed" else (s["median"] < 0.97):
+                q = pts[m].get("quiet")
+                misses.append(f"{name} {label} {s['median']:.3f}" + (
+                    f" ({len(pts[m]['quiet_pairs'])} quiet pairs: {q['median']:.3f})" if q else " (no quiet pair)"))
+        if "mixed" in pts:
+            moa = pts["mixed"]["mixed_over_apart"]
+            row.append(f"{moa['before']['median']:.3f} / {moa['after']['median']:.3f}")
+            if moa["after"]["median"] > 1.3:
+                misses.append(f"{name} mixed / apart {moa['after']['median']:.3f}")
+        else:
+            row.append("")
+        row.append(f"{min(len(p['quiet_pairs']) for p in pts.values())}/{report['pairs']}")
+        print(f"| {c['shape']['name']} | {c['tp']} | {w} | " + " | ".join(row) + " |")
+    print("\nissue 24's marks (medians: tokens/s ratio >= 0.97, mixed step time ratio <= 1.03, after's mixed / apart "
+          "<= 1.3): " + ("all met" if not misses else "missed: " + "; ".join(misses)))
+
+
 def _cpu_name() -> str:
     try:
         return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
@@ -659,5 +965,6 @@ def _cpu_name() -> str:
 
 
 if __name__ == "__main__":
-    commands = {"main": main, "worker": worker, "paired": paired, "job_worker": job_worker, "tp_paired": tp_paired}
+    commands = {"main": main, "worker": worker, "paired": paired, "job_worker": job_worker, "tp_paired": tp_paired,
+                "versions": versions}
     fire.Fire(commands if len(sys.argv) > 1 and sys.argv[1] in set(commands) - {"main"} else main)
