@@ -180,7 +180,7 @@ def open_engine(model: str, engine_options="{}") -> SimpleNamespace:
         sess = open_session(model, options=EngineOptions(**opts))
         generate, stepper = (lambda p, n: Generator(sess.model).generate(p, n)), sess.model
     return SimpleNamespace(api="EngineConfig" if EngineConfig else "EngineOptions", runner=runner.__file__,
-                           generate=generate, forward=stepper.forward, new_cache=lambda rows: stepper.new_cache(rows),
+                           generate=generate, forward=stepper.forward, new_cache=sess.model.new_cache,
                            vocab_size=json.loads((Path(model) / "pmx_params.json").read_text())["vocab_size"],
                            is_main=sess.is_main, close=sess.close)
 
