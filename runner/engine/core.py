@@ -34,11 +34,17 @@ CPU_CACHE_MEMORY_FRACTION = 0.25  # default KV budget on CPU: at most this share
 
 @dataclass
 class Output:
-    """What one step gave one sequence: its new token (None for a scored prompt) and the logits it came from
-    ([vocab], or [rows, vocab] of a scored prompt's chunk)."""
+    """What one step gave one sequence: its new token (None for a scored prompt) and the logits it came from: rows
+    `rows` of the step's logits (indexed only when asked for: a torch call per sequence and step costs)."""
     seq: Sequence
     token: Optional[int]
-    logits: torch.Tensor
+    step_logits: torch.Tensor
+    rows: object                 # an int, or a slice of a scored prompt's chunk
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[vocab], or [rows, vocab] of a scored prompt's chunk."""
+        return self.step_logits[self.rows]
 
 
 class EngineCore:
@@ -152,7 +158,7 @@ class EngineCore:
         for s, n in items:
             k = n if s.all_logits else 1
             if s.all_logits:
-                out.append(Output(s, None, logits[row:row + k]))
+                out.append(Output(s, None, logits, slice(row, row + k)))
             rows[s.seq_id] = row + k - 1
             row += k
         due = [s for s in ready if not s.all_logits]
@@ -178,7 +184,7 @@ class EngineCore:
                     s.finish_reason = "length"
             if s.finish_reason is not None:
                 self.scheduler.remove(s)
-            out.append(Output(s, t, lg[k]))
+            out.append(Output(s, t, lg, k))
         return out
 
     # -- whole runs ----------------------------------------------------------------------------------------------

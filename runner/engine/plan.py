@@ -294,7 +294,7 @@ class DecodeInputs:
         if buf is None:
             buf = self.buffers[size] = _Buffers(size, self.tables[0].shape[1], self.max_pages, self.device)
         buf.write(tokens, start_pos, caches, *self.tables)
-        return buf.tokens[:B], buf.plan
+        return buf.tokens if size == B else buf.tokens[:B], buf.plan
 
     def owner(self, plan: StepPlan) -> Optional[_Buffers]:
         """The buffers whose plan `plan` is, or None (a plan made by make_plan)."""
