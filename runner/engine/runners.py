@@ -182,9 +182,9 @@ class Stepper:
         """The explicit causal mask a step takes with auto_causal off (None otherwise)."""
         return None if self.config.auto_causal else causal_mask(b, self.spec.sliding_window, self.model.dtype)
 
-    @torch.inference_mode()
     def run(self, tokens: torch.Tensor, plan: StepPlan, cache: KVCache) -> torch.Tensor:
-        """float32 logits of the plan's wanted rows; the cache updated in place."""
+        """float32 logits of the plan's wanted rows; the cache updated in place. (No autograd: no tensor of the model
+        requires a gradient, so a step needs no inference-mode guard, whose entry alone costs tens of us cold.)"""
         tokens = tokens.to(self.model.device)
         for runner in self.runners:
             if runner.accepts(plan, cache):

@@ -30,7 +30,7 @@ def greedy_ids(logits: torch.Tensor) -> list:
     """The index of each row's largest logit (the first where tied) of logits [B, V]: numpy's argmax on CPU (a torch
     call right after a decode step costs several times more than numpy's), torch's elsewhere."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.detach().numpy().argmax(-1).tolist()
+        return (logits.detach() if logits.requires_grad else logits).numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()
 
 
