@@ -27,7 +27,7 @@ from runner.engine.runners import Stepper
 from runner.engine.sampler import Sampler, SamplingParams, greedy_ids
 from runner.engine.scheduler import OffsetCache, PagedCache, Scheduler, Sequence
 from runner.errors import PmxError
-from runner.kernels.reference import PAGE_SIZE
+from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP
 
 CPU_CACHE_MEMORY_FRACTION = 0.25  # default KV budget on CPU: at most this share of the available memory
 
@@ -62,8 +62,9 @@ class EngineCore:
     # -- the cache -----------------------------------------------------------------------------------------------
     def page_bytes(self) -> int:
         """Bytes of one page of cache on this rank (keys, values and int8 scales of every layer)."""
-        kv, scale = self.model.new_cache(PAGE_SIZE)
-        return kv.numel() * kv.element_size() + (0 if scale is None else scale.numel() * scale.element_size())
+        m = self.model
+        values = m.params.num_layers * 2 * m.kv_heads * m.head_dim * PAGE_SIZE
+        return values + values // QUANT_GROUP * 2 if self.config.quantized_cache else values * m.dtype.itemsize
 
     def budget_rows(self, wanted: int) -> int:
         """Cache rows: --kv_cache_tokens, else `wanted` (whole pages in paged mode) within a share of the device's
