@@ -163,7 +163,7 @@ def test_cli_quantize_and_convert_flags(make_hf, tmp_path):
     assert PmxParams.load(tmp_path / "q8").num_shards == 2  # split as the input was
 
     for args, needles in [
-        (["--quantize", "int3"], ["--quantize must be int8 or int4", "int3"]),
+        (["--quantize", "int3"], ["--quantize must be one of int8, int4", "int3"]),
         (["--quantize", "int4", "--group_size", 5], ["--group_size", "5"]),
         (["--quantize", "int4", "--group_size", 128], ["layers.0.attention.wq.weight", "group_size 128", "64"]),
     ]:
