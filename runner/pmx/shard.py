@@ -123,34 +123,33 @@ def unsharded_params(p: PmxParams) -> PmxParams:
     return p.replace(num_shards=1, kv_replication=1, padded_dims={})
 
 
+def _cut_size(p: PmxParams, name: str, size: int, part: bool) -> int:
+    """The cut axis's length of `name`: one rank's part (`part`) of a full `size`, or the full length of a part."""
+    cut, n = _cut(p, name), p.num_shards
+    if cut.kind == "dim":
+        return (p.padded(cut.dim) // n if part else getattr(p, cut.dim)) // cut.unit
+    if cut.kind == "q_heads":
+        return size // n if part else size * n
+    return (max(p.num_kv_heads // n, 1) if part else p.num_kv_heads) * p.head_dim // cut.unit  # kv_heads
+
+
+def _reshape(p: PmxParams, name: str, shape: tuple, part: bool) -> tuple:
+    cut = _cut(p, name)
+    if cut.kind == "replicate" or p.num_shards == 1:
+        return tuple(shape)
+    shape = list(shape)
+    shape[cut.axis] = _cut_size(p, name, shape[cut.axis], part)
+    return tuple(shape)
+
+
 def shard_shape(p: PmxParams, name: str, shape: tuple) -> tuple:
     """Shape of one rank's part of tensor `name` (full `shape`) under sharded params `p`."""
-    cut, n = _cut(p, name), p.num_shards
-    shape = list(shape)
-    if cut.kind == "replicate" or n == 1:
-        return tuple(shape)
-    if cut.kind == "dim":
-        shape[cut.axis] = p.padded(cut.dim) // cut.unit // n
-    elif cut.kind == "q_heads":
-        shape[cut.axis] //= n
-    else:  # kv_heads
-        shape[cut.axis] = max(p.num_kv_heads // n, 1) * p.head_dim // cut.unit
-    return tuple(shape)
+    return _reshape(p, name, shape, part=True)
 
 
 def full_shape(p: PmxParams, name: str, part: tuple) -> tuple:
     """Unsplit shape of `name` given one rank's part shape (inverse of :func:`shard_shape`)."""
-    cut, n = _cut(p, name), p.num_shards
-    shape = list(part)
-    if cut.kind == "replicate" or n == 1:
-        return tuple(shape)
-    if cut.kind == "dim":
-        shape[cut.axis] = getattr(p, cut.dim) // cut.unit
-    elif cut.kind == "q_heads":
-        shape[cut.axis] *= n
-    else:
-        shape[cut.axis] = p.num_kv_heads * p.head_dim // cut.unit
-    return tuple(shape)
+    return _reshape(p, name, part, part=False)
 
 
 def split_tensor(p: PmxParams, name: str, t: torch.Tensor) -> list[torch.Tensor]:
