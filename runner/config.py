@@ -55,6 +55,8 @@ class EngineConfig:
     context_chunk_size: PositiveInt = flag(512, "prefill tokens per step when --context_chunking")
     max_num_batched_tokens: Optional[PositiveInt] = flag(None, "tokens in one step at most, decoding ones included "
                                                                "(vLLM's; at least --max_batch)")
+    enable_prefix_caching: bool = flag(True, "--cache_mode 1: sequences share the KV pages of a common prefix (chat "
+                                             "turns, system prompts), kept until their room is needed")
     kv_cache_tokens: Optional[PositiveInt] = flag(None, "KV-cache budget in tokens (default: what the work needs, "
                                                         "within --gpu_memory_utilization of a GPU or a quarter of "
                                                         "free host memory)")

@@ -105,3 +105,70 @@ def test_a_sequence_larger_than_the_cache_is_refused():
         sched.add(Sequence(0, [1], 1, 2 * PAGE_SIZE + 1))
     with pytest.raises(ValueError, match="at least max_batch"):
         Scheduler(PagedCache(2 * PAGE_SIZE), max_batch=8, max_step_tokens=4)
+
+
+def run_to_end(sched: Scheduler, seqs: list) -> None:
+    """simulate() for sequences added later to a scheduler that already ran others."""
+    for s in seqs:
+        sched.add(s)
+    while sched.has_work():
+        batch = sched.schedule()
+        for s in sched.advance(batch):
+            s.tokens.append(7)
+            if len(s.tokens) >= s.max_len:
+                sched.remove(s)
+
+
+def test_prefix_caching_shares_the_pages_of_a_common_prefix():
+    """A second sequence whose first 2.5 pages equal a finished one's takes its first two (full) pages and computes
+    only the rest; a prompt that is all cached still computes its last token; the pages stay until room is needed."""
+    cache = PagedCache(8 * PAGE_SIZE, prefix_caching=True)
+    sched = Scheduler(cache, max_batch=4)
+    common = list(range(1, 2 * PAGE_SIZE + 60))
+    first = Sequence(0, common + [5], len(common) + 1, len(common) + 3)
+    run_to_end(sched, [first])
+    assert cache.used == 0 and cache.free == 8 and len(cache._evictable) == 2   # two full pages kept, evictable
+    second = Sequence(1, common + [9, 9], len(common) + 2, len(common) + 4, arrival=1)
+    sched.add(second)
+    batch = sched.schedule()
+    assert batch.items == [(second, len(common) + 2 - 2 * PAGE_SIZE)] and second.computed == 2 * PAGE_SIZE
+    assert second.cache[:2] == first_pages(cache, common, 2) and (cache.queries, cache.hits) == (1 + 2, 2)  # (first missed at once)
+    run_to_end(sched, [])
+    whole = Sequence(2, list(range(1, 2 * PAGE_SIZE + 1)), 2 * PAGE_SIZE, 2 * PAGE_SIZE + 1, arrival=2)
+    sched.add(whole)
+    assert sched.schedule().items == [(whole, PAGE_SIZE)]   # page 2 is not reused: its last token is computed again
+    sched.remove(whole)
+
+
+def first_pages(cache: PagedCache, tokens: list, n: int) -> list:
+    from runner.engine.scheduler import _page_key
+    key, pages = None, []
+    for i in range(n):
+        key = _page_key(key, tokens, i)
+        pages.append(cache._page_of[key])
+    return pages
+
+
+def test_prefix_pages_are_shared_by_count_and_evicted_least_recently_used():
+    """Two running sequences hold one cached page together; it is evicted only once neither holds it, after older
+    cached pages; a twin page (same content computed twice at once) stays unkeyed and frees normally."""
+    cache = PagedCache(7 * PAGE_SIZE, prefix_caching=True)
+    sched = Scheduler(cache, max_batch=4)
+    a = list(range(1, PAGE_SIZE + 1))
+    old = Sequence(0, [3] * PAGE_SIZE + [1], PAGE_SIZE + 1, PAGE_SIZE + 2)
+    run_to_end(sched, [old])                                     # one cached page of 3s
+    twins = [Sequence(i, a + [i], PAGE_SIZE + 1, PAGE_SIZE + 40, arrival=i) for i in (1, 2)]
+    for s in twins:
+        sched.add(s)
+    sched.advance(sched.schedule())                              # both prefill page `a` at once: twins
+    assert len({s.cache[0] for s in twins}) == 2 and sum(p in cache._key_of for p in (t.cache[0] for t in twins)) == 1
+    later = Sequence(3, a + [8], PAGE_SIZE + 1, PAGE_SIZE + 40, arrival=3)
+    sched.add(later)
+    sched.schedule()
+    keyed = next(t.cache[0] for t in twins if t.cache[0] in cache._key_of)
+    assert later.cache[0] == keyed and cache._refs[keyed] == 2  # shared by count
+    for s in twins + [later]:
+        sched.remove(s)
+    assert list(cache._evictable) == [old_page := next(p for p, k in cache._key_of.items() if k[1][0] == 3), keyed]
+    grab = Sequence(9, [1], 1, 6 * PAGE_SIZE)
+    assert cache.grow(grab, 6 * PAGE_SIZE) and old_page in grab.cache and keyed not in grab.cache  # oldest first

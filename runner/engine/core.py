@@ -93,7 +93,7 @@ class EngineCore:
         if self.cache is None or self.cache.rows < rows:
             self.cache = None  # (the old cache goes before the new one is made)
             self.cache = self.stepper.cache(*self.model.new_cache(rows))
-        alloc = PagedCache(rows) if c.paged else OffsetCache(rows)
+        alloc = PagedCache(rows, c.enable_prefix_caching) if c.paged else OffsetCache(rows)
         self.scheduler = Scheduler(alloc, c.max_batch, c.max_num_batched_tokens, c.prefill_chunk)
 
     # -- sequences -----------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ Pure Python over ints: no tensors. The engine (runner.engine.core) runs the step
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -34,6 +35,8 @@ class Sequence:
     all_logits: bool = False     # the logits of every prompt position are wanted (scoring), not a new token
     computed: int = 0            # tokens whose keys and values are in the cache
     cache: Any = None            # the allocator's handle: a region (offset, rows) or a list of pages
+    keyed: int = 0               # pages of it keyed for prefix caching, and the last one's key
+    last_key: Any = None
     preemptions: int = 0
     finish_reason: Optional[str] = None  # stop | length | abort
     state: Any = None            # what a caller keeps beside (a request's choice, scores, ...)
@@ -53,38 +56,97 @@ class Sequence:
 
 
 class PagedCache:
-    """Pages of PAGE_SIZE rows, given to a sequence as it grows; page i is rows [i PAGE_SIZE, (i + 1) PAGE_SIZE)."""
+    """Pages of PAGE_SIZE rows, given to a sequence as it grows; page i is rows [i PAGE_SIZE, (i + 1) PAGE_SIZE).
+
+    With `prefix_caching`, a page whose rows all hold computed tokens is keyed by those tokens and everything before
+    them (its parent's key), and kept when its sequences end, so a later sequence with the same prefix takes it
+    instead of computing it again (:meth:`match`); a page is shared by reference count and, once no sequence holds it,
+    evicted least recently used first when a free page is needed. Keys are exact (the tokens themselves), and every
+    rank makes the same choices."""
     paged = True
 
-    def __init__(self, rows: int):
+    def __init__(self, rows: int, prefix_caching: bool = False):
         self.num_pages = rows // PAGE_SIZE
         if self.num_pages < 1:
             raise ValueError(f"the KV cache needs at least one page ({PAGE_SIZE} tokens), got {rows} rows")
+        self.prefix_caching = prefix_caching
         self._free = list(range(self.num_pages - 1, -1, -1))  # popped from the end: low pages first
+        self._refs = [0] * self.num_pages
+        self._key_of: dict[int, tuple] = {}                   # page -> its key, for cached pages
+        self._page_of: dict[tuple, int] = {}                  # key -> page
+        self._evictable: OrderedDict = OrderedDict()          # cached pages no sequence holds, oldest first
+        self.queries = self.hits = 0                          # pages looked up / found at admission
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     @property
     def used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.free
 
     def fits(self, max_len: int) -> bool:
         return -(-max_len // PAGE_SIZE) <= self.num_pages
+
+    def match(self, seq: Sequence) -> int:
+        """Takes the cached pages of seq's longest cached prefix (all its known tokens but the last, whose logits are
+        wanted) and marks their tokens computed; returns how many."""
+        if not self.prefix_caching:
+            return 0
+        pages, last = [], None
+        for i in range((len(seq.tokens) - 1) // PAGE_SIZE):
+            key = _page_key(last, seq.tokens, i)
+            page = self._page_of.get(key)
+            self.queries += 1
+            if page is None:
+                break
+            pages.append(page)
+            last = key
+        self.hits += len(pages)
+        for page in pages:
+            if self._refs[page] == 0:
+                del self._evictable[page]
+            self._refs[page] += 1
+        seq.cache, seq.computed, seq.keyed, seq.last_key = pages, len(pages) * PAGE_SIZE, len(pages), last
+        return seq.computed
 
     def grow(self, seq: Sequence, tokens: int) -> bool:
         """Pages for seq's first `tokens` positions; False (and nothing taken) if too few are free."""
         pages = seq.cache if seq.cache is not None else []
         need = -(-tokens // PAGE_SIZE) - len(pages)
-        if need > len(self._free):
+        if need > self.free:
             return False
-        seq.cache = pages + [self._free.pop() for _ in range(max(need, 0))]
+        for _ in range(max(need, 0)):
+            if self._free:
+                page = self._free.pop()
+            else:  # the least recently used cached page no sequence holds
+                page, _ = self._evictable.popitem(last=False)
+                del self._page_of[self._key_of.pop(page)]
+            self._refs[page] = 1
+            pages.append(page)
+        seq.cache = pages
         return True
 
+    def computed(self, seq: Sequence) -> None:
+        """seq's tokens up to seq.computed are in the cache: key the pages they fill (prefix caching)."""
+        if not self.prefix_caching:
+            return
+        key = seq.last_key
+        for i in range(seq.keyed, seq.computed // PAGE_SIZE):
+            key = _page_key(key, seq.tokens, i)
+            if key not in self._page_of and seq.cache[i] not in self._key_of:  # (a twin of a cached page stays unkeyed)
+                self._page_of[key], self._key_of[seq.cache[i]] = seq.cache[i], key
+            seq.keyed, seq.last_key = i + 1, key
+
     def release(self, seq: Sequence) -> None:
-        self._free.extend(reversed(seq.cache or ()))
-        seq.cache = None
+        for page in reversed(seq.cache or ()):  # a chain's last pages first: they are evicted first
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._key_of:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+        seq.cache, seq.keyed, seq.last_key = None, 0, None
 
     @staticmethod
     def starts(seq: Sequence) -> list:
@@ -92,10 +154,15 @@ class PagedCache:
         return [p * PAGE_SIZE for p in seq.cache]
 
 
+def _page_key(parent: Optional[tuple], tokens: list, i: int) -> tuple:
+    """The key of page i of a sequence: its tokens, and its parent page's key (by hash) for everything before."""
+    return (hash(parent), tuple(tokens[i * PAGE_SIZE: (i + 1) * PAGE_SIZE]))
+
+
 class OffsetCache:
     """One contiguous region per sequence (ppl.pmx's offset mode), its max_len rows reserved at admission (first
-    fit; freed regions merge)."""
-    paged = False
+    fit; freed regions merge). Nothing is shared: no prefix caching."""
+    paged, queries, hits = False, 0, 0
 
     def __init__(self, rows: int):
         self.rows = rows
@@ -111,6 +178,14 @@ class OffsetCache:
 
     def fits(self, max_len: int) -> bool:
         return max_len <= self.rows
+
+    @staticmethod
+    def match(seq: Sequence) -> int:
+        return 0
+
+    @staticmethod
+    def computed(seq: Sequence) -> None:
+        pass
 
     def grow(self, seq: Sequence, tokens: int) -> bool:
         if seq.cache is not None:
@@ -213,8 +288,11 @@ class Scheduler:
                 step_budget, prefill = step_budget - n, prefill - n
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
+            self.cache.match(seq)  # (prefix caching: its cached prefix counts as computed)
             n = min(seq.pending, step_budget, prefill)
             if n <= 0 or not self.cache.grow(seq, seq.computed + n):
+                self.cache.release(seq)
+                seq.computed = 0
                 break  # arrival order: no later sequence overtakes it
             self.running.append(self.waiting.pop(0))
             chosen[seq.seq_id] = n
@@ -231,13 +309,13 @@ class Scheduler:
         self.preemptions += 1
         self.add(seq)
 
-    @staticmethod
-    def advance(batch: StepBatch) -> list[Sequence]:
+    def advance(self, batch: StepBatch) -> list[Sequence]:
         """After the step ran: the cache holds the new tokens. Returns the sequences whose last token's logits are
         the next-token distribution (all their known tokens are now cached)."""
         ready = []
         for seq, n in batch.items:
             seq.computed += n
+            self.cache.computed(seq)
             if seq.pending == 0:
                 ready.append(seq)
         return ready

@@ -183,7 +183,7 @@ class LLMEngine:
         self.max_model_len = core.max_model_len
         self.channel = StepChannel(core.comm, core.model.device)
         self.requests: dict[str, _Request] = {}
-        self._preemptions = 0
+        self._counted: dict[str, int] = {}
         if metrics is not None:
             metrics.set(kv_pages_total=core.cache.rows // PAGE_SIZE, kv_page_tokens=PAGE_SIZE)
             self._gauges()
@@ -259,10 +259,9 @@ class LLMEngine:
         now = time.monotonic()
         deltas = [d for d in (self._accept(o, now) for o in outs) if d is not None]
         if self.metrics is not None:
-            preempted = self.core.scheduler.preemptions - self._preemptions
-            self._preemptions += preempted
-            if preempted:
-                self.metrics.inc("preemptions_total", preempted)
+            s = self.core.scheduler
+            self._count(preemptions_total=s.preemptions, prefix_cache_queries_total=s.cache.queries,
+                        prefix_cache_hits_total=s.cache.hits)
             self.metrics.inc("steps_total")
             self._gauges()
         return deltas
@@ -355,6 +354,13 @@ class LLMEngine:
         if self.metrics is not None:
             self._gauges()
         return d
+
+    def _count(self, **totals: int) -> None:
+        """Counters from the core's running totals: what they gained since the last step."""
+        for name, total in totals.items():
+            if total > self._counted.get(name, 0):
+                self.metrics.inc(name, total - self._counted.get(name, 0))
+            self._counted[name] = total
 
     def _gauges(self) -> None:
         s = self.core.scheduler

@@ -44,6 +44,8 @@ class Metrics:
         "prompt_tokens_total": "Prompt tokens of the requests admitted.",
         "generation_tokens_total": "Tokens generated.",
         "preemptions_total": "Sequences preempted (their cache freed, recomputed later) for lack of KV pages.",
+        "prefix_cache_queries_total": "KV pages of prompts looked up in the prefix cache.",
+        "prefix_cache_hits_total": "KV pages of prompts found in the prefix cache (PAGE_SIZE tokens not computed each).",
         "steps_total": "Engine steps run.",
     }
     GAUGES = {
