@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Optional
 
-from runner.args import (CacheLayout, CacheMode, CommBackend, Compile, Device, Dtype, Kernels, PositiveInt, Range,
-                         Seconds, check_fields, flag)
+from runner.args import (CacheLayout, CacheMode, CommBackend, Compile, Device, Dtype, Kernels, OneOf, PositiveInt,
+                         Range, Seconds, check_fields, flag)
 from runner.errors import PmxError
 from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP
 
@@ -55,6 +55,13 @@ class EngineConfig:
     context_chunk_size: PositiveInt = flag(512, "prefill tokens per step when --context_chunking")
     max_num_batched_tokens: Optional[PositiveInt] = flag(None, "tokens in one step at most, decoding ones included "
                                                                "(vLLM's; at least --max_batch)")
+    speculative: Annotated[str, OneOf("off", "ngram")] = flag(
+        "off", "speculative decoding: ngram guesses a decoding sequence's next tokens from where its last ones "
+               "occurred before (prompt lookup), verified in one step; the same tokens as without, faster on "
+               "repetitive text")
+    num_speculative_tokens: PositiveInt = flag(4, "tokens guessed a step per sequence (--speculative)")
+    prompt_lookup_max: PositiveInt = flag(4, "--speculative ngram: the longest n-gram matched (longest first)")
+    prompt_lookup_min: PositiveInt = flag(1, "--speculative ngram: the shortest n-gram matched")
     enable_prefix_caching: bool = flag(True, "--cache_mode 1: sequences share the KV pages of a common prefix (chat "
                                              "turns, system prompts), kept until their room is needed")
     kv_cache_tokens: Optional[PositiveInt] = flag(None, "KV-cache budget in tokens (default: what the work needs, "
@@ -71,6 +78,9 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_batch:
             raise PmxError(f"--max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least --max_batch "
                            f"({self.max_batch}): every running sequence decodes in every step")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise PmxError(f"--prompt_lookup_min ({self.prompt_lookup_min}) must be at most --prompt_lookup_max "
+                           f"({self.prompt_lookup_max})")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < PAGE_SIZE:
             raise PmxError(f"--kv_cache_tokens must be at least one page ({PAGE_SIZE}), got {self.kv_cache_tokens}")
 

@@ -26,6 +26,7 @@ from runner.engine.plan import StepLengths, step_inputs
 from runner.engine.runners import Stepper
 from runner.engine.sampler import Sampler, SamplingParams, greedy_ids
 from runner.engine.scheduler import OffsetCache, PagedCache, Scheduler, Sequence
+from runner.engine.speculative import NgramProposer
 from runner.errors import PmxError
 from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP
 
@@ -58,6 +59,9 @@ class EngineCore:
         self._ids = itertools.count()
         self.base_seed = self._shared_seed()
         self._seeds = itertools.count()
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
+                                      config.prompt_lookup_min) if config.speculative == "ngram" else None
+        self.proposed = self.accepted = 0     # speculative decoding: guessed tokens verified, and accepted
 
     # -- the cache -----------------------------------------------------------------------------------------------
     def page_bytes(self) -> int:
@@ -134,14 +138,19 @@ class EngineCore:
 
     # -- one step ------------------------------------------------------------------------------------------------
     def step(self) -> list[Output]:
-        """Runs one step; returns what it gave each sequence whose next token was due (or whose prompt is scored)."""
+        """Runs one step; returns what it gave each sequence, in order: its new tokens (several where speculative
+        decoding guessed right), or a scored prompt's logits."""
+        proposing = self._propose()
         batch = self.scheduler.schedule()
+        if proposing:
+            self._trim_proposals(batch, proposing)
         if not batch:
             return []
         items, starts = batch.items, self.scheduler.cache.starts
+        wide = tuple(s.all_logits or bool(s.proposal) for s, _ in items) if any(
+            s.all_logits or s.proposal for s, _ in items) else ()
         b = StepLengths([t for s, n in items for t in s.tokens[s.computed:s.computed + n]], [n for _, n in items],
-                        [s.computed for s, _ in items], [starts(s) for s, _ in items], batch.num_decoding,
-                        tuple(s.all_logits for s, _ in items) if any(s.all_logits for s, _ in items) else ())
+                        [s.computed for s, _ in items], [starts(s) for s, _ in items], batch.num_decoding, wide)
         n, self.steps = self.steps, self.steps + 1
         if self.dumper is not None and self.dumper.wants(n):
             mask = self.stepper.mask(b)
@@ -151,42 +160,92 @@ class EngineCore:
             self.dumper.dump(n, {"logits": logits})
         else:
             logits = self.stepper.run(*self.stepper.plan(b), self.cache)
-        return self._outputs(batch.items, self.scheduler.advance(batch), logits, bool(b.all_rows))
+        return self._outputs(batch, logits, wide)
 
-    def _outputs(self, items: list, ready: list, logits: torch.Tensor, scored: bool) -> list[Output]:
-        out, rows = [], {}
+    def _propose(self) -> list[Sequence]:
+        """Speculative decoding: each decoding sequence's guessed tokens, appended (the step verifies them)."""
+        if self.proposer is None:
+            return []
+        proposing = []
+        for s in self.scheduler.running:
+            if s.decoding and not s.all_logits and s.max_len - len(s.tokens) > 0:
+                s.proposal = self.proposer.propose(s.tokens)[: s.max_len - len(s.tokens)]
+                if s.proposal:
+                    s.tokens += s.proposal
+                    proposing.append(s)
+        return proposing
+
+    @staticmethod
+    def _trim_proposals(batch, proposing: list) -> None:
+        """Guesses the step does not take (its budget cut them, or the sequence was preempted) are dropped."""
+        fed = {s.seq_id: n for s, n in batch.items}
+        for s in proposing:
+            keep = max(fed.get(s.seq_id, 0) - 1, 0)
+            if keep < len(s.proposal):
+                del s.tokens[len(s.tokens) - len(s.proposal) + keep:]
+                s.proposal = s.proposal[:keep]
+
+    def _outputs(self, batch, logits: torch.Tensor, wide: tuple) -> list[Output]:
+        items, rows, last, kept, verified = batch.items, {}, {}, {}, {}
         row = 0
-        for s, n in items:
-            k = n if s.all_logits else 1
-            if s.all_logits:
-                out.append(Output(s, None, logits, slice(row, row + k)))
-            rows[s.seq_id] = row + k - 1
+        for i, (s, n) in enumerate(items):
+            k = n if wide and wide[i] else 1
+            rows[s.seq_id], last[s.seq_id] = row, row + k - 1
             row += k
-        due = [s for s in ready if not s.all_logits]
+            if s.proposal:  # verified now, before the scheduler keys the pages it fills
+                a, t = s.sampler.verify(logits[rows[s.seq_id]: row], s.proposal)
+                del s.tokens[len(s.tokens) - len(s.proposal) + a:]
+                verified[s.seq_id], kept[s.seq_id] = (s.proposal[:a], t), 1 + a
+                self.proposed, self.accepted = self.proposed + len(s.proposal), self.accepted + a
+                s.proposal = []
+        ready = self.scheduler.advance(batch, kept)
+        out = []
+        for s, n in items:
+            if s.all_logits:
+                out.append(Output(s, None, logits, slice(rows[s.seq_id], rows[s.seq_id] + n)))
+        due = [s for s in ready if not s.all_logits and s.seq_id not in verified]
         for s in [s for s in ready if s.all_logits]:  # a scored prompt is done once it is all in the cache
             self.finish(s, "length")
-        if not due:
-            return out
-        lg = logits if len(due) == len(items) and not scored else logits[[rows[s.seq_id] for s in due]]
-        greedy = [k for k, s in enumerate(due) if s.sampler.params.temperature == 0]
-        ids = [0] * len(due)
-        if greedy:
-            for k, t in zip(greedy, greedy_ids(lg if len(greedy) == len(due) else lg[greedy])):
-                ids[k] = t
-        for k, s in enumerate(due):
-            if s.sampler.params.temperature != 0:
-                ids[k] = int(s.sampler(lg[k:k + 1])[0])
-            t = ids[k]
-            if t in s.stop_ids:
-                s.finish_reason = "stop"
-            else:
-                s.tokens.append(t)
-                if len(s.tokens) >= s.max_len:
-                    s.finish_reason = "length"
-            if s.finish_reason is not None:
-                self.scheduler.remove(s)
-            out.append(Output(s, t, lg, k))
+        if due:
+            lg = logits if len(due) == len(items) and not wide else logits[[last[s.seq_id] for s in due]]
+            greedy = [k for k, s in enumerate(due) if s.sampler.params.temperature == 0]
+            ids = [0] * len(due)
+            if greedy:
+                for k, t in zip(greedy, greedy_ids(lg if len(greedy) == len(due) else lg[greedy])):
+                    ids[k] = t
+            for k, s in enumerate(due):
+                if s.sampler.params.temperature != 0:
+                    ids[k] = int(s.sampler(lg[k:k + 1])[0])
+                self._take(s, ids[k], out, lg, k)
+        for s in ready:
+            if s.seq_id in verified:  # the accepted guesses (already in its tokens), then the verified token
+                accepted, t = verified[s.seq_id]
+                base, r0 = len(s.tokens) - len(accepted), rows[s.seq_id]
+                for j, x in enumerate(accepted):
+                    if x in s.stop_ids:  # a guessed stop: the sequence ends before it, as if it had sampled it
+                        del s.tokens[base + j:]
+                        s.finish_reason = "stop"
+                    elif base + j + 1 >= s.max_len:
+                        s.finish_reason = "length"
+                    out.append(Output(s, x, logits, r0 + j))
+                    if s.finish_reason is not None:
+                        self.scheduler.remove(s)
+                        break
+                else:
+                    self._take(s, t, out, logits, r0 + len(accepted))
         return out
+
+    def _take(self, s: Sequence, t: int, out: list, logits: torch.Tensor, row) -> None:
+        """Sequence s sampled token t: appended, or a stop; it ends on a stop id or at its max_len."""
+        if t in s.stop_ids:
+            s.finish_reason = "stop"
+        else:
+            s.tokens.append(t)
+            if len(s.tokens) >= s.max_len:
+                s.finish_reason = "length"
+        if s.finish_reason is not None:
+            self.scheduler.remove(s)
+        out.append(Output(s, t, logits, row))
 
     # -- whole runs ----------------------------------------------------------------------------------------------
     def start_run(self, needs: Seq[int], dumper: Optional[TensorDumper] = None) -> None:

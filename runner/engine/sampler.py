@@ -35,6 +35,9 @@ def greedy_ids(logits: torch.Tensor) -> list:
 
 
 class Sampler:
+    """One sequence's sampling: greedy at temperature 0, else from softmax(logits / temperature) cut to the top k and
+    the top p, drawn with the sequence's own seeded generator."""
+
     def __init__(self, params: SamplingParams):
         self.params = params
         self.gen = torch.Generator() if params.temperature != 0 else None  # (greedy draws nothing)
@@ -43,15 +46,9 @@ class Sampler:
         elif self.gen is not None:
             self.gen.seed()
 
-    def ids(self, logits: torch.Tensor) -> list:
-        """logits [B, V] float32 -> next token ids, a list of B ints."""
-        return greedy_ids(logits) if self.params.temperature == 0 else self(logits).tolist()
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] float32 -> next tokens [B] int64."""
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> the distribution [B, V] float32 (CPU) that a token is drawn from (temperature > 0)."""
         p = self.params
-        if p.temperature == 0:
-            return logits.argmax(-1)
         logits = logits.float().cpu() / p.temperature
         if p.top_k:
             kth = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -62,4 +59,38 @@ class Sampler:
             drop = sorted_p.cumsum(-1) - sorted_p > p.top_p  # keep the smallest prefix whose mass reaches top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        return torch.multinomial(probs, 1, generator=self.gen).view(-1)
+        return probs
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] float32 -> next tokens [B] int64."""
+        if self.params.temperature == 0:
+            return logits.argmax(-1)
+        return torch.multinomial(self.probs(logits), 1, generator=self.gen).view(-1)
+
+    def verify(self, logits: torch.Tensor, proposal: list, draft_probs: Optional[torch.Tensor] = None
+               ) -> tuple[int, int]:
+        """Speculative decoding: logits [m + 1, V] of the positions after the last token and after each of the m
+        proposed tokens. Returns (how many proposals are accepted, the token after them). Greedy: the proposals that
+        equal the argmax, then the argmax. Sampled (Leviathan et al.): proposal x_j is accepted with probability
+        min(1, p_j(x) / q_j(x)), q the draft's distribution (one-hot for a deterministic proposer: n-gram), and a
+        rejection draws from max(0, p_j - q_j) renormalised; so each token follows p exactly as sampling one at a
+        time would."""
+        if self.params.temperature == 0:
+            best = greedy_ids(logits)
+            a = next((j for j, x in enumerate(proposal) if best[j] != x), len(proposal))
+            return a, best[a]
+        p = self.probs(logits)
+        for j, x in enumerate(proposal):
+            q = draft_probs[j] if draft_probs is not None else None
+            ratio = p[j, x] if q is None else p[j, x] / q[x].clamp_min(1e-30)
+            if float(torch.rand((), generator=self.gen)) < float(ratio):
+                continue
+            residual = p[j].clone()
+            if q is None:
+                residual[x] = 0
+            else:
+                residual = (residual - q).clamp_min_(0)
+            if not residual.sum() > 0:  # (rounding: p and q alike everywhere)
+                residual = p[j]
+            return j, int(torch.multinomial(residual, 1, generator=self.gen))
+        return len(proposal), int(torch.multinomial(p[-1], 1, generator=self.gen))

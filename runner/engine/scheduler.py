@@ -33,6 +33,8 @@ class Sequence:
     stop_ids: frozenset = frozenset()  # sampled ids that end it (not appended)
     sampler: Any = None          # runner.engine.sampler.Sampler
     all_logits: bool = False     # the logits of every prompt position are wanted (scoring), not a new token
+    proposal: list = field(default_factory=list)  # speculative decoding: guessed tokens, appended to `tokens` until
+                                                  # the step that verifies them
     computed: int = 0            # tokens whose keys and values are in the cache
     cache: Any = None            # the allocator's handle: a region (offset, rows) or a list of pages
     keyed: int = 0               # pages of it keyed for prefix caching, and the last one's key
@@ -309,12 +311,13 @@ class Scheduler:
         self.preemptions += 1
         self.add(seq)
 
-    def advance(self, batch: StepBatch) -> list[Sequence]:
-        """After the step ran: the cache holds the new tokens. Returns the sequences whose last token's logits are
-        the next-token distribution (all their known tokens are now cached)."""
+    def advance(self, batch: StepBatch, kept: Optional[dict] = None) -> list[Sequence]:
+        """After the step ran: the cache holds the new tokens (`kept`: {seq_id: how many of a sequence's tokens to
+        keep}, where speculative decoding rejected some). Returns the sequences whose last token's logits are the
+        next-token distribution (all their known tokens are now cached)."""
         ready = []
         for seq, n in batch.items:
-            seq.computed += n
+            seq.computed += n if kept is None else kept.get(seq.seq_id, n)
             self.cache.computed(seq)
             if seq.pending == 0:
                 ready.append(seq)

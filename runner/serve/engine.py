@@ -257,11 +257,13 @@ class LLMEngine:
         """Runs one step; returns the completions' new text and tokens."""
         outs = self.core.step()
         now = time.monotonic()
-        deltas = [d for d in (self._accept(o, now) for o in outs) if d is not None]
+        deltas = [d for d in (self._accept(o, now) for o in outs  # (a stop string may end a choice mid-step)
+                              if o.seq.state.finish_reason is None) if d is not None]
         if self.metrics is not None:
             s = self.core.scheduler
             self._count(preemptions_total=s.preemptions, prefix_cache_queries_total=s.cache.queries,
-                        prefix_cache_hits_total=s.cache.hits)
+                        prefix_cache_hits_total=s.cache.hits, spec_decode_draft_tokens_total=self.core.proposed,
+                        spec_decode_accepted_tokens_total=self.core.accepted)
             self.metrics.inc("steps_total")
             self._gauges()
         return deltas

@@ -1,0 +1,85 @@
+"""Speculative decoding (runner.engine.speculative, the core's verification step, Sampler.verify): the n-gram
+proposer, greedy output token for token as without speculation, sampled output with the target's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.engine.sampler import Sampler, SamplingParams
+from runner.engine.speculative import NgramProposer
+from runner.errors import PmxError
+from test_engine import core
+
+
+def test_ngram_proposer_takes_the_latest_longest_match():
+    p = NgramProposer(k=3, n_max=3)
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3]) == [8, 7, 1]   # "1 2 3" last seen before 8 7 1
+    assert p.propose([5, 6, 7, 5, 6]) == [7, 5, 6]                       # n = 2 ("5 6"), then what followed
+    assert p.propose([4, 1, 2]) == []                                    # no earlier occurrence of anything
+    assert p.propose([256, 1, 0, 0, 1]) == [0, 0, 1]                     # matches on token boundaries only
+    assert NgramProposer(k=2, n_max=4, n_min=3).propose([1, 2, 9, 9, 1, 2]) == []  # 2-grams are below n_min
+    assert p.propose([7]) == [] and p.propose([7, 7]) == [7]
+    with pytest.raises(ValueError):
+        NgramProposer(2, n_max=1, n_min=2)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_verify_keeps_the_target_distribution(m):
+    """Rejection sampling with a deterministic guess: the first token follows p_0 exactly (accepted with p_0(x),
+    else drawn from p_0 without x), and after an accepted guess the next follows p_1: frequencies of 20000 draws
+    within 4 standard errors of the target's."""
+    g = torch.Generator().manual_seed(m)
+    logits = torch.randn(m + 1, 6, generator=g) * 1.5
+    p = logits.softmax(-1)
+    proposal = [int(p[j].argsort()[2]) for j in range(m)]  # a middling guess: accepted sometimes
+    n = 20000
+    first, second = torch.zeros(6), torch.zeros(6)
+    s = Sampler(SamplingParams(temperature=1.0, seed=11))
+    for _ in range(n):
+        a, t = s.verify(logits, proposal)
+        emitted = proposal[:a] + [t]
+        first[emitted[0]] += 1
+        if a >= 1:
+            second[emitted[1]] += 1
+    se = (p[0] * (1 - p[0]) / n).sqrt()
+    assert ((first / n - p[0]).abs() <= 4 * se + 1e-3).all(), (first / n, p[0])
+    got = second / second.sum()
+    se1 = (p[1] * (1 - p[1]) / second.sum()).sqrt()
+    assert ((got - p[1]).abs() <= 4 * se1 + 2e-3).all(), (got, p[1])
+
+
+def test_greedy_verify_accepts_the_argmax_prefix():
+    logits = torch.full((4, 5), -1.0)
+    for j, t in enumerate([2, 4, 1, 3]):
+        logits[j, t] = 5.0
+    s = Sampler(SamplingParams())
+    assert s.verify(logits, [2, 4, 1]) == (3, 3)
+    assert s.verify(logits, [2, 0, 1]) == (1, 4)
+    assert s.verify(logits, [0, 4, 1]) == (0, 2)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(cache_mode=1, cache_layout=2, quantized_cache=True),
+                                     dict(num_speculative_tokens=7, prompt_lookup_max=2, fused_decode=False)])
+def test_greedy_speculation_gives_the_same_tokens(stories, options):
+    """On text that repeats, prompt-lookup guesses are mostly right: the engine takes several tokens a step, and
+    every sequence's tokens are those it makes without speculation (batched with sequences that guess nothing)."""
+    from runner.engine.tokenizer import Tokenizer
+    tok = Tokenizer(str(stories / "pmx"))
+    story = tok.encode("Lily and Tom went to the park. They played with a red ball. " * 3)
+    cat = tok.encode("The cat sat on the mat. The cat sat on the mat. The cat")
+    prompts = [story, tok.encode("Once upon a time"), cat, story[:40]]
+    want = core(stories / "pmx", **options).generate(prompts, 64)
+    eng = core(stories / "pmx", speculative="ngram", **options)
+    assert eng.generate(prompts, 64) == want
+    assert eng.proposed > eng.accepted >= 20
+    alone, stats = core(stories / "pmx", speculative="ngram", **options), {}
+    assert alone.generate([cat], 64, stats=stats) == want[2:3] and stats["steps"] < 0.8 * 64  # several tokens a step
+
+
+def test_speculation_flags_are_checked():
+    with pytest.raises(PmxError, match="--speculative must be one of off, ngram"):
+        from runner.config import EngineConfig
+        EngineConfig(speculative="medusa")
+    with pytest.raises(PmxError, match="--prompt_lookup_min"):
+        EngineConfig(prompt_lookup_min=5, prompt_lookup_max=2)
