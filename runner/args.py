@@ -196,6 +196,9 @@ CkptDir = Annotated[str, Help("PMX directory split into as many shards as ranks 
                               "torchrun --nproc_per_node N)")]
 TokenizerPath = Annotated[Optional[str], Help("tokenizer.model or tokenizer.json, or their directory (default: "
                                               "ckpt_dir's); its tokenizer_config.json gives the chat template")]
+ChatTemplateFile = Annotated[Optional[str], Help("a jinja chat template for the chat API (as vLLM's --chat-template; "
+                                                 "default: the tokenizer's own; examples/chat_template.jinja is one "
+                                                 "with tool calls)")]
 QuantMethod = Annotated[str, OneOf("int8", "int4"), Help("weight-only quantisation: int8 (per output channel) or int4 "
                                                           "(groups along the input dim)")]
 GroupSize = Annotated[int, Range(1), Help("int4 input columns per scale (a divisor of every input dim)")]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment in .venv with the CPU build of torch 2.13.0, the package
-# (editable), its test, MPI and Triton extras, and MPICH's mpirun. Re-running it only checks what is there.
+# (editable), its test, MPI, Triton and structured-output extras, and MPICH's mpirun. Re-running it only checks what is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,7 +10,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]
   .venv/bin/python -m pip install -q --upgrade pip
   # torch pinned: 2.13.0 is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
   .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e ".[test,mpi,triton]" mpich
-  .venv/bin/python -c "import torch, transformers, mpi4py, safetensors, sentencepiece, tokenizers, fire, triton"
+  .venv/bin/python -m pip install -q -e ".[test,mpi,triton,structured]" mpich
+  .venv/bin/python -c "import torch, transformers, mpi4py, safetensors, sentencepiece, tokenizers, fire, triton, xgrammar"
   touch "$stamp"
 fi

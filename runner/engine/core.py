@@ -113,14 +113,15 @@ class EngineCore:
             raise PmxError(f"{what} holds token ids {bad[:3]} outside the vocabulary [0, {vocab})")
 
     def add(self, prompt: Seq[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-            stop_ids: Seq[int] = (), all_logits: bool = False, state=None) -> Sequence:
+            stop_ids: Seq[int] = (), all_logits: bool = False, state=None, constraint=None) -> Sequence:
         """Queues a sequence: `prompt` then at most `max_new_tokens` (within the model's positions) sampled with
-        `sampling` (its seed, or one derived from the shared base seed); `all_logits`: score the prompt instead."""
+        `sampling` (its seed, or one derived from the shared base seed) and masked by `constraint` (structured
+        output); `all_logits`: score the prompt instead."""
         seed = sampling.seed if sampling.seed is not None else self.next_seed()
         i = next(self._ids)
         seq = Sequence(i, list(prompt), len(prompt), min(len(prompt) + max_new_tokens, self.max_model_len), arrival=i,
                        stop_ids=frozenset(stop_ids), sampler=Sampler(replace(sampling, seed=seed)),
-                       all_logits=all_logits, state=state)
+                       all_logits=all_logits, state=state, constraint=constraint)
         self.scheduler.add(seq)
         return seq
 
@@ -168,7 +169,7 @@ class EngineCore:
             return []
         proposing = []
         for s in self.scheduler.running:
-            if s.decoding and not s.all_logits and s.max_len - len(s.tokens) > 0:
+            if s.decoding and not s.all_logits and s.constraint is None and s.max_len - len(s.tokens) > 0:
                 s.proposal = self.proposer.propose(s.tokens)[: s.max_len - len(s.tokens)]
                 if s.proposal:
                     s.tokens += s.proposal
@@ -208,12 +209,16 @@ class EngineCore:
             self.finish(s, "length")
         if due:
             lg = logits if len(due) == len(items) and not wide else logits[[last[s.seq_id] for s in due]]
-            greedy = [k for k, s in enumerate(due) if s.sampler.params.temperature == 0]
+            greedy = [k for k, s in enumerate(due) if s.sampler.params.temperature == 0 and s.constraint is None]
             ids = [0] * len(due)
             if greedy:
                 for k, t in zip(greedy, greedy_ids(lg if len(greedy) == len(due) else lg[greedy])):
                     ids[k] = t
             for k, s in enumerate(due):
+                if s.constraint is not None:  # structured output: only what the grammar allows next
+                    ids[k] = int(s.sampler(s.constraint.mask(lg[k])[None])[0])
+                    self._take(s, ids[k], out, lg, k, stop=s.constraint.accept(ids[k]))
+                    continue
                 if s.sampler.params.temperature != 0:
                     ids[k] = int(s.sampler(lg[k:k + 1])[0])
                 self._take(s, ids[k], out, lg, k)
@@ -235,9 +240,9 @@ class EngineCore:
                     self._take(s, t, out, logits, r0 + len(accepted))
         return out
 
-    def _take(self, s: Sequence, t: int, out: list, logits: torch.Tensor, row) -> None:
-        """Sequence s sampled token t: appended, or a stop; it ends on a stop id or at its max_len."""
-        if t in s.stop_ids:
+    def _take(self, s: Sequence, t: int, out: list, logits: torch.Tensor, row, stop: bool = False) -> None:
+        """Sequence s sampled token t: appended, or a stop; it ends on a stop id (or `stop`) or at its max_len."""
+        if stop or t in s.stop_ids:
             s.finish_reason = "stop"
         else:
             s.tokens.append(t)

@@ -32,6 +32,7 @@ class Sequence:
     arrival: int = 0             # order of arrival: lower runs first and is preempted last
     stop_ids: frozenset = frozenset()  # sampled ids that end it (not appended)
     sampler: Any = None          # runner.engine.sampler.Sampler
+    constraint: Any = None       # structured output: runner.engine.structured.Constraint, masks its logits
     all_logits: bool = False     # the logits of every prompt position are wanted (scoring), not a new token
     proposal: list = field(default_factory=list)  # speculative decoding: guessed tokens, appended to `tokens` until
                                                   # the step that verifies them

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -63,6 +64,24 @@ class Tokenizer:
             i = self._sp.piece_to_id(text)
             return i if self._sp.id_to_piece(i) == text else None
         return self._hf.token_to_id(text)
+
+    def grammar_vocab(self) -> tuple[list, str, bool]:
+        """What a grammar library needs to map text onto tokens (runner.engine.structured): each token as the
+        tokenizer stores it, the vocabulary's kind (xgrammar's names: BYTE_FALLBACK for "▁"-spaced pieces with
+        <0xNN> bytes, BYTE_LEVEL for GPT-2's byte alphabet, RAW) and whether encoding prepends a space. Special
+        tokens (<unk>, <s>, ...) are "": no text maps onto them."""
+        if self._sp:
+            sp = self._sp
+            return ["" if sp.is_control(i) or sp.is_unknown(i) else sp.id_to_piece(i) for i in range(self.size)], \
+                "BYTE_FALLBACK", True
+        spec = json.loads(self._hf.to_str())
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        vocab = [""] * self.size
+        for text, i in self._hf.get_vocab(with_added_tokens=True).items():
+            vocab[i] = "" if i in special else text
+        kinds = json.dumps(spec.get("decoder")) + json.dumps(spec.get("pre_tokenizer"))
+        kind = "BYTE_LEVEL" if '"ByteLevel"' in kinds else "BYTE_FALLBACK" if '"ByteFallback"' in kinds else "RAW"
+        return vocab, kind, '"Prepend"' in json.dumps(spec.get("normalizer"))
 
     def token_text(self, token_id: int) -> str:
         """The text of one token as it appears in a decoded string (its leading space kept)."""

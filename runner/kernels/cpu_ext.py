@@ -3,16 +3,21 @@ into blocks of 64 output channels, k-major (runner/kernels/cpu_linear.cpp), deco
 the KV cache and one-pass residual + RMSNorm and SwiGLU (runner/kernels/cpu_step.cpp), and the collectives of
 ranks on one machine through shared memory (runner/kernels/cpu_comm.cpp).
 
-The extension is built on first use for this machine (-march=native, OpenMP as torch) and cached by torch under
-~/.cache/torch_extensions (once per machine, ~20 s); where it cannot be built (no compiler or ninja) the callers
-fall back to oneDNN / aten kernels with a warning.
+The extension is built on first use for this machine (-march=native, OpenMP as torch) and cached under
+$TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions, in a folder named by a hash of its sources and flags (once per
+machine and version, ~20-60 s; two checkouts of different versions never rebuild over each other); a build lock
+left by a build that was killed is taken over after STALE_LOCK_S. Where it cannot be built (no compiler or ninja)
+the callers fall back to oneDNN / aten kernels with a warning.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import mmap
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,16 +26,36 @@ SOURCES = ("cpu_linear.cpp", "cpu_step.cpp", "cpu_comm.cpp", "cpu_decode.cpp")
 CPU_BLOCK = 64  # output channels per block of the packed weights
 HUGE_PAGE = 2 << 20            # bytes of a transparent huge page (x86-64, arm64 with 4K pages)
 HUGE_PAGE_MIN_BYTES = HUGE_PAGE  # weights from one huge page up go in memory advised for transparent huge pages
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+STALE_LOCK_S = 900  # a build lock this old was left by a killed build (a build takes about a minute)
+
+
+def build_directory() -> Path:
+    """Where the extension of these sources and flags is built and cached."""
+    h = hashlib.sha256(" ".join((torch.__version__, *CFLAGS)).encode())
+    for f in SOURCES:
+        h.update(Path(__file__).with_name(f).read_bytes())
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    return root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / f"pmx_cpu_{h.hexdigest()[:12]}"
 
 
 @functools.lru_cache(maxsize=None)
 def cpu_ops():
     """torch.ops.pmx_cpu, built and loaded on first call; None where it cannot be built."""
     from torch.utils.cpp_extension import load
+    where = build_directory()
     try:
-        load(name="pmx_cpu", sources=[str(Path(__file__).with_name(f)) for f in SOURCES],
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
-             verbose=False)
+        where.mkdir(parents=True, exist_ok=True)
+        lock = where / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            print(f"warning: {lock} is {time.time() - lock.stat().st_mtime:.0f} s old, left by a build that was "
+                  "killed; removing it", file=sys.stderr)
+            lock.unlink(missing_ok=True)
+        if not (where / "pmx_cpu.so").exists():
+            print(f"building this project's CPU kernels for this machine in {where} (once, about a minute)",
+                  file=sys.stderr)
+        load(name="pmx_cpu", sources=[str(Path(__file__).with_name(f)) for f in SOURCES], build_directory=str(where),
+             extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler / ninja: the slower oneDNN / aten kernels still work
         print(f"warning: this project's CPU kernels could not be built ({type(e).__name__}: "
               f"{str(e).splitlines()[0] if str(e) else ''}); using oneDNN / torch's aten kernels", file=sys.stderr)

@@ -27,6 +27,8 @@ from starlette.routing import Route
 from runner.errors import PmxError
 from runner.serve.engine import CompletionOutput, RequestOutput
 from runner.serve.params import MAX_LOGPROBS, ParamError, SamplingParams, is_int, is_number
+from runner.serve.tools import check_tools, choice_of, forced_spec
+from runner.serve.tools import parse as parse_tools
 
 MAX_PROMPTS = 64
 
@@ -80,17 +82,53 @@ def _unsupported(body: dict) -> None:
             raise ApiError(400, f"{name} is not supported by this server (only {neutral})", name)
     if field(body, "logit_bias", "dict"):
         raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
-    for name in ("suffix", "tools", "functions"):
+    for name in ("suffix", "functions"):
         if body.get(name):
             raise ApiError(400, f"{name} is not supported by this server", name)
-    fmt = field(body, "response_format", "dict")
-    if fmt and fmt.get("type") != "text":
-        raise ApiError(400, "response_format other than text is not supported by this server", "response_format")
 
 
-def sampling(body: dict, max_tokens, logprobs) -> SamplingParams:
-    """The request's SamplingParams; out-of-range values become a 400 naming the field."""
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured(body: dict) -> tuple:
+    """(the structured_outputs spec of a request, or None; the field it came from): response_format (OpenAI's
+    json_object / json_schema), vLLM's structured_outputs, or its older guided_json / guided_regex / guided_choice /
+    guided_grammar; one of them at most."""
+    given = [name for name in ("response_format", "structured_outputs", *GUIDED) if body.get(name) is not None]
+    if len(given) > 1:
+        raise ApiError(400, f"give one of {', '.join(given)}", given[1])
+    if not given:
+        return None, None
+    name = given[0]
+    if name in GUIDED:
+        return {GUIDED[name]: body[name]}, name
+    if name == "structured_outputs":
+        return field(body, name, "dict"), name
+    fmt = field(body, name, "dict")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return {"json_object": True}, name
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ApiError(400, "response_format.json_schema must be an object with a schema object", name)
+        return {"json": spec.get("schema", {})}, name
+    raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {json.dumps(kind)}",
+                   name)
+
+
+def sampling(body: dict, max_tokens, logprobs, forced: Optional[dict] = None) -> tuple[SamplingParams, Optional[str]]:
+    """The request's SamplingParams, and the field its structured-output spec came from (`forced`: the spec that
+    tool_choice "required" or a named function imposes); out-of-range values become a 400 naming the field."""
     _unsupported(body)
+    spec, spec_field = structured(body)
+    if forced is not None:
+        if spec is not None:
+            raise ApiError(400, f"{spec_field} cannot be combined with tool_choice required or a named function",
+                           spec_field)
+        spec, spec_field = forced, "tools"
     n = field(body, "n", "int", 1)
     best_of = field(body, "best_of", "int")
     if best_of is not None and best_of != n:
@@ -102,10 +140,10 @@ def sampling(body: dict, max_tokens, logprobs) -> SamplingParams:
             seed=field(body, "seed", "int"), stop=field(body, "stop", "stop", ()),
             stop_token_ids=field(body, "stop_token_ids", "list", ()),
             ignore_eos=field(body, "ignore_eos", "bool", False),
-            logprobs=logprobs,
-            include_stop_str_in_output=field(body, "include_stop_str_in_output", "bool", False))
+            logprobs=logprobs, structured_outputs=spec,
+            include_stop_str_in_output=field(body, "include_stop_str_in_output", "bool", False)), spec_field
     except ParamError as e:
-        raise ApiError(400, str(e), e.param) from None
+        raise ApiError(400, str(e), spec_field if e.param == "structured_outputs" else e.param) from None
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
@@ -197,6 +235,23 @@ class Job:
     params: SamplingParams
     token_text: Callable[[int], str]
     echo: bool = False
+    spec_field: Optional[str] = None   # the request field its structured-output spec came from
+    tools: Optional[list] = None       # chat: the request's tools, and its tool_choice (runner.serve.tools)
+    tool_choice: str = "none"
+    parallel_tool_calls: bool = True
+
+    @property
+    def calls_tools(self) -> bool:
+        """The completions are searched for tool calls (and streamed whole, once finished)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def message(self, text: str, finish_reason: Optional[str]) -> tuple[dict, Optional[str]]:
+        """A chat completion's message, its tool calls parsed out, and its finish_reason."""
+        if not self.calls_tools:
+            return {"role": "assistant", "content": text}, finish_reason
+        content, calls = parse_tools(text, self.tool_choice, self.tools, self.parallel_tool_calls)
+        msg = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        return msg, ("tool_calls" if calls and finish_reason == "stop" else finish_reason)
 
     def request_ids(self) -> list:
         return [f"{self.id}-{i}" for i in range(len(self.prompts))]
@@ -238,11 +293,13 @@ class Job:
             for out in res.outputs:
                 c = {"index": self.index(rid, out.index)}
                 lps = self.logprobs(_raw_logprobs(out), len(prompt_text) if self.echo else 0)
+                reason = out.finish_reason
                 if self.kind == "chat":
-                    c.update(message={"role": "assistant", "content": out.text}, logprobs=lps)
+                    msg, reason = self.message(out.text, reason)
+                    c.update(message=msg, logprobs=lps)
                 else:
                     c.update(text=(prompt_text if self.echo else "") + out.text, logprobs=lps)
-                c.update(finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                c.update(finish_reason=reason, stop_reason=out.stop_reason)
                 choices.append(c)
         choices.sort(key=lambda c: c["index"])
         return {**self.head(False), "choices": choices, "usage": self.usage(usages)}
@@ -265,6 +322,7 @@ class ApiContext:
     max_model_len: int
     metrics: Any
     created: int
+    vocab_size: int
 
 
 def build_app(ctx: ApiContext) -> Starlette:
@@ -294,7 +352,7 @@ def build_app(ctx: ApiContext) -> Starlette:
         raise ApiError(400, f"prompt must be a string, an array of 1 to {MAX_PROMPTS} strings, an array of token "
                             f"ids or an array of arrays of token ids", "prompt")
 
-    def chat_prompt(body: dict) -> tuple:
+    def chat_prompt(body: dict, tools: Optional[list] = None) -> tuple:
         messages = field(body, "messages", "list")
         if not messages:
             raise ApiError(400, "messages must be a non-empty array", "messages")
@@ -314,7 +372,7 @@ def build_app(ctx: ApiContext) -> Starlette:
         if ctx.chat_template is None:
             raise ApiError(400, f"the model `{ctx.model_name}` has no chat template (its tokenizer_config.json "
                                 f"holds no chat_template); use /v1/completions with your own prompt text")
-        kwargs = field(body, "chat_template_kwargs", "dict", {})
+        kwargs = {**field(body, "chat_template_kwargs", "dict", {}), **({"tools": tools} if tools else {})}
         try:
             text = ctx.chat_template.render(msgs, field(body, "add_generation_prompt", "bool", True), **kwargs)
         except PmxError as e:
@@ -325,8 +383,8 @@ def build_app(ctx: ApiContext) -> Starlette:
         for _, ids in job.prompts:
             try:
                 ctx.client.check(ids, job.params)
-            except ParamError as e:
-                raise ApiError(400, str(e), e.param) from None
+            except ParamError as e:  # (a structured-output spec's error names the field it came from)
+                raise ApiError(400, str(e), job.spec_field if e.param == "structured_outputs" else e.param) from None
         sub = ctx.client.submit(job.request_ids(), [ids for _, ids in job.prompts], job.params)
         if stream:
             return EventStream(events(request, job, sub, include_usage))
@@ -344,7 +402,7 @@ def build_app(ctx: ApiContext) -> Starlette:
         return JSONResponse(job.response(results))
 
     async def events(request: Request, job: Job, sub: Subscription, include_usage: bool) -> AsyncIterator[str]:
-        n, offsets, usages = job.params.n, {}, []
+        n, offsets, usages, held = job.params.n, {}, [], {}
         if job.kind == "chat":
             yield job.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(n * len(job.prompts))])
@@ -363,12 +421,20 @@ def build_app(ctx: ApiContext) -> Starlette:
                     i = job.index(d.request_id, d.index)
                     lps = job.logprobs(d.logprobs, offsets.get(i, 0)) if d.token_ids else None
                     offsets[i] = offsets.get(i, 0) + sum(len(job.token_text(t)) for t in d.token_ids)
-                    c = {"index": i}
-                    if job.kind == "chat":
+                    c, reason = {"index": i}, d.finish_reason
+                    if job.calls_tools:  # tool calls: the text held until its end, then the parsed message
+                        held[i] = held.get(i, "") + d.text
+                        if reason is None:
+                            continue
+                        msg, reason = job.message(held.pop(i), reason)
+                        c["delta"] = {k: msg[k] for k in ("content", "tool_calls") if msg.get(k) is not None}
+                        for k, call in enumerate(c["delta"].get("tool_calls", [])):
+                            call["index"] = k
+                    elif job.kind == "chat":
                         c["delta"] = {"content": d.text} if d.text else {}
                     else:
                         c["text"] = d.text
-                    c.update(logprobs=lps, finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                    c.update(logprobs=lps, finish_reason=reason, stop_reason=d.stop_reason)
                     choices.append(c)
                 if choices:
                     yield job.chunk(choices)
@@ -377,15 +443,17 @@ def build_app(ctx: ApiContext) -> Starlette:
 
     async def completions(request: Request) -> Response:
         body = await read_body(request)
+        if body.get("tools"):
+            raise ApiError(400, "tools are for /v1/chat/completions", "tools")
         prompts = encode_prompts(body.get("prompt"))
         logprobs = field(body, "logprobs", "int")
         echo = field(body, "echo", "bool", False)
         if echo and logprobs is not None:
             raise ApiError(400, "echo together with logprobs is not supported by this server", "echo")
-        params = sampling(body, field(body, "max_tokens", "int", 16), logprobs)
+        params, spec_field = sampling(body, field(body, "max_tokens", "int", 16), logprobs)
         stream, include_usage = stream_flags(body)
         job = Job("completion", f"cmpl-{uuid.uuid4().hex}", ctx.model_name, int(time.time()), prompts, params,
-                  ctx.tokenizer.token_text, echo)
+                  ctx.tokenizer.token_text, echo, spec_field)
         return await run(request, job, stream, include_usage)
 
     async def chat_completions(request: Request) -> Response:
@@ -397,11 +465,44 @@ def build_app(ctx: ApiContext) -> Starlette:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
-        params = sampling(body, max_tokens, (top or 0) if want else None)
+        tools, choice = None, "none"
+        parallel = field(body, "parallel_tool_calls", "bool", True)
+        try:
+            if body.get("tools") is not None:
+                tools = check_tools(body["tools"])
+                choice = choice_of(body.get("tool_choice"), tools)
+            elif body.get("tool_choice") not in (None, "none"):
+                raise ParamError("tool_choice", "tool_choice needs tools")
+        except ParamError as e:
+            raise ApiError(400, str(e), e.param) from None
+        params, spec_field = sampling(body, max_tokens, (top or 0) if want else None,
+                                      forced_spec(tools, choice, parallel) if tools else None)
         stream, include_usage = stream_flags(body)
-        job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", ctx.model_name, int(time.time()), [chat_prompt(body)],
-                  params, ctx.tokenizer.token_text)
+        job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", ctx.model_name, int(time.time()), [chat_prompt(body, tools)],
+                  params, ctx.tokenizer.token_text, spec_field=spec_field, tools=tools, tool_choice=choice,
+                  parallel_tool_calls=parallel)
         return await run(request, job, stream, include_usage)
+
+    async def tokenize(request: Request) -> Response:
+        """vLLM's /tokenize: a prompt's (or chat messages') token ids, their count and the model's positions."""
+        body = await read_body(request)
+        if body.get("messages") is not None:
+            _, ids = chat_prompt(body)
+        else:
+            prompt = field(body, "prompt", "str")
+            if prompt is None:
+                raise ApiError(400, "prompt (a string) or messages is required", "prompt")
+            ids = ctx.tokenizer.encode(prompt, bos=field(body, "add_special_tokens", "bool", True))
+        return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids,
+                             "token_strs": [ctx.tokenizer.token_text(i) for i in ids]})
+
+    async def detokenize(request: Request) -> Response:
+        """vLLM's /detokenize: the text of token ids."""
+        body = await read_body(request)
+        tokens = field(body, "tokens", "list")
+        if tokens is None or not all(is_int(t) and 0 <= t < ctx.vocab_size for t in tokens):
+            raise ApiError(400, f"tokens must be an array of token ids in [0, {ctx.vocab_size})", "tokens")
+        return JSONResponse({"prompt": ctx.tokenizer.decode(tokens)})
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -425,6 +526,7 @@ def build_app(ctx: ApiContext) -> Starlette:
 
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error})

@@ -51,8 +51,9 @@ class ChatTemplate:
         self.specials, self.added, self.origin = specials, added, origin
 
     @classmethod
-    def load(cls, directory: Path) -> Optional["ChatTemplate"]:
-        """The template of the tokenizer files in `directory`, or None when it has none."""
+    def load(cls, directory: Path, template_file: Optional[str] = None) -> Optional["ChatTemplate"]:
+        """The template of the tokenizer files in `directory` (or the jinja file `template_file`, with the special
+        tokens of `directory`), or None when there is none."""
         directory = Path(directory)
         if directory.is_file():
             directory = directory.parent
@@ -68,7 +69,13 @@ class ChatTemplate:
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")
         jinja_file = directory / "chat_template.jinja"
-        if not source and jinja_file.is_file():
+        if template_file is not None:
+            try:
+                source, origin = Path(template_file).read_text(), str(template_file)
+            except (OSError, UnicodeDecodeError) as e:
+                raise PmxError(f"{template_file}: cannot read the chat template ({getattr(e, 'strerror', None) or e})"
+                               ) from None
+        elif not source and jinja_file.is_file():
             source, origin = jinja_file.read_text(), str(jinja_file)
         if not isinstance(source, str) or not source:
             return None

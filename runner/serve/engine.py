@@ -21,6 +21,7 @@ import torch
 
 from runner.engine.core import EngineCore, Output
 from runner.engine.scheduler import Sequence
+from runner.engine.structured import Grammars, SpecError
 from runner.errors import PmxError
 from runner.kernels.reference import PAGE_SIZE
 from runner.serve.params import ParamError, SamplingParams
@@ -184,6 +185,7 @@ class LLMEngine:
         self.channel = StepChannel(core.comm, core.model.device)
         self.requests: dict[str, _Request] = {}
         self._counted: dict[str, int] = {}
+        self._grammars: Optional[Grammars] = None
         if metrics is not None:
             metrics.set(kv_pages_total=core.cache.rows // PAGE_SIZE, kv_page_tokens=PAGE_SIZE)
             self._gauges()
@@ -205,6 +207,11 @@ class LLMEngine:
             raise ParamError("max_tokens", f"this model's maximum context length is {self.max_model_len} tokens; "
                                            f"{p} in the prompt and {max_tokens} to generate make {p + max_tokens}")
         cache = self.core.scheduler.cache
+        if params.structured_outputs is not None:
+            try:
+                self.grammars().constraint(params.structured_outputs)
+            except SpecError as e:
+                raise ParamError("structured_outputs", str(e)) from None
         if not cache.fits(p + max_tokens):
             need, have = ((-(-(p + max_tokens) // PAGE_SIZE), cache.num_pages) if cache.paged else
                           (p + max_tokens, cache.rows))
@@ -224,12 +231,21 @@ class LLMEngine:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         for i in range(params.n):
             choice = _Choice(req, i, IncrementalDetokenizer(self.tok, prompt_ids))
-            req.choices.append(self.core.add(prompt_ids, max_tokens, params.for_choice(i, seed), stops, state=choice))
+            constraint = None if params.structured_outputs is None else \
+                self.grammars().constraint(params.structured_outputs)
+            req.choices.append(self.core.add(prompt_ids, max_tokens, params.for_choice(i, seed), stops, state=choice,
+                                             constraint=constraint))
         req.unfinished = params.n
         self.requests[request_id] = req
         if self.metrics is not None:
             self.metrics.inc("prompt_tokens_total", len(prompt_ids) * params.n)
             self._gauges()
+
+    def grammars(self) -> Grammars:
+        """The structured-output compiler of this model's tokenizer (made on first use: it loads xgrammar)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tok, self.core.model.params.vocab_size, sorted(self.eos_ids))
+        return self._grammars
 
     def cancel(self, request_id: str) -> list[Delta]:
         """Ends a request's unfinished completions with finish_reason "abort", freeing their cache."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from runner.engine import sampler
+from runner.engine.structured import SpecError, check_spec
 from runner.errors import PmxError
 
 MAX_LOGPROBS = 20
@@ -53,6 +54,9 @@ class SamplingParams(sampler.SamplingParams):
         logprobs: also return the log-probabilities of this many most likely tokens per new token (0: the
             chosen token's only); None: none.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
+        structured_outputs: keep the text to a JSON schema, any JSON object, a regex, an EBNF grammar or a choice
+            ({"json": schema} | {"json_object": true} | {"regex": ...} | {"grammar": ...} | {"choice": [...]}, as
+            vLLM's; runner.engine.structured).
     """
     temperature: float = 1.0
     n: int = 1
@@ -62,6 +66,7 @@ class SamplingParams(sampler.SamplingParams):
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
+    structured_outputs: Optional[dict] = None
 
     def __post_init__(self):
         def need(ok: bool, name: str, what: str, value) -> None:
@@ -85,6 +90,11 @@ class SamplingParams(sampler.SamplingParams):
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean", self.ignore_eos)
         need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a boolean",
              self.include_stop_str_in_output)
+        if self.structured_outputs is not None:
+            try:
+                check_spec(self.structured_outputs)
+            except SpecError as e:
+                raise ParamError("structured_outputs", str(e)) from None
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "top_k", max(self.top_k, 0))

@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 
 import uvicorn
 
-from runner.args import CkptDir, PositiveInt, Range, TokenizerPath
+from runner.args import ChatTemplateFile, CkptDir, PositiveInt, Range, TokenizerPath
 from runner.config import EngineConfig
 from runner.errors import PmxError
 from runner.serve.api import ApiContext, build_app
@@ -28,10 +28,10 @@ from runner.serve.loader import load
 from runner.serve.metrics import Metrics
 
 
-def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, host: str = "127.0.0.1",
-          port: Annotated[int, Range(0, 65535)] = 8000, served_model_name: Optional[str] = None,
-          max_waiting: PositiveInt = 256, drain_timeout: Annotated[float, Range(0)] = 5.0,
-          engine: EngineConfig = EngineConfig(cache_mode=1)) -> None:
+def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template: ChatTemplateFile = None,
+          host: str = "127.0.0.1", port: Annotated[int, Range(0, 65535)] = 8000,
+          served_model_name: Optional[str] = None, max_waiting: PositiveInt = 256,
+          drain_timeout: Annotated[float, Range(0)] = 5.0, engine: EngineConfig = EngineConfig(cache_mode=1)) -> None:
     """Serve a PMX model over OpenAI's HTTP API (completions, chat completions, streaming) on 1 or N ranks.
 
     Args:
@@ -42,7 +42,7 @@ def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, host: str = "
         drain_timeout: on SIGTERM, seconds the running requests get to finish before they are cancelled.
     """
     metrics = Metrics()
-    loaded = load(ckpt_dir, tokenizer_path, engine, metrics, progress=True)
+    loaded = load(ckpt_dir, tokenizer_path, engine, metrics, progress=True, chat_template=chat_template)
     sess, llm = loaded.session, loaded.engine
     if not sess.is_main:
         _follow(llm, drain_timeout)
@@ -52,7 +52,7 @@ def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, host: str = "
     _drain_on_signals(client.stop)
     name = served_model_name or ckpt_dir
     ctx = ApiContext(client, loaded.tokenizer, loaded.chat_template, name, llm.max_model_len, metrics,
-                     int(time.time()))
+                     int(time.time()), llm.core.model.params.vocab_size)
     try:
         http, thread = _start_http(build_app(ctx), host, port)
     except PmxError as e:
