@@ -55,10 +55,12 @@ class EngineConfig:
     context_chunk_size: PositiveInt = flag(512, "prefill tokens per step when --context_chunking")
     max_num_batched_tokens: Optional[PositiveInt] = flag(None, "tokens in one step at most, decoding ones included "
                                                                "(vLLM's; at least --max_batch)")
-    speculative: Annotated[str, OneOf("off", "ngram")] = flag(
+    speculative: Annotated[str, OneOf("off", "ngram", "draft")] = flag(
         "off", "speculative decoding: ngram guesses a decoding sequence's next tokens from where its last ones "
-               "occurred before (prompt lookup), verified in one step; the same tokens as without, faster on "
-               "repetitive text")
+               "occurred before (prompt lookup), draft from a small model of the same tokenizer "
+               "(--speculative_model); verified in one step, the same tokens as without")
+    speculative_model: Optional[str] = flag(None, "--speculative draft: the draft model, a PMX directory of one shard "
+                                                  "with the target's tokenizer (each rank runs it whole)")
     num_speculative_tokens: PositiveInt = flag(4, "tokens guessed a step per sequence (--speculative)")
     prompt_lookup_max: PositiveInt = flag(4, "--speculative ngram: the longest n-gram matched (longest first)")
     prompt_lookup_min: PositiveInt = flag(1, "--speculative ngram: the shortest n-gram matched")
@@ -81,6 +83,10 @@ class EngineConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise PmxError(f"--prompt_lookup_min ({self.prompt_lookup_min}) must be at most --prompt_lookup_max "
                            f"({self.prompt_lookup_max})")
+        if (self.speculative == "draft") != (self.speculative_model is not None):
+            raise PmxError("--speculative draft and --speculative_model DIR go together (the draft model's PMX "
+                           f"directory); got --speculative {self.speculative} and --speculative_model "
+                           f"{self.speculative_model}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < PAGE_SIZE:
             raise PmxError(f"--kv_cache_tokens must be at least one page ({PAGE_SIZE}), got {self.kv_cache_tokens}")
 

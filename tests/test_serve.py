@@ -195,9 +195,13 @@ def test_llm_preemption_gives_the_same_tokens(stories, llm):
     assert got == want
 
 
-def test_llm_prefix_caching_reuses_a_shared_prompt_and_keeps_the_tokens(stories, llm):
+@pytest.mark.parametrize("options", [{}, {"quantized_cache": True, "cache_layout": 3}, {"cache_layout": 1}])
+def test_llm_prefix_caching_reuses_a_shared_prompt_and_keeps_the_tokens(stories, llm, options):
     """Prompts sharing a 300-token prefix: the later ones take the first's two full pages instead of computing
-    them (the metrics count the hits), and every completion is the one computed without prefix caching."""
+    them (the metrics count the hits), and every completion is the one computed without prefix caching; in each
+    cache layout, the int8 cache included."""
+    import contextlib
+
     from runner import LLM
     from runner.engine.tokenizer import Tokenizer
     tok = Tokenizer(str(stories["pmx"]))
@@ -205,11 +209,14 @@ def test_llm_prefix_caching_reuses_a_shared_prompt_and_keeps_the_tokens(stories,
     prefix = story[:300]
     prompts = [prefix + tok.encode(q, bos=False) for q in (" The cat", " One day", " Tom had a big")]
     p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    with LLM(str(stories["pmx"]), kv_cache_tokens=16 * PAGE_SIZE, enable_prefix_caching=False) as plain:
+    with LLM(str(stories["pmx"]), kv_cache_tokens=16 * PAGE_SIZE, enable_prefix_caching=False, **options) as plain:
         want = [[o.outputs[0].token_ids for o in plain.generate([q], p)] for q in prompts]
-    cache = llm.engine.core.scheduler.cache
-    hits = cache.hits
-    got = [[o.outputs[0].token_ids for o in llm.generate([q], p)] for q in prompts]
+    with contextlib.ExitStack() as stack:
+        if options:
+            llm = stack.enter_context(LLM(str(stories["pmx"]), kv_cache_tokens=16 * PAGE_SIZE, **options))
+        cache = llm.engine.core.scheduler.cache
+        hits = cache.hits
+        got = [[o.outputs[0].token_ids for o in llm.generate([q], p)] for q in prompts]
     assert got == want
     assert cache.hits - hits == 2 + 2  # the second and third prompts each took the first's 2 full pages
 

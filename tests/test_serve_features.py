@@ -180,6 +180,7 @@ def test_speculation_and_prefix_caching_keep_the_reference(srv):
     first = c.completions.create(model=srv.model, prompt=LONG_PROMPT, max_tokens=16, temperature=0).choices[0].text
     again = c.completions.create(model=srv.model, prompt=LONG_PROMPT, max_tokens=16, temperature=0).choices[0].text
     assert first == again and srv.metric("prefix_cache_hits_total") - hits >= 2
+    assert srv.metric("prefix_cache_tokens_saved_total") == 128 * srv.metric("prefix_cache_hits_total")
     story = "The cat sat on the mat. " * 6
     c.completions.create(model=srv.model, prompt=story, max_tokens=60, temperature=0)
     assert srv.metric("spec_decode_accepted_tokens_total") > 0

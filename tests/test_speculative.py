@@ -83,3 +83,79 @@ def test_speculation_flags_are_checked():
         EngineConfig(speculative="medusa")
     with pytest.raises(PmxError, match="--prompt_lookup_min"):
         EngineConfig(prompt_lookup_min=5, prompt_lookup_max=2)
+
+
+def noisy_copy(src, dst, scale: float):
+    """A draft that guesses wrong now and then: `src`'s PMX weights with noise added, the tokenizer kept."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(0)
+    w = load_file(str(dst / "model.00.safetensors"))
+    save_file({k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.dim() == 2 else v
+               for k, v in w.items()}, str(dst / "model.00.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("options", [dict(), dict(cache_mode=1, quantized_cache=True),
+                                     dict(fused_decode=False, num_speculative_tokens=3)])
+def test_draft_model_speculation_gives_the_same_tokens(stories, tmp_path, options):
+    """A draft model's guesses, verified: every sequence's greedy tokens are those without speculation. The model as
+    its own draft is right nearly always (several tokens a step); a noisy copy is wrong often (its cache rolled back
+    and recomputed after each rejection) and still changes no token."""
+    from runner.config import EngineConfig
+    from runner.engine.session import open_session
+    from runner.engine.tokenizer import Tokenizer
+    pmx = stories / "pmx"
+    tok = Tokenizer(str(pmx))
+    prompts = [tok.encode("Once upon a time"), tok.encode("Lily and Tom went to the park. They"),
+               tok.encode("The cat sat on the mat.")]
+    want = open_session(str(pmx), EngineConfig(**options)).engine.generate(prompts, 48)
+    noisy = noisy_copy(pmx, tmp_path / "noisy", 0.15)
+    for draft, lo, hi in ((pmx, 0.9, 1.0), (noisy, 0.1, 0.8)):
+        eng = open_session(str(pmx), EngineConfig(speculative="draft", speculative_model=str(draft),
+                                                  **options)).engine
+        stats = {}
+        assert eng.generate(prompts, 48, stats=stats) == want
+        assert lo <= eng.accepted / eng.proposed <= hi, (draft, eng.accepted, eng.proposed)
+        if draft == pmx:
+            assert stats["steps"] < 0.5 * 48
+        again = eng.generate(prompts[:1], 48)  # a second run: the draft's cache made anew with the target's
+        assert again == want[:1]
+
+
+def test_draft_model_is_checked(stories, tmp_path):
+    from runner.config import EngineConfig
+    from runner.engine.session import open_session
+    from runner.pmx.convert import reshard
+    with pytest.raises(PmxError, match="--speculative draft and --speculative_model DIR go together"):
+        EngineConfig(speculative="draft")
+    with pytest.raises(PmxError, match="go together"):
+        EngineConfig(speculative_model=str(stories / "pmx"))
+    reshard(str(stories / "pmx"), str(tmp_path / "two"), 2, progress=False)
+    with pytest.raises(PmxError, match="split into 2 shards; each rank runs it whole: merge it"):
+        open_session(str(stories / "pmx"), EngineConfig(speculative="draft", speculative_model=str(tmp_path / "two")))
+    other = noisy_copy(stories / "pmx", tmp_path / "other", 0.0)
+    (other / "tokenizer.model").write_bytes(b"not the same")
+    with pytest.raises(PmxError, match="tokenizer.model differs from the target's"):
+        open_session(str(stories / "pmx"), EngineConfig(speculative="draft", speculative_model=str(other)))
+
+
+@pytest.mark.parametrize("launcher", ["mpich", "torchrun"])
+def test_speculation_on_two_ranks_keeps_the_one_rank_text(stories, tmp_path, launcher):
+    """Demo under 2 ranks with the draft whole on each rank (its guesses broadcast from rank 0) and with prompt
+    lookup: the greedy text of one rank without speculation."""
+    import sys
+
+    from jobs import launch_cmd, run_job
+    demo = [sys.executable, "scripts/Demo.py", "--prompt", "Lily and Tom went to the park. They",
+            "--max_gen_len", 40, "--temperature", 0]
+    rc, want, err, _ = run_job([*demo, "--ckpt_dir", stories / "pmx"], tmp_path)
+    assert rc == 0, err
+    noisy = noisy_copy(stories / "pmx", tmp_path / "noisy", 0.15)
+    for flags in (("--speculative", "draft", "--speculative_model", noisy), ("--speculative", "ngram")):
+        cmd, env = launch_cmd(launcher, 2, *demo, "--ckpt_dir", stories / "pmx_2", *flags)
+        rc, out, err, _ = run_job(cmd, tmp_path, {"OMP_NUM_THREADS": "1", **env}, timeout=180)
+        assert rc == 0, err
+        assert out == want, (flags, out, want)

@@ -26,7 +26,7 @@ from runner.engine.plan import StepLengths, step_inputs
 from runner.engine.runners import Stepper
 from runner.engine.sampler import Sampler, SamplingParams, greedy_ids
 from runner.engine.scheduler import OffsetCache, PagedCache, Scheduler, Sequence
-from runner.engine.speculative import NgramProposer
+from runner.engine.speculative import make_proposer
 from runner.errors import PmxError
 from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP
 
@@ -49,7 +49,8 @@ class Output:
 
 
 class EngineCore:
-    def __init__(self, model, stepper: Stepper, config: EngineConfig):
+    def __init__(self, model, stepper: Stepper, config: EngineConfig, draft: Optional["EngineCore"] = None):
+        """`draft`: --speculative draft's draft model, an engine core of its own."""
         self.model, self.stepper, self.config, self.comm = model, stepper, config, model.comm
         self.max_model_len = model.params.max_position_embeddings
         self.cache: Optional[KVCache] = None
@@ -59,8 +60,7 @@ class EngineCore:
         self._ids = itertools.count()
         self.base_seed = self._shared_seed()
         self._seeds = itertools.count()
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
-                                      config.prompt_lookup_min) if config.speculative == "ngram" else None
+        self.proposer = make_proposer(config, self.comm, draft)
         self.proposed = self.accepted = 0     # speculative decoding: guessed tokens verified, and accepted
 
     # -- the cache -----------------------------------------------------------------------------------------------
@@ -99,6 +99,8 @@ class EngineCore:
             self.cache = self.stepper.cache(*self.model.new_cache(rows))
         alloc = PagedCache(rows, c.enable_prefix_caching) if c.paged else OffsetCache(rows)
         self.scheduler = Scheduler(alloc, c.max_batch, c.max_num_batched_tokens, c.prefill_chunk)
+        if self.proposer is not None:
+            self.proposer.reserve(rows)
 
     # -- sequences -----------------------------------------------------------------------------------------------
     def check_prompt(self, ids: Seq[int], what: str = "prompt", room: int = 1) -> None:
@@ -167,13 +169,14 @@ class EngineCore:
         """Speculative decoding: each decoding sequence's guessed tokens, appended (the step verifies them)."""
         if self.proposer is None:
             return []
+        cands = [s for s in self.scheduler.running
+                 if s.decoding and not s.all_logits and s.constraint is None and s.max_len - len(s.tokens) > 0]
         proposing = []
-        for s in self.scheduler.running:
-            if s.decoding and not s.all_logits and s.constraint is None and s.max_len - len(s.tokens) > 0:
-                s.proposal = self.proposer.propose(s.tokens)[: s.max_len - len(s.tokens)]
-                if s.proposal:
-                    s.tokens += s.proposal
-                    proposing.append(s)
+        for s, guess in zip(cands, self.proposer.propose_all(cands) if cands else ()):
+            s.proposal = guess[: s.max_len - len(s.tokens)]
+            if s.proposal:
+                s.tokens += s.proposal
+                proposing.append(s)
         return proposing
 
     @staticmethod

@@ -4,7 +4,7 @@ model with its step runners and continuous-batching core."""
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -14,7 +14,7 @@ from runner.engine.core import EngineCore
 from runner.engine.model import Transformer, load_shard, random_shard
 from runner.engine.runners import Stepper
 from runner.errors import PmxError
-from runner.parallel.comm import collective_timeout, make_comm
+from runner.parallel.comm import SingleComm, collective_timeout, make_comm
 from runner.parallel.launch import LaunchEnv, detect, set_cpu_threads
 from runner.pmx.fingerprint import check_shards
 from runner.pmx.params import PmxParams, shard_file
@@ -105,9 +105,41 @@ def open_session(ckpt_dir: str, config: EngineConfig = EngineConfig(), random_we
         own = headers[env.rank]
         with progress_bar(own.data_bytes(), f"loading {own.path.name}", show=progress and env.rank == 0) as bar:
             _, weights = load_shard(Path(ckpt_dir), env.rank, dev, torch_dtype, on_tensor=bar.update)
+    draft = open_draft(config, params, Path(ckpt_dir), dev, torch_dtype) if config.speculative == "draft" else None
     comm.sync()
     model = Transformer(params, weights, comm, config)
     stepper = Stepper(model, config)
     if progress and env.rank == 0:
         print(f"engine: {stepper.describe()}", file=sys.stderr, flush=True)
-    return Session(env, dev, comm, model, stepper, EngineCore(model, stepper, config))
+        if draft is not None:
+            print(f"draft model: {config.speculative_model} ({draft.model.params.num_layers} layers, "
+                  f"{draft.stepper.describe()})", file=sys.stderr, flush=True)
+    return Session(env, dev, comm, model, stepper, EngineCore(model, stepper, config, draft))
+
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
+
+
+def open_draft(config: EngineConfig, target: PmxParams, target_dir: Path, dev: torch.device,
+               dtype: torch.dtype) -> EngineCore:
+    """--speculative draft: the draft model (config.speculative_model, a PMX directory of one shard) whole on this
+    rank, in an engine core of its own with the target's cache settings (and no speculation, no prefix caching).
+    Its vocabulary and tokenizer files must be the target's."""
+    where = Path(config.speculative_model)
+    params = PmxParams.load(where)
+    if params.num_shards != 1:
+        raise PmxError(f"--speculative_model {where}: the draft is split into {params.num_shards} shards; each rank "
+                       f"runs it whole: merge it (scripts/Merge.py) into one shard")
+    if params.vocab_size != target.vocab_size:
+        raise PmxError(f"--speculative_model {where}: its vocabulary has {params.vocab_size} tokens, the target's "
+                       f"{target.vocab_size}; a draft model needs the target's tokenizer")
+    for name in TOKENIZER_FILES:
+        mine, theirs = where / name, target_dir / name
+        if mine.exists() and theirs.exists() and mine.read_bytes() != theirs.read_bytes():
+            raise PmxError(f"--speculative_model {where}: {name} differs from the target's ({theirs}); a draft model "
+                           f"needs the target's tokenizer")
+    _, weights = load_shard(where, 0, dev, dtype)
+    dc = replace(config, speculative="off", speculative_model=None, enable_prefix_caching=False)
+    model = Transformer(params, weights, SingleComm(), dc)
+    stepper = Stepper(model, dc)
+    return EngineCore(model, stepper, dc)

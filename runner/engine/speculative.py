@@ -4,11 +4,24 @@ verifies in one step over all of them (runner.engine.core; acceptance in runner.
 - :class:`NgramProposer` (prompt lookup, as vLLM's "ngram" and llama.cpp's lookup decoding): the tokens that followed
   the most recent earlier occurrence of the sequence's last n tokens, longest n first. Free to compute; it pays where
   text repeats (editing, extraction, code).
+- :class:`DraftProposer` (a draft model, as vLLM's draft_model and llama.cpp's --model-draft): a small model of the
+  same tokenizer decodes k tokens greedily. It pays where the draft agrees with the target often and costs far less.
+
+Both guess deterministically (the draft greedily), so the sampler verifies them as one-hot drafts: at temperature 0
+the tokens are the target's own, above it rejection sampling keeps the target's distribution.
 """
 
 from __future__ import annotations
 
 from array import array
+from typing import Optional
+
+import torch
+
+from runner.config import EngineConfig
+from runner.engine.sampler import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
 
 
 class NgramProposer:
@@ -27,3 +40,81 @@ class NgramProposer:
                     return tokens[b // 4 + n: b // 4 + n + self.k]
                 end = b + 4 * n - 1
         return []
+
+    def propose_all(self, seqs: list) -> list:
+        return [self.propose(s.tokens) for s in seqs]
+
+    def reserve(self, rows: int) -> None:
+        pass
+
+
+class DraftProposer:
+    """Guesses from a draft model's own engine core (runner.engine.core.EngineCore over the whole draft model on
+    this rank: no collective). It keeps a draft sequence per target sequence; before each guess the draft sequence
+    takes the target's tokens, keeping in its cache the rows they still agree on (after a rejection, the tail is
+    computed again), then the draft core runs k greedy steps for all of them at once. The ranks may differ in the
+    last bit of a float, so rank 0's guesses are broadcast: every rank verifies the same ones."""
+
+    def __init__(self, draft, k: int, comm):
+        self.draft, self.k, self.comm = draft, k, comm
+        self._of: dict = {}  # target seq_id -> its draft Sequence
+
+    def reserve(self, rows: int) -> None:
+        """The target's cache was made anew (between runs): the draft's too, as many rows."""
+        for d in self._of.values():
+            if d.finish_reason is None:
+                self.draft.finish(d, "abort")
+        self._of.clear()
+        self.draft.reserve(rows)
+
+    def propose_all(self, seqs: list) -> list:
+        want = {s.seq_id for s in seqs}
+        for sid, d in list(self._of.items()):  # targets that ended, or that do not guess this step
+            if sid not in want or d.finish_reason is not None:
+                if d.finish_reason is None:
+                    self.draft.finish(d, "abort")
+                del self._of[sid]
+        for s in seqs:
+            d = self._of.get(s.seq_id)
+            if d is None:
+                if len(s.tokens) >= self.draft.max_model_len:
+                    continue
+                try:
+                    self._of[s.seq_id] = self.draft.add(s.tokens, s.max_len - len(s.tokens), GREEDY)
+                except ValueError:  # more than the draft's cache holds: no guesses for it
+                    pass
+                continue
+            same = _common_prefix(d.tokens, s.tokens)
+            d.tokens[:] = s.tokens
+            d.computed = min(d.computed, same)
+        for _ in range(self.k):  # (a sequence that is new to the draft spends its first step on its prompt)
+            if not self.draft.has_work():
+                break
+            self.draft.step()
+        out = [self._of[s.seq_id].tokens[len(s.tokens): len(s.tokens) + self.k] if s.seq_id in self._of else []
+               for s in seqs]
+        return self._agreed(out)
+
+    def _agreed(self, out: list) -> list:
+        if self.comm.world_size == 1:
+            return out
+        t = torch.full((len(out), self.k), -1, dtype=torch.int64)
+        for i, g in enumerate(out):
+            t[i, :len(g)] = torch.tensor(g, dtype=torch.int64)
+        dev = self.draft.model.device
+        t = self.comm.broadcast_(t.to(dev) if dev.type == "cuda" else t).cpu()
+        return [[x for x in row if x >= 0] for row in t.tolist()]
+
+
+def _common_prefix(a: list, b: list) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def make_proposer(config: EngineConfig, comm, draft=None) -> Optional[object]:
+    """The proposer --speculative asks for (None: off); `draft` is the draft model's engine core."""
+    if config.speculative == "ngram":
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+    if config.speculative == "draft":
+        return DraftProposer(draft, config.num_speculative_tokens, comm)
+    return None

@@ -278,7 +278,8 @@ class LLMEngine:
         if self.metrics is not None:
             s = self.core.scheduler
             self._count(preemptions_total=s.preemptions, prefix_cache_queries_total=s.cache.queries,
-                        prefix_cache_hits_total=s.cache.hits, spec_decode_draft_tokens_total=self.core.proposed,
+                        prefix_cache_hits_total=s.cache.hits, prefix_cache_tokens_saved_total=s.cache.hits * PAGE_SIZE,
+                        spec_decode_draft_tokens_total=self.core.proposed,
                         spec_decode_accepted_tokens_total=self.core.accepted)
             self.metrics.inc("steps_total")
             self._gauges()

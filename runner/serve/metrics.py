@@ -46,6 +46,7 @@ class Metrics:
         "preemptions_total": "Sequences preempted (their cache freed, recomputed later) for lack of KV pages.",
         "prefix_cache_queries_total": "KV pages of prompts looked up in the prefix cache.",
         "prefix_cache_hits_total": "KV pages of prompts found in the prefix cache (PAGE_SIZE tokens not computed each).",
+        "prefix_cache_tokens_saved_total": "Prompt tokens taken from the prefix cache instead of computed.",
         "spec_decode_draft_tokens_total": "Tokens guessed by speculative decoding and verified.",
         "spec_decode_accepted_tokens_total": "Guessed tokens accepted (the acceptance rate: accepted / draft).",
         "steps_total": "Engine steps run.",
