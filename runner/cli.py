@@ -26,6 +26,7 @@ from runner.engine.perplexity import perplexity
 from runner.engine.replay import replay
 from runner.errors import PmxError
 from runner.onnx.export import export
+from runner.onnx.replay import onnx_replay
 from runner.parallel.job import JobControl, describe
 from runner.pmx.convert import convert as pmx_convert
 from runner.pmx.convert import quantize_model, reshard
@@ -123,7 +124,7 @@ def make_random_model(output_dir: str, hidden_dim: PositiveInt = 128, intermedia
 
 COMMANDS: dict[str, Callable] = {
     "convert": convert, "split": split, "merge": merge, "quantize": quantize, "generate": generate, "serve": serve,
-    "replay": replay, "compare": compare, "bench": bench, "perplexity": perplexity, "export": export,
+    "replay": replay, "compare": compare, "bench": bench, "perplexity": perplexity, "export": export, "onnx_replay": onnx_replay,
     "make_random_model": make_random_model}
 HELP_FLAGS = ("--help", "-h", "-help")
 
