@@ -198,3 +198,90 @@ def test_world_size_not_the_shard_count_is_one_line_and_writes_nothing(real, tmp
     rc, out, err, _ = export_job(tmp_path, 2, real["stories260k"] / "pmx", tmp_path / "onnx")
     assert rc != 0 and "the model is split into 1 shard(s) but 2 rank(s) were started" in err
     assert not (tmp_path / "onnx").exists() and not list(tmp_path.glob(".onnx*"))
+
+
+# --- the standard-ops export in a plain onnxruntime session ---------------------------------------------------------
+def test_standard_ops_export_runs_in_a_stock_session_and_follows_the_engine_for_40_tokens(real, tmp_path):
+    import numpy as np
+    import onnxruntime as ort
+    from runner.engine.tokenizer import Tokenizer
+    from runner.pmx.params import PmxParams
+    pmx = real["stories260k"] / "pmx"
+    export(str(pmx), str(tmp_path / "std"), opset="standard", progress=False)
+    path = tmp_path / "std" / "model_slice_0" / "model.onnx"
+    assert {n.domain for n in onnx.load(str(path)).graph.node} == {""}
+    s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])   # no custom-op library
+    sess = open_session(str(pmx))
+    p = PmxParams.load(pmx)
+    seq = Tokenizer(str(pmx), p.bos_token_id, p.eos_ids[0], vocab_size=p.vocab_size).encode("Once upon a time")
+    kv, _ = sess.model.new_cache(128)
+    kv_o, start, names = kv.clone().numpy(), 0, {i.name for i in s.get_inputs()}
+    for step in range(40):
+        t = step_inputs(StepLengths(seq[start:], [len(seq) - start], [start], [0], 1 if step else 0), None,
+                        torch.float32)
+        want = sess.stepper.forward(**t, kv_cache=kv, kv_scale=None)
+        got, kv_o = s.run(["logits", "kv_cache_out"], {**{k: v.numpy() for k, v in t.items() if k in names},
+                                                        "kv_cache": kv_o})
+        assert (torch.from_numpy(got) - want).abs().max() <= 1e-4 * want.abs().max(), step
+        assert int(np.argmax(got[0])) == int(want[0].argmax())
+        start = len(seq)
+        seq.append(int(want[0].argmax()))
+    with pytest.raises(PmxError, match="--opset standard exports one rank"):
+        export(str(real["stories260k"] / "pmx_2"), str(tmp_path / "std2"), opset="standard", progress=False)
+    with pytest.raises(PmxError, match="--opset standard does not take --quantized_cache true"):
+        export(str(pmx), str(tmp_path / "std3"), opset="standard", progress=False,
+               engine=EngineConfig(quantized_cache=True))
+
+
+# --- per-layer dumps and compare ---------------------------------------------------------------------------------
+def test_compare_per_layer_names_the_perturbed_layer_and_op(tmp_path, capsys):
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from runner.engine.compare import compare
+    from runner.engine.demo import generate
+    from runner.pmx.random_model import make_random_model
+    src, bad = tmp_path / "hf", tmp_path / "hf_bad"
+    make_random_model(str(src), 64, 96, 3, 4, 2, 300, "float32", 0, False)
+    shutil.copytree(src, bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    sd["model.layers.1.self_attn.o_proj.weight"] *= 1.05       # one layer's one weight, 5% off
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    for name, hf in (("good", src), ("bad", bad)):
+        convert(str(hf), str(tmp_path / f"pmx_{name}"), progress=False)
+        generate(str(tmp_path / f"pmx_{name}"), prompt=None, max_gen_len=3, progress=False, dump_layers=True,
+                 dump_tensor_path=str(tmp_path / f"dump_{name}"), dump_steps="0,1")
+    capsys.readouterr()
+    assert compare(str(tmp_path / "dump_good"), str(tmp_path / "dump_bad"), per_layer=True, threshold=60.0) == 1
+    out = capsys.readouterr().out
+    assert "first under the threshold: step 0, layer 1, op o (layer1_o" in out
+    assert compare(str(tmp_path / "dump_good"), str(tmp_path / "dump_good"), per_layer=True) == 0
+    assert "every layer and op passes" in capsys.readouterr().out
+    names = {p.name.split("-")[0] for p in (tmp_path / "dump_good" / "rank_0").glob("step1_layer0_*")}
+    assert names == {f"step1_layer0_{op}" for op in ("attention_norm", "q", "k", "v", "attention", "o", "ffn_norm",
+                                                     "residual", "ffn")}
+
+
+def test_per_layer_tp1_against_tp2_and_the_onnx_replay(real, tmp_path, capsys):
+    from runner.engine.compare import compare
+    n, ckpt = 2, real["stories260k"] / "pmx_2"
+    demo = [PY, ROOT / "scripts" / "Demo.py", "--prompt", "Once upon a time", "--max_gen_len", 3, "--dump_layers",
+            "true", "--dump_steps", "1", "--progress", "false"]
+    rc, _, err, _ = run_job([*demo, "--ckpt_dir", real["stories260k"] / "pmx", "--dump_tensor_path", tmp_path / "d1"],
+                            tmp_path)
+    assert rc == 0, err[-2000:]
+    cmd, env = launch_cmd("mpich", n, *demo, "--ckpt_dir", ckpt, "--dump_tensor_path", tmp_path / "d2")
+    rc, _, err, _ = run_job(cmd, tmp_path, env)
+    assert rc == 0, err[-2000:]
+    capsys.readouterr()
+    assert compare(str(tmp_path / "d1"), str(tmp_path / "d2"), per_layer=True) == 0   # shards gathered
+    out = capsys.readouterr().out
+    assert "all   1     layer4_ffn" in out and "every layer and op passes" in out
+    rc, _, err, _ = export_job(tmp_path, n, ckpt, tmp_path / "onnx")
+    assert rc == 0, err[-2000:]
+    cmd, env = launch_cmd("mpich", n, PY, "-m", "runner", "onnx_replay", "--export_path", tmp_path / "onnx",
+                          "--dump_dir", tmp_path / "d2", "--step", 1, "--output_dir", tmp_path / "r2",
+                          "--min_profiling_seconds", 0, "--dump_layers", "true")
+    rc, out, err, _ = run_job(cmd, tmp_path, env)
+    assert rc == 0, out + err[-2000:]
+    assert compare(str(tmp_path / "d2"), str(tmp_path / "r2"), per_layer=True, threshold=80.0) == 0
+    assert "every layer and op passes" in capsys.readouterr().out

@@ -187,8 +187,10 @@ def _attend(q, kh, vh, seqstarts, kvstarts, attn_mask, window):
     return ref.attention_packed(q, kh, vh, seqstarts, kvstarts, start, mask, window or None).numpy()
 
 
-def multi_head_cache_attention(q, k, v, seqstarts, kvstarts, cachestarts, start_pos, decoding_batches, max_seqlen,
-                               max_kvlen, cache, scale, attn_mask, **attrs):
+def multi_head_cache_attention(*inputs, **attrs):
+    """ppl.pmx's 13 inputs: q, k, v, seqstarts, kvstarts, cachestarts, start_pos, decoding_batches, max_seqlen,
+    max_kvlen, cache, scale, attn_mask."""
+    q, k, v, seqstarts, kvstarts, cachestarts, start_pos, _, _, _, cache, scale, attn_mask = inputs
     q = _t(q)
     kh, vh = _cache_history(k, v, seqstarts, kvstarts, cachestarts, start_pos, cache, scale, attrs, q.dtype)
     return _attend(q, kh, vh, seqstarts, kvstarts, attn_mask, attrs.get("sliding_window", 0))

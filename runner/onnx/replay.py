@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 
 import torch
 
-from runner.args import Count, Fields, Range
+from runner.args import DumpDir, Fields, MinProfilingSeconds, Range, ReplayOutputDir, ReplayStep, Warmup
 from runner.config import EngineConfig
 from runner.engine.dump import META_FILE, STEP_INPUTS, dump_files, load_meta, load_step, write_tensor
 from runner.engine.replay import Agreement
@@ -72,8 +72,8 @@ def _check_dump(ep: dict, world: int, t: dict, rank_dir: Path, export_path: str)
                        f"{ep['vocab_size']}")
 
 
-def onnx_replay(export_path: str, dump_dir: str, step: Count, output_dir: str = "out/replay", warmup: Count = 2,
-                min_profiling_seconds: Annotated[float, Range(0)] = 1.0,
+def onnx_replay(export_path: str, dump_dir: DumpDir, step: ReplayStep, output_dir: ReplayOutputDir = "out/replay", warmup: Warmup = 2,
+                min_profiling_seconds: MinProfilingSeconds = 1.0,
                 rtol: Annotated[float, Range(0)] = 1e-5, dump_layers: bool = False,
                 engine: Annotated[EngineConfig, Fields("comm_backend", "collective_timeout")] = EngineConfig()) -> int:
     """Replay a dumped step in onnxruntime through each rank's opmx export (under the same mpirun -np N as the dump);
@@ -81,11 +81,6 @@ def onnx_replay(export_path: str, dump_dir: str, step: Count, output_dir: str = 
 
     Args:
         export_path: the --export_path of scripts/Export.py (model_slice_r/model.onnx per rank, params.json).
-        dump_dir: the --dump_tensor_path of the run; rank r reads dump_dir/rank_r.
-        step: the step to replay.
-        output_dir: each rank writes its logits (float32 .bin) to output_dir/rank_r.
-        warmup: untimed iterations before profiling.
-        min_profiling_seconds: profile for at least this long (at least one iteration).
         rtol: pass mark: max |logits - dumped| <= rtol * max |dumped|.
         dump_layers: also write each layer's values (layer{i}_{op}: attention_norm q k v attention o ffn_norm
             residual ffn), for `compare --per_layer` against the engine's --dump_layers.
