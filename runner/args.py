@@ -203,6 +203,12 @@ QuantMethod = Annotated[str, OneOf("int8", "int4"), Help("weight-only quantisati
                                                           "(groups along the input dim)")]
 GroupSize = Annotated[int, Range(1), Help("int4 input columns per scale (a divisor of every input dim)")]
 QuantizeOutput = Annotated[bool, Help("quantise the lm head (output.weight) too")]
+# the replays' (runner.engine.replay, runner.onnx.replay)
+DumpDir = Annotated[str, Help("the --dump_tensor_path of the run; rank r reads dump_dir/rank_r")]
+ReplayStep = Annotated[int, Range(0), Help("the step to replay")]
+ReplayOutputDir = Annotated[str, Help("each rank writes its logits (float32 .bin) to output_dir/rank_r")]
+Warmup = Annotated[int, Range(0), Help("untimed iterations before profiling")]
+MinProfilingSeconds = Annotated[float, Range(0), Help("profile for at least this long (at least one iteration)")]
 
 
 def doc_lines(fn: Callable) -> tuple[str, dict[str, str]]:

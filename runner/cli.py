@@ -1,7 +1,7 @@
 """Command line: `python -m runner <command>` / `pmx-runner <command>`.
 
-Commands: convert, split, merge, quantize (PMX layer); generate, replay, compare, bench, perplexity (engine);
-serve (the OpenAI-compatible server). Each is a plain, typed function (the engine's flags are EngineConfig's,
+Commands: convert, split, merge, quantize (PMX layer); generate, replay, compare, bench, perplexity (engine); export
+(ONNX, runner.onnx); serve (the OpenAI-compatible server). Each is a plain, typed function (the engine's flags are EngineConfig's,
 shared by every engine command); fire dispatches to it, with the parse functions of :mod:`runner.args` so that
 every flag is read as typed (`--input_dir X` and `--input-dir X` both work). :func:`run` is the error path of
 every entry point: see :mod:`runner.parallel.job`.
@@ -25,6 +25,8 @@ from runner.engine.demo import generate
 from runner.engine.perplexity import perplexity
 from runner.engine.replay import replay
 from runner.errors import PmxError
+from runner.onnx.export import export
+from runner.onnx.replay import onnx_replay
 from runner.parallel.job import JobControl, describe
 from runner.pmx.convert import convert as pmx_convert
 from runner.pmx.convert import quantize_model, reshard
@@ -122,7 +124,8 @@ def make_random_model(output_dir: str, hidden_dim: PositiveInt = 128, intermedia
 
 COMMANDS: dict[str, Callable] = {
     "convert": convert, "split": split, "merge": merge, "quantize": quantize, "generate": generate, "serve": serve,
-    "replay": replay, "compare": compare, "bench": bench, "perplexity": perplexity, "make_random_model": make_random_model}
+    "replay": replay, "compare": compare, "bench": bench, "perplexity": perplexity, "export": export, "onnx_replay": onnx_replay,
+    "make_random_model": make_random_model}
 HELP_FLAGS = ("--help", "-h", "-help")
 
 

@@ -5,7 +5,10 @@
 #
 # The rank comes from MPI (PMI_RANK under MPICH, OMPI_COMM_WORLD_RANK under Open MPI), else 0.
 # Settings, from the environment (paths relative to the current directory):
-#   MODEL_PATH             PMX directory split into N shards      (default: out/demo/pmx_2 of the repo)
+#   MODEL_PATH             PMX directory split into N shards      (default: out/demo/pmx_2 of the repo), or an
+#                          export of scripts/Export.py (params.json, model_slice_r/): the step then runs in
+#                          onnxruntime (python -m runner onnx_replay), and the updated cache is checked
+#                          against step STEP+1 where it was dumped
 #   TEST_DATA_DIR          Demo.py --dump_tensor_path of the run  (default: out/dump of the repo)
 #   OUTPUT_DIR             where each rank writes rank_r/*.bin    (default: out/replay of the repo)
 #   MIN_PROFILING_SECONDS  profile at least this long             (default: 1)
@@ -33,5 +36,9 @@ OUTPUT_DIR=${OUTPUT_DIR:-$here/out/replay}
 MIN_PROFILING_SECONDS=${MIN_PROFILING_SECONDS:-1}
 WARMUP_ITERATIONS=${WARMUP_ITERATIONS:-2}
 PYTHON=${PYTHON:-$( [ -x "$here/.venv/bin/python" ] && echo "$here/.venv/bin/python" || command -v python3 )}
+if [ -f "$MODEL_PATH/params.json" ] && [ -d "$MODEL_PATH/model_slice_0" ]; then
+  exec "$PYTHON" -m runner onnx_replay --export_path "$MODEL_PATH" --dump_dir "$TEST_DATA_DIR" --step "$STEP" \
+    --output_dir "$OUTPUT_DIR" --warmup "$WARMUP_ITERATIONS" --min_profiling_seconds "$MIN_PROFILING_SECONDS"
+fi
 exec "$PYTHON" -m runner replay --ckpt_dir "$MODEL_PATH" --dump_dir "$TEST_DATA_DIR" --step "$STEP" \
   --output_dir "$OUTPUT_DIR" --warmup "$WARMUP_ITERATIONS" --min_profiling_seconds "$MIN_PROFILING_SECONDS"

@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 from runner.args import CkptDir, Count, PositiveInt, Progress, Range, TokenizerPath, int_list
 from runner.config import EngineConfig
 from runner.engine.dump import TensorDumper
+from runner.engine.layer_dump import LayerDumper
 from runner.engine.sampler import SamplingParams
 from runner.engine.session import check_world_size, open_session
 from runner.engine.tokenizer import Tokenizer
@@ -38,7 +39,8 @@ UNALIGNED_PROMPTS = (  # ppl.pmx's unaligned batch: prompts of different lengths
 def run_meta(sess) -> dict:
     """What a replay needs to run a dumped step as it ran: engine config, dtype, device, ranks."""
     return {"options": asdict(sess.model.config), "dtype": dtype_name(sess.model.dtype),
-            "device": sess.device.type, "world_size": sess.env.world_size}
+            "device": sess.device.type, "world_size": sess.env.world_size,
+            "kv_replication": sess.model.params.kv_replication}
 
 
 def generate(
@@ -57,6 +59,7 @@ def generate(
     dynamic_batching: bool = True,
     dump_tensor_path: Optional[str] = None,
     dump_steps: Optional[str] = None,
+    dump_layers: bool = False,
     show_ids: bool = False,
     progress: Progress = True,
     engine: EngineConfig = EngineConfig(),
@@ -77,6 +80,9 @@ def generate(
         dynamic_batching: must stay true (this engine always batches dynamically).
         dump_tensor_path: write each chosen step's inputs and logits under this directory, per rank.
         dump_steps: steps to dump, e.g. 0,1,39 (default: every step when dump_tensor_path is set).
+        dump_layers: with dump_tensor_path, also each layer's op outputs of the dumped steps (layer{i}_{op}: norm, q k
+            v, attention, o, ffn, residual), for `compare --per_layer`; those steps run on the eager runner (the
+            one-call C++ decode step and CUDA graphs have no per-layer values).
         show_ids: also print the generated token ids.
     """
     if not dynamic_batching:
@@ -89,6 +95,8 @@ def generate(
     env = detect()
     params = PmxParams.load(Path(ckpt_dir))
     check_world_size(ckpt_dir, params.num_shards, env)
+    if dump_layers and not dump_tensor_path:
+        raise PmxError("--dump_layers needs --dump_tensor_path (where the layers' values go)")
     dumper = TensorDumper(dump_tensor_path, env.rank, steps) if dump_tensor_path else None
     tok = Tokenizer(tokenizer_path or ckpt_dir, params.bos_token_id, params.eos_ids[0] if params.eos_ids else None,
                     vocab_size=params.vocab_size)
@@ -112,6 +120,8 @@ def generate(
         print(f"prepared {len(prompts)} prompts", flush=True)
 
     sess = open_session(ckpt_dir, engine, progress=progress)
+    if dump_layers:
+        dumper = LayerDumper(dump_tensor_path, env.rank, sess.model, sess.stepper, steps)
     if dumper is not None:
         dumper.meta = run_meta(sess)
     eos = set(params.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set())

@@ -25,7 +25,7 @@ from typing import Annotated, Optional
 
 import torch
 
-from runner.args import Count, Fields, Range
+from runner.args import DumpDir, Fields, MinProfilingSeconds, Range, ReplayOutputDir, ReplayStep, Warmup
 from runner.config import EngineConfig
 from runner.engine.dump import META_FILE, STEP_INPUTS, load_meta, load_step, write_tensor
 from runner.engine.session import check_world_size, open_session
@@ -107,8 +107,8 @@ def check_dump_fits(params: PmxParams, o: EngineConfig, world_size: int, t: dict
                        f"[0, {params.vocab_size}): the dump was made with another model")
 
 
-def replay(ckpt_dir: str, dump_dir: str, step: Count, output_dir: str = "out/replay", warmup: Count = 2,
-           min_profiling_seconds: Annotated[float, Range(0)] = 1.0, min_snr: float = 60.0,
+def replay(ckpt_dir: str, dump_dir: DumpDir, step: ReplayStep, output_dir: ReplayOutputDir = "out/replay", warmup: Warmup = 2,
+           min_profiling_seconds: MinProfilingSeconds = 1.0, min_snr: float = 60.0,
            min_cosine: Annotated[float, Range(-1, 1)] = 0.9999,
            engine: Annotated[EngineConfig, Fields("device", "dtype", "cache_layout", "comm_backend",
                                                   "collective_timeout")] = EngineConfig()) -> int:
@@ -117,11 +117,6 @@ def replay(ckpt_dir: str, dump_dir: str, step: Count, output_dir: str = "out/rep
 
     Args:
         ckpt_dir: the PMX directory the dump was made with (split into N shards).
-        dump_dir: the --dump_tensor_path of the run; rank r reads dump_dir/rank_r.
-        step: the step to replay.
-        output_dir: each rank writes its logits (float32 .bin) to output_dir/rank_r.
-        warmup: untimed iterations before profiling.
-        min_profiling_seconds: profile for at least this long (at least one iteration).
         min_snr: pass threshold in dB (identical logits always pass).
         min_cosine: pass threshold for the cosine similarity.
 

@@ -160,6 +160,8 @@ class Stepper:
         runners = [CudaGraphs(model, self.decode_inputs) if graphs else None, one_call, compiled(model, c),
                    Eager(model, seq_parallel(model, c))]
         self.runners: list[StepRunner] = [r for r in runners if r is not None]
+        self.force_eager = False   # set while a per-layer dump runs a step (runner.engine.layer_dump)
+        self.eager = Eager(model, None)
 
     def describe(self) -> str:
         """Which runner serves which kind of step (said once at start-up)."""
@@ -186,6 +188,8 @@ class Stepper:
         """float32 logits of the plan's wanted rows; the cache updated in place. (No autograd: no tensor of the model
         requires a gradient, so a step needs no inference-mode guard, whose entry alone costs tens of us cold.)"""
         tokens = tokens.to(self.model.device)
+        if self.force_eager:  # module by module, every row on every rank: what per-layer hooks see
+            return self.eager(tokens, plan, cache)
         for runner in self.runners:
             if runner.accepts(plan, cache):
                 return runner(tokens, plan, cache)

@@ -1,0 +1,287 @@
+"""ONNX export (runner.onnx): ppl.pmx's opmx graph per rank, run in onnxruntime against the engine and the dumps."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+from jobs import ROOT, launch_cmd, run_job
+from runner.config import EngineConfig
+from runner.engine.plan import StepLengths, step_inputs
+from runner.engine.session import open_session
+from runner.errors import PmxError
+from runner.onnx.export import export
+from runner.onnx.opmx import DB, OPMX, PPL_STANDARD_OPS
+from runner.pmx.convert import convert, quantize_model, reshard
+from runner.pmx.quant import QuantScheme
+
+PY = sys.executable
+
+
+def export_job(tmp: Path, n: int, ckpt: Path, out: Path, *flags):
+    cmd = [PY, ROOT / "scripts" / "Export.py", "--ckpt_dir", ckpt, "--export_path", out, "--progress", "false", *flags]
+    if n > 1:
+        cmd, env = launch_cmd("mpich", n, *cmd)
+    else:
+        env = {}
+    return run_job(cmd, tmp, env, timeout=180)
+
+
+def check_slices(out: Path, n: int) -> dict:
+    """Every slice passes onnx.checker and holds only the opmx domains and the standard ops ppl.pmx's exports hold."""
+    params = json.loads((out / "params.json").read_text())
+    assert params["num_shards"] == n and sorted(p.name for p in out.glob("model_slice_*")) == \
+        [f"model_slice_{r}" for r in range(n)]
+    for r in range(n):
+        path = out / f"model_slice_{r}" / "model.onnx"
+        onnx.checker.check_model(str(path))
+        m = onnx.load(str(path))
+        domains = {(nd.domain, nd.op_type) for nd in m.graph.node}
+        assert {d for d, _ in domains} <= {"", OPMX, DB}
+        assert {op for d, op in domains if d == ""} <= PPL_STANDARD_OPS
+        assert {i.name for i in m.graph.input} >= {"token_ids", "attn_mask", "seqstarts", "kv_cache"}
+        assert [o.name for o in m.graph.output] == ["logits"]
+    return params
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """The two real checkpoints as PMX, unsplit and split in 2 and 4."""
+    from conftest import shared_model_path
+    base = tmp_path_factory.mktemp("export")
+    out = {}
+    for name in ("stories260k", "tinystories-656k"):
+        src = shared_model_path(name)
+        convert(str(src), str(base / name / "pmx"), progress=False)
+        for n in (2, 4):
+            reshard(str(base / name / "pmx"), str(base / name / f"pmx_{n}"), n, progress=False)
+        out[name] = base / name
+    return out
+
+
+@pytest.mark.parametrize("name", ["stories260k", "tinystories-656k"])
+def test_export_at_tp_1_2_4_passes_the_checker_with_ppl_pmx_ops_only(real, tmp_path, name):
+    for n in (1, 2, 4):
+        ckpt = real[name] / ("pmx" if n == 1 else f"pmx_{n}")
+        rc, out, err, _ = export_job(tmp_path, n, ckpt, tmp_path / f"onnx{n}", "--quantized_cache", "true",
+                                     "--cache_layout", "3")
+        assert rc == 0, err[-2000:]
+        params = check_slices(tmp_path / f"onnx{n}", n)
+        assert params["cache_quant_bit"] == 8 and params["cache_layout"] == 3
+        ops = {nd.op_type for nd in onnx.load(str(tmp_path / f"onnx{n}" / "model_slice_0" / "model.onnx")).graph.node}
+        assert {"ParallelEmbedding", "RMSNorm", "ColumnParallelLinear", "RowParallelLinear", "SwiGLU",
+                "RotaryPositionEmbedding", "MultiHeadCacheAttention", "Reshape"} <= ops
+
+
+def dump_and_replay(real, tmp_path, n: int, flags: list):
+    name = "stories260k"
+    ckpt = real[name] / ("pmx" if n == 1 else f"pmx_{n}")
+    rc, _, err, _ = export_job(tmp_path, n, ckpt, tmp_path / "onnx", *flags)
+    assert rc == 0, err[-2000:]
+    demo = [PY, ROOT / "scripts" / "Demo.py", "--ckpt_dir", ckpt, "--prompt", "Once upon a time", "--max_gen_len", 6,
+            "--dump_tensor_path", tmp_path / "dump", "--dump_steps", "0,1,2", "--progress", "false", *flags]
+    cmd, env = launch_cmd("mpich", n, *demo) if n > 1 else (demo, {})
+    rc, _, err, _ = run_job(cmd, tmp_path, env, timeout=180)
+    assert rc == 0, err[-2000:]
+    outs = []
+    for step in (0, 1):  # prefill, decode
+        bench = [ROOT / "scripts" / "benchmark.sh", step]
+        cmd, env = launch_cmd("mpich", n, *bench) if n > 1 else (bench, {})
+        env.update(MODEL_PATH=str(tmp_path / "onnx"), TEST_DATA_DIR=str(tmp_path / "dump"),
+                   OUTPUT_DIR=str(tmp_path / "replay"), MIN_PROFILING_SECONDS="0", WARMUP_ITERATIONS="1")
+        rc, out, err, _ = run_job(cmd, tmp_path, env, timeout=180)
+        assert rc == 0, out + err[-2000:]
+        rows = [ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0].isdigit()]
+        assert len(rows) == n and all(r[-1] == "ok" for r in rows), out
+        assert all(float(r[6]) <= 1e-5 for r in rows), out             # relative max |diff| of the logits
+        assert all(r[-2] != "checked" for r in rows), out               # the cache was checked (step+1 dumped)
+        assert "onnxruntime replay" in out
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("n,flags", [(1, []), (2, ["--quantized_cache", "true", "--cache_mode", "1", "--cache_layout", "3"]),
+                                     (4, ["--cache_layout", "2"])])
+def test_benchmark_sh_replays_dumped_prefill_and_decode_in_onnxruntime(real, tmp_path, n, flags):
+    dump_and_replay(real, tmp_path, n, flags)
+
+
+# --- every family and flag, in one process: onnxruntime's logits and cache against the engine's -----------------
+VARIANTS = [
+    ("llama_gqa_odd", {}, None),
+    ("llama_bias", dict(fused_qkv=False, fused_ffn_glu=False), None),
+    ("llama_bias", dict(fused_kvcache=False, auto_causal=False, friendly_gqa=True, cache_layout=1), None),
+    ("qwen3", dict(quantized_cache=True, cache_mode=1, cache_layout=2), None),
+    ("mistral_window", dict(cache_layout=3), None),
+    ("mistral_window", dict(fused_kvcache=False, cache_mode=1), None),
+    ("qwen2", {}, QuantScheme("int8", 0, True)),
+    ("llama_mha", dict(quantized_cache=True), QuantScheme("int4", 16)),
+    # (the engine's int4 CPU kernel multiplies activations quantised to ~15 bits; the spec dequantises, as the op does)
+    ("llama_mha", dict(quantized_cache=True, kernels="reference"), QuantScheme("int4", 16)),
+]
+
+
+@pytest.mark.parametrize("arch,opts,quant", VARIANTS, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(VARIANTS)])
+def test_onnxruntime_step_matches_the_engine(make_hf, tmp_path, arch, opts, quant):
+    from runner.onnx.ort import OpmxSession
+    src, _ = make_hf(arch)
+    pmx = tmp_path / "pmx"
+    convert(str(src), str(pmx), progress=False)
+    if quant is not None:
+        quantize_model(str(pmx), str(tmp_path / "q"), quant, progress=False)
+        pmx = tmp_path / "q"
+    cfg = EngineConfig(**opts)
+    export(str(pmx), str(tmp_path / "onnx"), progress=False, engine=cfg)
+    check_slices(tmp_path / "onnx", 1)
+    sess = open_session(str(pmx), cfg)
+    m = sess.model
+    caches = [[128], [256], [0, 384]] if cfg.paged else [0, 40, 90]
+    # a mixed step: one sequence decodes, one continues its prompt, one starts
+    b = StepLengths([3, 5, 6, 7, 8, 9, 10, 11, 12], [1, 3, 5], [7, 4, 0], caches, 1)
+    t = step_inputs(b, sess.stepper.mask(b), m.dtype)
+    kv, scale = m.new_cache(512)
+    torch.manual_seed(0)
+    if scale is None:
+        kv.normal_()
+    else:
+        kv.random_(-100, 100)
+        scale.uniform_(0.001, 0.02)
+    ours = dict(t, kv_cache=kv.clone(), kv_scale=None if scale is None else scale.clone())
+    want = sess.stepper.forward(**ours)
+    feeds = dict(t, kv_cache=kv.clone(), **({} if scale is None else {"kv_scale": scale.clone()}))
+    got = OpmxSession(tmp_path / "onnx" / "model_slice_0", sess.comm).run(feeds)["logits"]
+    tol = 2e-3 if quant is not None and quant.method == "int4" and cfg.kernels != "reference" else 1e-5
+    assert (got - want).abs().max() <= tol * want.abs().max(), (got - want).abs().max()
+    if scale is None:
+        assert torch.allclose(feeds["kv_cache"], ours["kv_cache"], rtol=1e-5, atol=1e-5 * kv.abs().max())
+    else:
+        assert (feeds["kv_cache"].int() - ours["kv_cache"].int()).abs().max() <= 1
+    assert not torch.equal(feeds["kv_cache"], kv)  # written in place
+
+
+def test_external_data_and_refusals(make_hf, tmp_path):
+    from runner.onnx.graph import save
+    from runner.onnx.opmx import OpmxExport
+    from runner.engine.model import load_shard
+    from runner.pmx.params import PmxParams
+    src, _ = make_hf("llama_mha")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    p = PmxParams.load(tmp_path / "pmx")
+    _, w = load_shard(tmp_path / "pmx", 0, torch.device("cpu"), torch.float32)
+    model = OpmxExport(p, w, EngineConfig(), torch.float32).build().model()
+    (tmp_path / "ext").mkdir()
+    save(model, tmp_path / "ext", external_data=True)   # (what a model past 2 GB gets)
+    assert (tmp_path / "ext" / "model.onnx.data").stat().st_size > (tmp_path / "ext" / "model.onnx").stat().st_size
+    onnx.checker.check_model(str(tmp_path / "ext" / "model.onnx"))
+    # a bad export path: inside the checkpoint, a file, a non-empty directory
+    with pytest.raises(PmxError, match="--export_path .* is inside --ckpt_dir"):
+        export(str(tmp_path / "pmx"), str(tmp_path / "pmx" / "onnx"), progress=False)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(PmxError, match="exists and is not a directory"):
+        export(str(tmp_path / "pmx"), str(tmp_path / "afile"), progress=False)
+    with pytest.raises(PmxError, match="exists and is not empty"):
+        export(str(tmp_path / "pmx"), str(tmp_path / "ext"), progress=False)
+    src, _ = make_hf("mixtral")
+    convert(str(src), str(tmp_path / "moe"), progress=False)
+    with pytest.raises(PmxError, match="mixture-of-experts models .* cannot be exported"):
+        export(str(tmp_path / "moe"), str(tmp_path / "moe_onnx"), progress=False)
+    assert not (tmp_path / "moe_onnx").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary left
+
+
+def test_world_size_not_the_shard_count_is_one_line_and_writes_nothing(real, tmp_path):
+    rc, out, err, _ = export_job(tmp_path, 2, real["stories260k"] / "pmx", tmp_path / "onnx")
+    assert rc != 0 and "the model is split into 1 shard(s) but 2 rank(s) were started" in err
+    assert not (tmp_path / "onnx").exists() and not list(tmp_path.glob(".onnx*"))
+
+
+# --- the standard-ops export in a plain onnxruntime session ---------------------------------------------------------
+def test_standard_ops_export_runs_in_a_stock_session_and_follows_the_engine_for_40_tokens(real, tmp_path):
+    import numpy as np
+    import onnxruntime as ort
+    from runner.engine.tokenizer import Tokenizer
+    from runner.pmx.params import PmxParams
+    pmx = real["stories260k"] / "pmx"
+    export(str(pmx), str(tmp_path / "std"), opset="standard", progress=False)
+    path = tmp_path / "std" / "model_slice_0" / "model.onnx"
+    assert {n.domain for n in onnx.load(str(path)).graph.node} == {""}
+    s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])   # no custom-op library
+    sess = open_session(str(pmx))
+    p = PmxParams.load(pmx)
+    seq = Tokenizer(str(pmx), p.bos_token_id, p.eos_ids[0], vocab_size=p.vocab_size).encode("Once upon a time")
+    kv, _ = sess.model.new_cache(128)
+    kv_o, start, names = kv.clone().numpy(), 0, {i.name for i in s.get_inputs()}
+    for step in range(40):
+        t = step_inputs(StepLengths(seq[start:], [len(seq) - start], [start], [0], 1 if step else 0), None,
+                        torch.float32)
+        want = sess.stepper.forward(**t, kv_cache=kv, kv_scale=None)
+        got, kv_o = s.run(["logits", "kv_cache_out"], {**{k: v.numpy() for k, v in t.items() if k in names},
+                                                        "kv_cache": kv_o})
+        assert (torch.from_numpy(got) - want).abs().max() <= 1e-4 * want.abs().max(), step
+        assert int(np.argmax(got[0])) == int(want[0].argmax())
+        start = len(seq)
+        seq.append(int(want[0].argmax()))
+    with pytest.raises(PmxError, match="--opset standard exports one rank"):
+        export(str(real["stories260k"] / "pmx_2"), str(tmp_path / "std2"), opset="standard", progress=False)
+    with pytest.raises(PmxError, match="--opset standard does not take --quantized_cache true"):
+        export(str(pmx), str(tmp_path / "std3"), opset="standard", progress=False,
+               engine=EngineConfig(quantized_cache=True))
+
+
+# --- per-layer dumps and compare ---------------------------------------------------------------------------------
+def test_compare_per_layer_names_the_perturbed_layer_and_op(tmp_path, capsys):
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from runner.engine.compare import compare
+    from runner.engine.demo import generate
+    from runner.pmx.random_model import make_random_model
+    src, bad = tmp_path / "hf", tmp_path / "hf_bad"
+    make_random_model(str(src), 64, 96, 3, 4, 2, 300, "float32", 0, False)
+    shutil.copytree(src, bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    sd["model.layers.1.self_attn.o_proj.weight"] *= 1.05       # one layer's one weight, 5% off
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    for name, hf in (("good", src), ("bad", bad)):
+        convert(str(hf), str(tmp_path / f"pmx_{name}"), progress=False)
+        generate(str(tmp_path / f"pmx_{name}"), prompt=None, max_gen_len=3, progress=False, dump_layers=True,
+                 dump_tensor_path=str(tmp_path / f"dump_{name}"), dump_steps="0,1")
+    capsys.readouterr()
+    assert compare(str(tmp_path / "dump_good"), str(tmp_path / "dump_bad"), per_layer=True, threshold=60.0) == 1
+    out = capsys.readouterr().out
+    assert "first under the threshold: step 0, layer 1, op o (layer1_o" in out
+    assert compare(str(tmp_path / "dump_good"), str(tmp_path / "dump_good"), per_layer=True) == 0
+    assert "every layer and op passes" in capsys.readouterr().out
+    names = {p.name.split("-")[0] for p in (tmp_path / "dump_good" / "rank_0").glob("step1_layer0_*")}
+    assert names == {f"step1_layer0_{op}" for op in ("attention_norm", "q", "k", "v", "attention", "o", "ffn_norm",
+                                                     "residual", "ffn")}
+
+
+def test_per_layer_tp1_against_tp2_and_the_onnx_replay(real, tmp_path, capsys):
+    from runner.engine.compare import compare
+    n, ckpt = 2, real["stories260k"] / "pmx_2"
+    demo = [PY, ROOT / "scripts" / "Demo.py", "--prompt", "Once upon a time", "--max_gen_len", 3, "--dump_layers",
+            "true", "--dump_steps", "1", "--progress", "false"]
+    rc, _, err, _ = run_job([*demo, "--ckpt_dir", real["stories260k"] / "pmx", "--dump_tensor_path", tmp_path / "d1"],
+                            tmp_path)
+    assert rc == 0, err[-2000:]
+    cmd, env = launch_cmd("mpich", n, *demo, "--ckpt_dir", ckpt, "--dump_tensor_path", tmp_path / "d2")
+    rc, _, err, _ = run_job(cmd, tmp_path, env)
+    assert rc == 0, err[-2000:]
+    capsys.readouterr()
+    assert compare(str(tmp_path / "d1"), str(tmp_path / "d2"), per_layer=True) == 0   # shards gathered
+    out = capsys.readouterr().out
+    assert "all   1     layer4_ffn" in out and "every layer and op passes" in out
+    rc, _, err, _ = export_job(tmp_path, n, ckpt, tmp_path / "onnx")
+    assert rc == 0, err[-2000:]
+    cmd, env = launch_cmd("mpich", n, PY, "-m", "runner", "onnx_replay", "--export_path", tmp_path / "onnx",
+                          "--dump_dir", tmp_path / "d2", "--step", 1, "--output_dir", tmp_path / "r2",
+                          "--min_profiling_seconds", 0, "--dump_layers", "true")
+    rc, out, err, _ = run_job(cmd, tmp_path, env)
+    assert rc == 0, out + err[-2000:]
+    assert compare(str(tmp_path / "d2"), str(tmp_path / "r2"), per_layer=True, threshold=80.0) == 0
+    assert "every layer and op passes" in capsys.readouterr().out
