@@ -264,3 +264,40 @@ def test_serve_flags_are_checked_before_anything_loads(flags, message, tmp_path,
     args = [a for k, v in flags.items() for a in (f"--{k}", v)]
     err = cli(capfd, "serve", "--ckpt_dir", tmp_path / "no-model", *args)
     assert message in err and "no-model" not in err
+
+
+def test_llm_structured_output(stories, llm):
+    """Offline: SamplingParams.structured_outputs holds the text to a JSON schema or a choice; a bad schema is a
+    ParamError naming the field."""
+    import json
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"]}
+    outs = llm.generate(["Once upon a time", "Lily"], SamplingParams(max_tokens=60, temperature=0.8, seed=2,
+                                                                     structured_outputs={"json": schema}))
+    for o in outs:
+        got = json.loads(o.outputs[0].text)
+        assert set(got) == {"name", "n"} and isinstance(got["n"], int) and len(got["name"]) <= 8
+    pick = llm.generate("Is it?", SamplingParams(max_tokens=10, structured_outputs={"choice": ["yes", "no"]}))
+    assert pick[0].outputs[0].text in ("yes", "no")
+    with pytest.raises(ParamError, match='^json does not compile: Unsupported type "nonsense"') as e:
+        llm.generate("x", SamplingParams(structured_outputs={"json": {"type": "nonsense"}}))
+    assert e.value.param == "structured_outputs"
+
+
+def test_llm_prompt_logprobs_whole_even_with_a_cached_prefix(stories, llm):
+    """prompt_logprobs: one entry per prompt token (None first), the same on a second run of a 300-token prompt whose
+    pages are then in the prefix cache (the scored prompt takes none of them), and while completions run beside."""
+    from runner.engine.tokenizer import Tokenizer
+    tok = Tokenizer(str(stories["pmx"]))
+    ids = tok.encode("Once upon a time, there was a little girl named Lily. She loved to play outside. " * 12)[:300]
+    p = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1, n=2)
+    runs = [llm.generate([ids], p)[0] for _ in range(2)]
+    for r in runs:
+        assert len(r.prompt_logprobs) == 300 and r.prompt_logprobs[0] is None
+        assert all(ids[k] in r.prompt_logprobs[k] and len(r.prompt_logprobs[k]) <= 2 for k in range(1, 300))
+        assert len(r.outputs) == 2 and all(len(o.token_ids) == 3 for o in r.outputs)
+    a, b = ([e[ids[k]].logprob for k, e in enumerate(r.prompt_logprobs) if k] for r in runs)
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    with pytest.raises(ParamError, match="prompt_logprobs must be an integer in"):
+        SamplingParams(prompt_logprobs=-1)

@@ -210,3 +210,38 @@ def test_client_errors_do_not_stop_the_server(srv):
     with pytest.raises(openai.BadRequestError):
         chat(srv, "hi", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}})
     assert chat(srv, "Once upon a time", max_tokens=4).choices[0].finish_reason == "length"
+
+
+def test_echo_with_logprobs_scores_the_prompt(srv, stories):
+    """lm-eval-harness's loglikelihood request (echo, logprobs, max_tokens 1, token ids): the prompt's tokens come
+    first with their log-probabilities (None for the first), the same as the engine's teacher-forced logits give;
+    prompt_logprobs in vLLM's shape; chat echo continues the last assistant message."""
+    import torch
+
+    from runner.config import EngineConfig
+    from runner.engine.session import open_session
+    ids = [1, 403, 407, 261, 378, 263, 380, 270]
+    r = httpx.post(f"{srv.url}/v1/completions", timeout=60, json={
+        "model": srv.model, "prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 2}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    got = torch.tensor(lp["token_logprobs"][1:len(ids)])
+    want = []
+    open_session(str(stories["pmx"])).engine.score(
+        [ids], lambda i, first, logits: want.extend(torch.log_softmax(logits.float(), -1)[
+            torch.arange(logits.shape[0]), torch.tensor(ids[first + 1:first + 1 + logits.shape[0]] + [0] * max(
+                0, first + 1 + logits.shape[0] - len(ids)))].tolist()))
+    assert torch.allclose(got, torch.tensor(want[:len(ids) - 1]), atol=1e-4), (got, want)
+    assert all(len(t) == 2 for t in lp["top_logprobs"][1:])
+    assert r["choices"][0]["text"].startswith("Once upon a time")
+    r = httpx.post(f"{srv.url}/v1/completions", timeout=60, json={
+        "model": srv.model, "prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}).json()
+    pl = r["choices"][0]["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids) and abs(pl[1]["403"]["logprob"] - want[0]) < 1e-4
+    bad = httpx.post(f"{srv.url}/v1/completions", timeout=30, json={
+        "model": srv.model, "prompt": "x", "echo": True, "logprobs": 1, "stream": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
+    c = srv.client.chat.completions.create(model=srv.model, max_tokens=5, temperature=0, extra_body={
+        "echo": True, "add_generation_prompt": False},
+        messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}])
+    assert c.choices[0].message.content.startswith("Once upon") and len(c.choices[0].message.content) > 9

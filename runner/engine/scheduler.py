@@ -93,8 +93,8 @@ class PagedCache:
 
     def match(self, seq: Sequence) -> int:
         """Takes the cached pages of seq's longest cached prefix (all its known tokens but the last, whose logits are
-        wanted) and marks their tokens computed; returns how many."""
-        if not self.prefix_caching:
+        wanted; none for a scored prompt) and marks their tokens computed; returns how many."""
+        if not self.prefix_caching or seq.all_logits:  # (a scored prompt wants the logits of every position)
             return 0
         pages, last = [], None
         for i in range((len(seq.tokens) - 1) // PAGE_SIZE):

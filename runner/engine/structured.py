@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Optional
 
 import torch
@@ -98,7 +99,8 @@ class Grammars:
                 return c.compile_grammar(value)
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in value))  # choice
         except (RuntimeError, ValueError, TypeError) as e:
-            raise SpecError(kind, f"{kind} does not compile: {' '.join(str(e).split())[:300]}") from None
+            why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", " ".join(str(e).split()))  # (xgrammar's log prefix)
+            raise SpecError(kind, f"{kind} does not compile: {why[:300]}") from None
 
 
 def check_spec(spec: Optional[dict]) -> tuple:

@@ -119,7 +119,8 @@ def structured(body: dict) -> tuple:
                    name)
 
 
-def sampling(body: dict, max_tokens, logprobs, forced: Optional[dict] = None) -> tuple[SamplingParams, Optional[str]]:
+def sampling(body: dict, max_tokens, logprobs, forced: Optional[dict] = None,
+             prompt_logprobs: Optional[int] = None) -> tuple[SamplingParams, Optional[str]]:
     """The request's SamplingParams, and the field its structured-output spec came from (`forced`: the spec that
     tool_choice "required" or a named function imposes); out-of-range values become a 400 naming the field."""
     _unsupported(body)
@@ -141,6 +142,7 @@ def sampling(body: dict, max_tokens, logprobs, forced: Optional[dict] = None) ->
             stop_token_ids=field(body, "stop_token_ids", "list", ()),
             ignore_eos=field(body, "ignore_eos", "bool", False),
             logprobs=logprobs, structured_outputs=spec,
+            prompt_logprobs=field(body, "prompt_logprobs", "int", prompt_logprobs),
             include_stop_str_in_output=field(body, "include_stop_str_in_output", "bool", False)), spec_field
     except ParamError as e:
         raise ApiError(400, str(e), spec_field if e.param == "structured_outputs" else e.param) from None
@@ -215,10 +217,14 @@ class EventStream(Response):
 
 
 # -- response shapes ------------------------------------------------------------------------------
-def _raw_logprobs(out: CompletionOutput) -> list:
-    """A finished completion's logprobs back as the engine's (token_id, logprob, [(id, logprob), ...])."""
+def _raw_logprobs(ids: list, entries: list) -> list:
+    """Logprobs ({token_id: Logprob} per token, or None) back as the engine's (token_id, logprob, [(id, logprob),
+    ...]); (token_id, None, None) for a position without (a prompt's first)."""
     raw = []
-    for tid, entry in zip(out.token_ids, out.logprobs or []):
+    for tid, entry in zip(ids, entries):
+        if entry is None:
+            raw.append((tid, None, None))
+            continue
         top = sorted((lp.rank, i, lp.logprob) for i, lp in entry.items() if lp.rank > 0)
         raw.append((tid, entry[tid].logprob, [(i, v) for _, i, v in top]))
     return raw
@@ -239,6 +245,7 @@ class Job:
     tools: Optional[list] = None       # chat: the request's tools, and its tool_choice (runner.serve.tools)
     tool_choice: str = "none"
     parallel_tool_calls: bool = True
+    echoed: str = ""                   # chat with echo: the last (assistant) message, which the reply continues
 
     @property
     def calls_tools(self) -> bool:
@@ -247,6 +254,7 @@ class Job:
 
     def message(self, text: str, finish_reason: Optional[str]) -> tuple[dict, Optional[str]]:
         """A chat completion's message, its tool calls parsed out, and its finish_reason."""
+        text = self.echoed + text
         if not self.calls_tools:
             return {"role": "assistant", "content": text}, finish_reason
         content, calls = parse_tools(text, self.tool_choice, self.tools, self.parallel_tool_calls)
@@ -279,7 +287,8 @@ class Job:
             offsets.append(offset)
             offset += len(t)
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in raw],
-                "top_logprobs": [{text(i): v for i, v in top} for _, _, top in raw], "text_offset": offsets}
+                "top_logprobs": [None if top is None else {text(i): v for i, v in top} for _, _, top in raw],
+                "text_offset": offsets}
 
     def head(self, chunk: bool) -> dict:
         obj = {"completion": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}
@@ -290,9 +299,12 @@ class Job:
         for rid, res in results.items():
             usages.append((len(res.prompt_token_ids), sum(len(o.token_ids) for o in res.outputs)))
             prompt_text = res.prompt or ""
+            echoed = _raw_logprobs(res.prompt_token_ids, res.prompt_logprobs) if self.echo and \
+                res.prompt_logprobs is not None else []  # echo with logprobs: the prompt's tokens come first
             for out in res.outputs:
                 c = {"index": self.index(rid, out.index)}
-                lps = self.logprobs(_raw_logprobs(out), len(prompt_text) if self.echo else 0)
+                lps = self.logprobs(echoed + _raw_logprobs(out.token_ids, out.logprobs or []),
+                                    len(prompt_text) if self.echo and not echoed else 0)
                 reason = out.finish_reason
                 if self.kind == "chat":
                     msg, reason = self.message(out.text, reason)
@@ -300,6 +312,10 @@ class Job:
                 else:
                     c.update(text=(prompt_text if self.echo else "") + out.text, logprobs=lps)
                 c.update(finish_reason=reason, stop_reason=out.stop_reason)
+                if self.params.prompt_logprobs is not None:  # vLLM's field: per prompt token, None for the first
+                    c["prompt_logprobs"] = [None if e is None else {str(i): {
+                        "logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                        for i, lp in e.items()} for e in res.prompt_logprobs or []]
                 choices.append(c)
         choices.sort(key=lambda c: c["index"])
         return {**self.head(False), "choices": choices, "usage": self.usage(usages)}
@@ -404,10 +420,10 @@ def build_app(ctx: ApiContext) -> Starlette:
     async def events(request: Request, job: Job, sub: Subscription, include_usage: bool) -> AsyncIterator[str]:
         n, offsets, usages, held = job.params.n, {}, [], {}
         if job.kind == "chat":
-            yield job.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            yield job.chunk([{"index": i, "delta": {"role": "assistant", "content": "" if job.calls_tools else job.echoed}, "logprobs": None,
                               "finish_reason": None} for i in range(n * len(job.prompts))])
         elif job.echo:
-            yield job.chunk([{"index": i * n + k, "text": text or ctx.tokenizer.decode(ids), "logprobs": None,
+            yield job.chunk([{"index": i * n + k, "text": text, "logprobs": None,
                               "finish_reason": None} for i, (text, ids) in enumerate(job.prompts) for k in range(n)])
         async with aclosing(sub.deltas(request.receive)) as deltas:
             async for batch in deltas:
@@ -448,10 +464,14 @@ def build_app(ctx: ApiContext) -> Starlette:
         prompts = encode_prompts(body.get("prompt"))
         logprobs = field(body, "logprobs", "int")
         echo = field(body, "echo", "bool", False)
-        if echo and logprobs is not None:
-            raise ApiError(400, "echo together with logprobs is not supported by this server", "echo")
-        params, spec_field = sampling(body, field(body, "max_tokens", "int", 16), logprobs)
+        if echo:  # (token-id prompts echo their decoded text)
+            prompts = [(text if text is not None else ctx.tokenizer.decode(ids), ids) for text, ids in prompts]
         stream, include_usage = stream_flags(body)
+        params, spec_field = sampling(body, field(body, "max_tokens", "int", 16), logprobs,
+                                      prompt_logprobs=logprobs if echo and logprobs is not None else None)
+        if params.prompt_logprobs is not None and stream:
+            raise ApiError(400, "prompt logprobs (echo with logprobs, prompt_logprobs) are not streamed by this "
+                                "server; ask without stream", "echo" if echo else "prompt_logprobs")
         job = Job("completion", f"cmpl-{uuid.uuid4().hex}", ctx.model_name, int(time.time()), prompts, params,
                   ctx.tokenizer.token_text, echo, spec_field)
         return await run(request, job, stream, include_usage)
@@ -478,9 +498,16 @@ def build_app(ctx: ApiContext) -> Starlette:
         params, spec_field = sampling(body, max_tokens, (top or 0) if want else None,
                                       forced_spec(tools, choice, parallel) if tools else None)
         stream, include_usage = stream_flags(body)
-        job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", ctx.model_name, int(time.time()), [chat_prompt(body, tools)],
+        if params.prompt_logprobs is not None and stream:
+            raise ApiError(400, "prompt_logprobs are not streamed by this server; ask without stream",
+                           "prompt_logprobs")
+        prompt = chat_prompt(body, tools)
+        last = body["messages"][-1]
+        echoed = last.get("content") if field(body, "echo", "bool", False) and last.get("role") == "assistant" and \
+            isinstance(last.get("content"), str) else ""  # vLLM's echo: the reply continues the last message
+        job = Job("chat", f"chatcmpl-{uuid.uuid4().hex}", ctx.model_name, int(time.time()), [prompt],
                   params, ctx.tokenizer.token_text, spec_field=spec_field, tools=tools, tool_choice=choice,
-                  parallel_tool_calls=parallel)
+                  parallel_tool_calls=parallel, echoed=echoed)
         return await run(request, job, stream, include_usage)
 
     async def tokenize(request: Request) -> Response:

@@ -98,6 +98,8 @@ class Delta:
     finish_reason: Optional[str] = None  # stop | length | abort
     stop_reason: Union[str, int, None] = None
     usage: Optional[tuple] = None        # (prompt_tokens, completion_tokens) on the request's last delta
+    prompt_logprobs: Optional[list] = None  # on the last delta, where asked: per prompt position after the first,
+                                            # (token_id, logprob, [(id, logprob), ...])
 
 
 @dataclass
@@ -130,23 +132,41 @@ class RequestOutput:
     prompt_token_ids: list
     outputs: list
     finished: bool = False
+    prompt_logprobs: Optional[list] = None  # per prompt token: None for the first, then {token_id: Logprob}
 
     def apply(self, d: Delta, token_text: Callable[[int], str]) -> None:
         """Adds a delta of this request to its completion."""
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] + [_entry(tid, lp, top, token_text) for tid, lp, top in d.prompt_logprobs]
         out = self.outputs[d.index]
         out.text += d.text
         out.token_ids += d.token_ids
         if d.logprobs:
             out.logprobs = out.logprobs or []
             for tid, lp, top in d.logprobs:
-                entry = {i: Logprob(v, r + 1, token_text(i)) for r, (i, v) in enumerate(top)}
-                if tid not in entry:
-                    entry[tid] = Logprob(lp, -1, token_text(tid))
-                out.logprobs.append(entry)
+                out.logprobs.append(_entry(tid, lp, top, token_text))
                 out.cumulative_logprob = (out.cumulative_logprob or 0.0) + lp
         if d.finish_reason:
             out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
         self.finished = all(o.finished() for o in self.outputs)
+
+
+def _entry(tid: int, lp: float, top: list, token_text: Callable[[int], str]) -> dict:
+    """{token_id: Logprob} of one position: the top ones ranked 1.., the chosen one (rank -1 when not among them)."""
+    entry = {i: Logprob(v, r + 1, token_text(i)) for r, (i, v) in enumerate(top)}
+    if tid not in entry:
+        entry[tid] = Logprob(lp, -1, token_text(tid))
+    return entry
+
+
+def _logprobs(logits: torch.Tensor, ids: list, k: int) -> list:
+    """(token_id, logprob, top k [(id, logprob)]) of ids[r] under logits[r], each row."""
+    lp = torch.log_softmax(logits.float(), -1)
+    chosen = lp[torch.arange(len(ids)), torch.tensor(ids)].tolist()
+    top = lp.topk(k) if k else None
+    return [(t, max(c, LOGPROB_FLOOR), [] if top is None else
+             [(i, max(v, LOGPROB_FLOOR)) for i, v in zip(top.indices[r].tolist(), top.values[r].tolist())])
+            for r, (t, c) in enumerate(zip(ids, chosen))]
 
 
 @dataclass(eq=False)
@@ -156,7 +176,9 @@ class _Request:
     params: SamplingParams
     arrival_time: float
     choices: list = field(default_factory=list)
-    unfinished: int = 0
+    unfinished: int = 0           # completions (and the prompt's scoring, where prompt_logprobs) not yet done
+    prompt_logprobs: Optional[list] = None  # the scored positions so far (prompt_logprobs)
+    scoring: Optional[Sequence] = None      # the core sequence that scores the prompt
 
 
 @dataclass(eq=False)
@@ -236,6 +258,12 @@ class LLMEngine:
             req.choices.append(self.core.add(prompt_ids, max_tokens, params.for_choice(i, seed), stops, state=choice,
                                              constraint=constraint))
         req.unfinished = params.n
+        if params.prompt_logprobs is not None and len(prompt_ids) > 1:  # scored once, beside its completions
+            req.prompt_logprobs = []
+            req.scoring = self.core.add(prompt_ids, 0, all_logits=True, state=req)
+            req.unfinished += 1
+        elif params.prompt_logprobs is not None:
+            req.prompt_logprobs = []
         self.requests[request_id] = req
         if self.metrics is not None:
             self.metrics.inc("prompt_tokens_total", len(prompt_ids) * params.n)
@@ -253,6 +281,11 @@ class LLMEngine:
         if req is None:
             return []
         out = []
+        if req.scoring is not None and req.scoring.finish_reason is None:
+            self.core.finish(req.scoring, "abort")
+            req.unfinished -= 1
+            if req.unfinished == 0:  # (its completions were done)
+                return [self._done(req, Delta(request_id, 0, "", [], []))]
         for seq in req.choices:
             if seq.state.finish_reason is None:
                 seq.state.finish_reason = "abort"
@@ -273,8 +306,9 @@ class LLMEngine:
         """Runs one step; returns the completions' new text and tokens."""
         outs = self.core.step()
         now = time.monotonic()
-        deltas = [d for d in (self._accept(o, now) for o in outs  # (a stop string may end a choice mid-step)
-                              if o.seq.state.finish_reason is None) if d is not None]
+        deltas = [d for d in (self._score(o) if o.seq.all_logits else self._accept(o, now) for o in outs
+                              if o.seq.all_logits or o.seq.state.finish_reason is None)  # (a stop string may end a
+                  if d is not None]                                                    # choice mid-step)
         if self.metrics is not None:
             s = self.core.scheduler
             self._count(preemptions_total=s.preemptions, prefix_cache_queries_total=s.cache.queries,
@@ -337,6 +371,22 @@ class LLMEngine:
             return self._finish(seq)
         return self._delta(ch)
 
+    def _score(self, o: Output) -> Optional[Delta]:
+        """A chunk of a request's scored prompt (prompt_logprobs): row r of its logits predicts the token after
+        position first + r; the request's last delta when the scoring was the last of it to finish."""
+        seq, req = o.seq, o.seq.state
+        logits = o.logits
+        first = seq.computed - logits.shape[0]
+        have = len(req.prompt_logprobs)  # (a preempted prompt is scored again from its start: only new rows count)
+        end = min(seq.computed, len(req.prompt_ids) - 1)
+        if end > have:
+            req.prompt_logprobs += _logprobs(logits[have - first: end - first], req.prompt_ids[have + 1: end + 1],
+                                             req.params.prompt_logprobs)
+        if seq.finish_reason is None:
+            return None
+        req.unfinished -= 1
+        return self._done(req, Delta(req.request_id, 0, "", [], [])) if req.unfinished == 0 else None
+
     @staticmethod
     def _match_stop(ch: _Choice, new_len: int) -> None:
         p = ch.request.params
@@ -365,13 +415,19 @@ class LLMEngine:
         req.unfinished -= 1
         d = self._delta(ch)
         if req.unfinished == 0:
-            del self.requests[req.request_id]
-            d.usage = (len(req.prompt_ids), sum(len(s.state.token_ids) for s in req.choices))
-            if self.metrics is not None:
-                reasons = {s.state.finish_reason for s in req.choices}
-                self.metrics.inc("requests_total", label=next(r for r in ("abort", "length", "stop") if r in reasons))
+            self._done(req, d)
         if self.metrics is not None:
             self._gauges()
+        return d
+
+    def _done(self, req: _Request, d: Delta) -> Delta:
+        """`d` becomes the request's last delta: its usage (and prompt logprobs); the request is forgotten."""
+        del self.requests[req.request_id]
+        d.usage = (len(req.prompt_ids), sum(len(s.state.token_ids) for s in req.choices))
+        d.prompt_logprobs = req.prompt_logprobs
+        if self.metrics is not None:
+            reasons = {s.state.finish_reason for s in req.choices}
+            self.metrics.inc("requests_total", label=next(r for r in ("abort", "length", "stop") if r in reasons))
         return d
 
     def _count(self, **totals: int) -> None:

@@ -54,6 +54,9 @@ class SamplingParams(sampler.SamplingParams):
         logprobs: also return the log-probabilities of this many most likely tokens per new token (0: the
             chosen token's only); None: none.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
+        prompt_logprobs: also return the log-probability of each prompt token after the ones before it, with this
+            many most likely tokens per position (vLLM's; the request's prompt is scored once beside its
+            completions); None: none.
         structured_outputs: keep the text to a JSON schema, any JSON object, a regex, an EBNF grammar or a choice
             ({"json": schema} | {"json_object": true} | {"regex": ...} | {"grammar": ...} | {"choice": [...]}, as
             vLLM's; runner.engine.structured).
@@ -66,6 +69,7 @@ class SamplingParams(sampler.SamplingParams):
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Optional[int] = None
     structured_outputs: Optional[dict] = None
 
     def __post_init__(self):
@@ -83,6 +87,9 @@ class SamplingParams(sampler.SamplingParams):
              "an integer >= 1 or null", self.max_tokens)
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
              f"an integer in [0, {MAX_LOGPROBS}] or null", self.logprobs)
+        need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and
+                                              0 <= self.prompt_logprobs <= MAX_LOGPROBS), "prompt_logprobs",
+             f"an integer in [0, {MAX_LOGPROBS}] or null", self.prompt_logprobs)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         need(all(isinstance(s, str) and s for s in stop), "stop", "a non-empty string or a list of them", self.stop)
         ids = tuple(self.stop_token_ids or ())
