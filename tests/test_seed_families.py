@@ -88,6 +88,7 @@ def test_tensor_parallel_greedy_and_split_merge(models, tmp_path, name, n):
     for opts, got, i in zip(options, logits, info):
         assert rel_err(got, want) < 1e-4, (opts, rel_err(got, want))
         assert i["generated"] == greedy, opts
+        assert i["fused_decode"] == opts.get("fused_kvcache", True)  # the one-call step, collectives in C++
 
 
 def test_features_matter(models, tmp_path):
@@ -119,3 +120,60 @@ def test_features_matter(models, tmp_path):
     torch.testing.assert_close(w["output.weight"].norm(dim=-1), torch.ones(125696))   # NormHead: unit rows,
     stored = HFCheckpoint(pmx.parent / "hf").get("lm_head.weight").norm(dim=-1)       # from rows that are not
     assert (stored - 1).abs().min() > 0.1
+
+
+class Counting:
+    """A step runner that counts the steps it runs (wraps one of a Stepper's)."""
+
+    def __init__(self, runner):
+        self.runner, self.name, self.steps = runner, runner.name, 0
+
+    def accepts(self, plan, cache):
+        return self.runner.accepts(plan, cache)
+
+    def __call__(self, tokens, plan, cache):
+        self.steps += 1
+        return self.runner(tokens, plan, cache)
+
+
+@pytest.mark.parametrize("name", ["chatglm3", "baichuan2_13b", "qwen_logn"])
+def test_which_runner_runs_the_new_features(models, name):
+    """The one-call CPU decode step runs a partial rotary and ALiBi (the same logits as the eager step), and declines
+    the decode steps whose queries logn scales (past seq_length): the eager step runs those."""
+    pmx, ref = models(name)
+    prompts, conts = prompts_and_conts(ref.vocab_size)
+    eager = torch.stack(teacher_forced_logits(engine(pmx, fused_decode=False), prompts, conts))
+    stepper = engine(pmx)
+    assert stepper.describe() == "decode steps: one-call C++ decode, else eager; other steps: eager"
+    stepper.runners = [Counting(r) for r in stepper.runners]
+    got = torch.stack(teacher_forced_logits(stepper, prompts, conts))
+    assert rel_err(got, eager) < 1e-5 and rel_err(got, ref.logits(prompts, conts, STEPS)) < 1e-4
+    one_call, eager_runner = stepper.runners
+    logn = PmxParams.load(pmx).logn_scaling
+    if logn is None:
+        assert (one_call.steps, eager_runner.steps) == (STEPS, 1)         # every decode step, and the prefill
+    else:  # decode step k places tokens at len(prompt) + k - 1: past 8 for the 12-token prompt from the start
+        late = sum(1 for k in range(1, STEPS + 1) if max(len(p) + k - 1 for p in prompts) >= logn)
+        assert late > 0 and (one_call.steps, eager_runner.steps) == (STEPS - late, 1 + late)
+        plan = stepper.plan(StepLengths([3], [1], [logn], [0], 1))[1]
+        assert plan.q_scale is not None and not one_call.runner.accepts(plan, stepper.cache(
+            *stepper.model.new_cache(64)))
+
+
+@pytest.mark.parametrize("name", ["chatglm3", "baichuan2_13b", "qwen_logn"])
+def test_compiled_decode_step_runs_the_new_features(models, name):
+    """torch.compile of the decode step (fullgraph: a graph break would raise) gives the eager step's logits, with a
+    partial rotary, ALiBi and logn-scaled queries."""
+    from runner.engine.runners import Compiled
+    torch._dynamo.reset()
+    try:
+        pmx, ref = models(name)
+        prompts, conts = prompts_and_conts(ref.vocab_size)
+        eager = torch.stack(teacher_forced_logits(engine(pmx, fused_decode=False, compile="off"), prompts, conts))
+        compiled = engine(pmx, fused_decode=False, compile="on")
+        assert any(isinstance(r, Compiled) for r in compiled.runners)
+        compiled.runners = [Counting(r) for r in compiled.runners]
+        got = torch.stack(teacher_forced_logits(compiled, prompts, conts))
+        assert compiled.runners[0].steps == STEPS and rel_err(got, eager) < 1e-5
+    finally:
+        torch._dynamo.reset()
