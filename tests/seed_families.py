@@ -140,7 +140,7 @@ def chatglm(d: Path, fmt: str, num_files: int, seed: int, glm3: bool = True, mul
     H, KV, hd, D, F, layers = 4, 2 if multi_query else 4, 16, 48, 72, 2   # heads x head_dim (64) != hidden (48)
     model = _model("GlmForCausalLM", seed, vocab_size=vocab, hidden_size=D, intermediate_size=F,
                    num_hidden_layers=layers, num_attention_heads=H, num_key_value_heads=KV, head_dim=hd,
-                   attention_bias=True, rms_norm_eps=1e-5, max_position_embeddings=64, pad_token_id=0,
+                   attention_bias=True, rms_norm_eps=1e-5, max_position_embeddings=128, pad_token_id=0,
                    eos_token_id=2, bos_token_id=1, tie_word_embeddings=False,
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0 * rope_ratio,
                                     "partial_rotary_factor": 0.5})
@@ -171,7 +171,7 @@ def chatglm(d: Path, fmt: str, num_files: int, seed: int, glm3: bool = True, mul
               "fp32_residual_connection": False, "hidden_dropout": 0.0, "hidden_size": D, "kv_channels": hd,
               "layernorm_epsilon": 1e-05, "multi_query_attention": multi_query, "multi_query_group_num": 2,
               "num_attention_heads": H, "num_layers": layers, "original_rope": True, "padded_vocab_size": vocab,
-              "post_layer_norm": True, "rmsnorm": True, "seq_length": 64, "use_cache": True, "torch_dtype": "float32",
+              "post_layer_norm": True, "rmsnorm": True, "seq_length": 128, "use_cache": True, "torch_dtype": "float32",
               "transformers_version": "4.30.2", "tie_word_embeddings": False, "eos_token_id": 2, "pad_token_id": 0}
     if rope_ratio != 1.0:
         config["rope_ratio"] = rope_ratio
@@ -231,7 +231,8 @@ def internlm2(d: Path, fmt: str, num_files: int, seed: int, dynamic: Optional[fl
         a, p = layer.self_attn, f"model.layers.{i}"
         q, k, v = (w.reshape(KV, -1, hd, D) for w in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
         sd.update({f"{p}.attention.wqkv.weight": torch.cat([q, k, v], dim=1).reshape(KV * (G + 2) * hd, D),
-                   f"{p}.attention.wo.weight": a.o_proj.weight, f"{p}.attention_norm.weight": layer.input_layernorm.weight,
+                   f"{p}.attention.wo.weight": a.o_proj.weight,
+                   f"{p}.attention_norm.weight": layer.input_layernorm.weight,
                    f"{p}.ffn_norm.weight": layer.post_attention_layernorm.weight,
                    f"{p}.feed_forward.w1.weight": layer.mlp.gate_proj.weight,
                    f"{p}.feed_forward.w3.weight": layer.mlp.up_proj.weight,
@@ -279,7 +280,8 @@ def baichuan_alibi_mask(n_head: int, max_pos: int) -> torch.Tensor:
 
 
 def baichuan(d: Path, fmt: str, num_files: int, seed: int, alibi: bool, v2: bool = True) -> Reference:
-    """Baichuan 2-7B (rotary), 2-13B (ALiBi, with a head count that is not a power of two) and Baichuan-7B (v1):
+    """Baichuan 2-7B (rotary), 2-13B (ALiBi, with a head count that is not a power of two), Baichuan-7B and -13B (v1,
+    a plain head):
     q/k/v packed into W_pack; Baichuan 2's lm_head stored as trained and normalised by its NormHead (the reference's
     lm_head is the normalised one). A vocabulary of 125696 is what tells Baichuan 2 (and its NormHead) apart, so
     these models have it (with a small hidden size)."""
@@ -356,7 +358,8 @@ def qwen(d: Path, fmt: str, num_files: int, seed: int, seq_length: int = 64, log
         sd.update({f"{p}.ln_1.weight": layer.input_layernorm.weight,
                    f"{p}.attn.c_attn.weight": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
                    f"{p}.attn.c_attn.bias": torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
-                   f"{p}.attn.c_proj.weight": a.o_proj.weight, f"{p}.ln_2.weight": layer.post_attention_layernorm.weight,
+                   f"{p}.attn.c_proj.weight": a.o_proj.weight,
+                   f"{p}.ln_2.weight": layer.post_attention_layernorm.weight,
                    f"{p}.mlp.w1.weight": layer.mlp.up_proj.weight, f"{p}.mlp.w2.weight": layer.mlp.gate_proj.weight,
                    f"{p}.mlp.c_proj.weight": layer.mlp.down_proj.weight})
     config = {"architectures": ["QWenLMHeadModel"],
@@ -391,6 +394,7 @@ VARIANTS: dict = {  # name: (builder, kwargs)
     "baichuan2_7b": (baichuan, dict(alibi=False)),
     "baichuan2_13b": (baichuan, dict(alibi=True)),
     "baichuan_7b": (baichuan, dict(alibi=False, v2=False)),
+    "baichuan_13b": (baichuan, dict(alibi=True, v2=False)),
     "qwen": (qwen, {}),
     "qwen_logn": (qwen, dict(seq_length=8, ntk=False)),
 }

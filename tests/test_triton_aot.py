@@ -82,8 +82,8 @@ def test_aot_covers_the_engine_specialisations(aot, arch):
     results = aot[arch]["results"]
     labels = " | ".join(lab for r in results for lab in r["labels"])
     for needed in ("float16", "bfloat16", "int8", "paged", "offset", "decode B=1", "decode B=64", "prefill",
-                   "rotary+store", "swiglu", "norm 16384", "int4 g128", "mistral-7b-window", "chatglm3-6b float16 rotary",
-                   "baichuan2-13b-alibi"):
+                   "rotary+store", "swiglu", "norm 16384", "int4 g128", "mistral-7b-window",
+                   "chatglm3-6b float16 rotary", "baichuan2-13b-alibi"):
         assert needed in labels, needed
     for layout in range(4):
         assert f"layout {layout}" in labels

@@ -61,12 +61,14 @@ class QwenFamily(DecoderFamily):
         seq = k.int("seq_length", 2048)
         ntk = k.bool("use_dynamic_ntk", False)
         positions = seq if ntk else k.int("max_position_embeddings", seq)
-        specials = qwen_specials(directory) or {"<|endoftext|>": QWEN_SPECIAL_START, "<|im_end|>": QWEN_SPECIAL_START + 2}
+        specials = qwen_specials(directory) or {"<|endoftext|>": QWEN_SPECIAL_START,
+                                                "<|im_end|>": QWEN_SPECIAL_START + 2}
         eos = k.eos(directory)  # <|endoftext|> as published (generation_config.json); ChatML's <|im_end|> too
         eos = [specials["<|endoftext|>"]] if eos is None else list(eos) if isinstance(eos, list) else [eos]
         eos += [specials["<|im_end|>"]] if specials["<|im_end|>"] not in eos else []
         return PmxParams(
-            model_type=self.name, architecture=config["architectures"][0], hidden_dim=hidden, intermediate_dim=inter // 2,
+            model_type=self.name, architecture=config["architectures"][0], hidden_dim=hidden,
+            intermediate_dim=inter // 2,
             num_layers=k.int("num_hidden_layers"), num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
             vocab_size=k.int("vocab_size"), norm_eps=k.float("layer_norm_epsilon", 1e-6),
             rope_theta=k.float("rotary_emb_base", 10000.0), rotary_dim=head_dim, max_position_embeddings=positions,

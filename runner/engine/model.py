@@ -183,8 +183,8 @@ class Attention(nn.Module):
                                             d.kvlens, self.cache_mode, self.window, alibi=self.alibi)
         elif self.ops.decode_attention_rows is not None and d.kv_slots is None:  # rows read in place
             out = self.ops.decode_attention_rows(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
-                                                 d.kvlens, self.window, ref.PAGE_SIZE if d.cachestarts.dim() == 2 else 0,
-                                                 alibi=self.alibi)
+                                                 d.kvlens, self.window,
+                                                 ref.PAGE_SIZE if d.cachestarts.dim() == 2 else 0, alibi=self.alibi)
         else:
             k, v = cache.gather(self.layer, d.kv_slots, q.dtype)                  # (Bd, N, KV, D)
             k, v = self._repeat_kv(k.transpose(1, 2), v.transpose(1, 2), 1)       # (Bd, KV, N, D)

@@ -5,8 +5,8 @@ ptxas (which ships in the triton wheel) with no driver, which catches what the i
 does not compile for a real GPU, and register spills. The specialisations compiled are the engine's own:
 each op's wrapper is called on meta tensors shaped as the engine's tensors are (models with head_dim 64 and
 128, float16 and bfloat16, every cache layout, offset and paged, float and int8 caches, decode and prefill
-batches, a partial rotary (ChatGLM3) and ALiBi (Baichuan2-13B)), with a `launch` that records the kernel, its arguments and the block sizes / warps the wrapper
-picked instead of launching; each recorded launch is specialised exactly as a launch on a GPU would be
+batches, a partial rotary (ChatGLM3) and ALiBi (Baichuan2-13B)), with a `launch` that records the kernel, its
+arguments and the block sizes / warps the wrapper picked instead of launching; each recorded launch is specialised exactly as a launch on a GPU would be
 (Triton's own argument binder: types, 16-byte alignment and divisibility of the integers) and compiled for
 each target.
 

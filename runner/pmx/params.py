@@ -43,7 +43,7 @@ class PmxParams:
     position_embedding: str = "rotary"   # "rotary" (q, k rotated) or "alibi" (a linear bias per head on the scores)
     rotary_dim: Optional[int] = None     # dims of each head rotated, in interleaved pairs from the first (the rest pass
                                          # through); null: all head_dim (files written before the key); 0 with alibi
-    logn_scaling: Optional[int] = None   # L: q at position p is scaled by log(p + 1) / log(L) where p + 1 > L; null: off
+    logn_scaling: Optional[int] = None   # L: q at position p scaled by log(p + 1) / log(L) where p + 1 > L; null: off
     qkv_bias: bool = False
     o_bias: bool = False
     ffn_bias: bool = False
@@ -82,7 +82,8 @@ class PmxParams:
         rd = self.rotary_dims
         if self.position_embedding == "alibi" and rd != 0:
             raise PmxError(f"rotary_dim must be 0 with position_embedding alibi, got {self.rotary_dim}")
-        if self.position_embedding == "rotary" and not (isinstance(rd, int) and 0 < rd <= self.head_dim and rd % 2 == 0):
+        if self.position_embedding == "rotary" and not (isinstance(rd, int) and 0 < rd <= self.head_dim
+                                                        and rd % 2 == 0):
             raise PmxError(f"rotary_dim must be an even number in [2, head_dim={self.head_dim}] (or null: all of "
                            f"head_dim), got {self.rotary_dim!r}")
         if self.logn_scaling is not None and not (isinstance(self.logn_scaling, int) and self.logn_scaling > 1):
