@@ -6,9 +6,11 @@ few lines in its own folder, not a copy of the pipeline.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -22,9 +24,16 @@ class TensorSource:
     """One PMX tensor and where it comes from in the HF checkpoint."""
     pmx_name: str
     hf_names: tuple          # candidates, the first present is used (tied embeddings have two names)
-    shape: tuple             # expected HF shape
+    shape: tuple             # the PMX tensor's shape (and the HF tensor's, unless hf_shape says otherwise)
     rotary_heads: int = 0    # > 0: rows are rotate-half q/k of this many heads; un-permute to interleaved pairs
     stacked: tuple = ()      # MoE: the HF tensors (one per expert) stacked along a new first axis
+    take: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # HF tensor -> this tensor (a part of a fused
+                                                                   # q/k/v or gate/up tensor, a normalised head)
+    hf_shape: Optional[tuple] = None  # the HF tensor's expected shape where `take` changes it
+
+    @property
+    def expected_hf_shape(self) -> tuple:
+        return self.shape if self.hf_shape is None else self.hf_shape
 
 
 def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -125,7 +134,9 @@ class DecoderFamily:
     moe_module: Optional[str] = None             # MoE: HF module of router `gate` and `experts.{e}.w1/w2/w3`
     ignored: tuple = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)  # known, unused HF buffers
 
-    def params(self, config: dict, dtype: str, source: str = "config.json") -> PmxParams:
+    def params(self, config: dict, dtype: str, source: str = "config.json", directory: Optional[Path] = None
+               ) -> PmxParams:
+        """pmx_params of `config` (read from `source`; `directory`: the checkpoint's, for files beside it)."""
         c = config
         try:
             hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
@@ -177,3 +188,104 @@ class DecoderFamily:
 
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(pat, hf_name) for pat in self.ignored)
+
+    def tokenizer_extras(self, directory: Path, params: PmxParams) -> dict:
+        """Files (name -> text) the PMX directory gets beside the tokenizer files copied from `directory`."""
+        return {}
+
+
+# --- families whose checkpoints are not in transformers' Llama naming -------------------------------------------------
+REQUIRED = object()
+
+
+class ConfigKeys:
+    """Typed reads of a config.json that its family's code (not transformers) defines: each wrong, missing or
+    unsupported key is a one-line error naming the file and the key."""
+
+    def __init__(self, config: dict, source: str):
+        self.config, self.source = config, source
+
+    def _get(self, key: str, default: Any):
+        if key in self.config and self.config[key] is not None:
+            return self.config[key]
+        if default is REQUIRED:
+            raise PmxError(f"{self.source}: missing key {key!r}")
+        return default
+
+    def int(self, key: str, default: Any = REQUIRED, minimum: int = 1) -> int:
+        v = self._get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise PmxError(f"{self.source}: {key!r} must be an integer >= {minimum}, got {v!r}")
+        return v
+
+    def float(self, key: str, default: Any = REQUIRED) -> float:
+        v = self._get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise PmxError(f"{self.source}: {key!r} must be a positive number, got {v!r}")
+        return float(v)
+
+    def bool(self, key: str, default: Any = REQUIRED) -> bool:
+        v = self._get(key, default)
+        if not isinstance(v, bool):
+            raise PmxError(f"{self.source}: {key!r} must be true or false, got {v!r}")
+        return v
+
+    def expect(self, key: str, allowed: tuple, what: str) -> None:
+        """The key is absent (or null) or one of `allowed`; anything else asks for what is not supported (`what`)."""
+        v = self.config.get(key)
+        if v is not None and v not in allowed:
+            raise PmxError(f"{self.source}: {key!r} = {v!r} is not supported ({what})")
+
+    def eos(self, directory: Optional[Path]):
+        """eos_token_id of config.json, else of generation_config.json beside it (an int or a list), else None."""
+        eos = self.config.get("eos_token_id")
+        gen = Path(directory) / "generation_config.json" if directory is not None else None
+        if eos is None and gen is not None and gen.is_file():
+            try:
+                eos = json.loads(gen.read_text()).get("eos_token_id")
+            except (OSError, ValueError, AttributeError) as e:
+                raise PmxError(f"{gen}: cannot read it as a JSON object ({e})") from None
+        if eos is not None and not (isinstance(eos, int) or (isinstance(eos, list) and eos and
+                                                             all(isinstance(e, int) for e in eos))):
+            raise PmxError(f"{self.source}: 'eos_token_id' must be an integer or a list of them, got {eos!r}")
+        return eos
+
+
+@dataclass(frozen=True)
+class Src:
+    """Where one PMX tensor of a family comes from: the HF tensor `hf` ("{i}": the layer), all of it or the part
+    `take` makes of it (`hf_rows`: the HF tensor's rows where `take` cuts rows)."""
+    hf: str
+    take: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    hf_rows: Optional[int] = None
+
+
+def rows(hf: str, sizes: tuple, k: int, then: Optional[Callable] = None) -> Src:
+    """Block k of the row blocks `sizes` of the fused HF tensor `hf` (e.g. q of [q; k; v], up of [gate; up])."""
+    start, n = sum(sizes[:k]), sizes[k]
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        part = t.narrow(0, start, n)
+        return part if then is None else then(part)
+    return Src(hf, take, sum(sizes))
+
+
+def table_sources(p: PmxParams, table: dict, rotate_half: bool) -> list[TensorSource]:
+    """Every PMX tensor of an unsplit model (in file order) from a family's `table`: PMX name, with "layers.{i}."
+    left out for a layer's tensors -> Src. `rotate_half`: the family's q/k rows (and biases) are rotate-half ones,
+    un-permuted to interleaved pairs after `take`."""
+    out = []
+    for name, shape in pmx_tensors(p).items():
+        parts = name.split(".")
+        layer, key = (parts[1], ".".join(parts[2:])) if parts[0] == "layers" else (None, name)
+        src = table[key]
+        module = parts[-2]
+        rot = {"wq": p.num_heads, "wk": p.num_kv_heads}.get(module, 0) if rotate_half and ".attention." in name else 0
+        out.append(TensorSource(name, (src.hf.format(i=layer),), tuple(shape), rot, take=src.take,
+                                hf_shape=None if src.hf_rows is None else (src.hf_rows, *shape[1:])))
+    return out
+
+
+def normalized_rows(t: torch.Tensor) -> torch.Tensor:
+    """Each row divided by its L2 norm (torch.nn.functional.normalize), in float32: Baichuan 2's NormHead."""
+    return torch.nn.functional.normalize(t.float(), dim=-1)

@@ -11,6 +11,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]
   # torch pinned: 2.13.0 is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
   .venv/bin/python -m pip install -q torch==2.13.0
   .venv/bin/python -m pip install -q -e ".[test,mpi,triton,structured]" mpich
-  .venv/bin/python -c "import torch, transformers, mpi4py, safetensors, sentencepiece, tokenizers, fire, triton, xgrammar, onnx, onnxruntime, onnxruntime_extensions"
+  .venv/bin/python -c "import torch, transformers, mpi4py, safetensors, sentencepiece, tokenizers, tiktoken, fire, triton, xgrammar, onnx, onnxruntime, onnxruntime_extensions"
   touch "$stamp"
 fi

@@ -92,6 +92,13 @@ def save_hf(model, directory: Path, fmt: str = "safetensors", num_files: int = 1
         return directory
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
+    return save_state_dict(sd, directory, fmt, num_files)
+
+
+def save_state_dict(sd: dict, directory: Path, fmt: str = "safetensors", num_files: int = 1) -> Path:
+    """Writes the tensors `sd` as a HF checkpoint's weights: safetensors or pytorch .bin, in `num_files` files (+ an
+    index where more than one)."""
+    from safetensors.torch import save_file
     names = list(sd)
     stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
     if num_files == 1:

@@ -98,13 +98,14 @@ def test_int8_cache_close_to_transformers(make_hf, tmp_path):
 
 
 def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun", env=None, comm_backend="auto",
-           with_info=False):
+           with_info=False, spec_extra=None):
     """Rank 0's logits [option sets, steps, B, V] of tests/tp_worker.py on n ranks; with_info: and, per option set,
     which steps the engine took ({"fused_decode": bool, "seq_parallel": bool, "reduce_norm": calls, "in_place":
-    calls whose partial was written in the shared area}: tests/tp_worker.py)."""
+    calls whose partial was written in the shared area}: tests/tp_worker.py); spec_extra: more of the worker's
+    spec (e.g. {"generate": n}: greedy ids too, in the info's "generated")."""
     out = tmp_path / f"logits-{launcher}-{n}-{uuid.uuid4().hex[:8]}.pt"
     worker = [str(ROOT / "tests" / "tp_worker.py"), str(pmx), str(out), json.dumps(options),
-              json.dumps({"prompts": prompts, "conts": conts}), comm_backend]
+              json.dumps({"prompts": prompts, "conts": conts, **(spec_extra or {})}), comm_backend]
     if launcher == "mpirun":
         cmd = [str(ROOT / "scripts" / "mpirun.sh"), "-np", str(n), sys.executable, *worker]
     else:

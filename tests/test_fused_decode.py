@@ -125,16 +125,16 @@ def test_which_engines_take_the_one_call_step(make_hf, tmp_path):
     assert why_not(engine(tmp_path / "pmx", fused_ffn_glu=False).model) == \
         "layer 0 has split_gate_up, which it does not support"
     model = stepper.model
-    model.rotary.inv_freq = model.rotary.inv_freq[:-1]  # rotary on the first head_dim - 2 dims only
-    assert why_not(model) == "layer 0 has rotary_partial, which it does not support"
+    model.rotary.inv_freq = model.rotary.inv_freq[:-1]  # rotary on the first head_dim - 2 dims only: the step has it
+    assert fd.layer_features(model, 0).position == "rotary_partial" and why_not(model) is None
     src, _ = make_hf("mixtral")
     convert(str(src), str(tmp_path / "moe"), progress=False)
     assert why_not(engine(tmp_path / "moe").model) == "layer 0 has moe, which it does not support"
 
 
 def test_layer_features_are_declared_or_declined_by_name():
-    """Each layer's features against the step's declared ones: what it lacks (ALiBi, partial rotary, MoE, ...) is
-    named, in the layer where it first appears."""
+    """Each layer's features against the step's declared ones: what it lacks (MoE, linears it cannot run) is named,
+    in the layer where it first appears; ALiBi and a partial rotary it has."""
     supported = torch.classes.pmx_cpu.DecodeModel.features()
     plain = fd.LayerFeatures(position="rotary", mlp="swiglu", linears="packed_linears", split_qkv=False,
                              split_gate_up=False, qkv_bias=True, o_bias=True, ffn_bias=True, qk_norm=True,
@@ -142,8 +142,9 @@ def test_layer_features_are_declared_or_declined_by_name():
     assert plain.names() == ["rotary", "swiglu", "packed_linears", "qkv_bias", "o_bias", "ffn_bias", "qk_norm",
                              "sliding_window"]
     assert fd.first_unsupported([plain, plain], supported) is None
-    for change, name in [(dict(position="alibi"), "alibi"), (dict(position="rotary_partial"), "rotary_partial"),
-                         (dict(mlp="moe"), "moe"), (dict(linears="other_linears"), "other_linears")]:
+    for position in ("alibi", "rotary_partial"):
+        assert fd.first_unsupported([plain, replace(plain, position=position)], supported) is None
+    for change, name in [(dict(mlp="moe"), "moe"), (dict(linears="other_linears"), "other_linears")]:
         assert fd.first_unsupported([plain, replace(plain, **change)], supported) == \
             f"layer 1 has {name}, which it does not support"
 

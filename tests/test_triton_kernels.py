@@ -121,12 +121,12 @@ def _filled_cache(mode, quant, dtype, KV, D, kvlens, layout=2):
     return cache, scale, starts, kv_all
 
 
-def _packed_reference(q, kv_all, seqlens, kvlens, window):
+def _packed_reference(q, kv_all, seqlens, kvlens, window, alibi=None):
     kh, vh = torch.cat([k for k, _ in kv_all]), torch.cat([v for _, v in kv_all])
     seqstarts = torch.tensor([0] + seqlens, device=DEV).cumsum(0)
     kvstarts = torch.tensor([0] + kvlens, device=DEV).cumsum(0)
     start = torch.tensor(kvlens, device=DEV) - torch.tensor(seqlens, device=DEV)
-    return ref.attention_packed(q, kh, vh, seqstarts, kvstarts, start, sliding_window=window)
+    return ref.attention_packed(q, kh, vh, seqstarts, kvstarts, start, sliding_window=window, alibi=alibi)
 
 
 @pytest.mark.parametrize("mode", [0, 1])
@@ -143,6 +143,77 @@ def test_decode_attention_matches_packed_reference(mode, quant, dtype, H, KV, D,
     got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens, device=DEV), mode,
                                       window, num_splits=3)
     close(got, _packed_reference(q, kv_all, [1] * len(kvlens), kvlens, window), dtype, scale=2)
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,KV,num_splits,window", [(6, 6, 3, None), (5, 1, 1, None), (8, 2, 2, 40)])
+def test_decode_attention_alibi(mode, quant, dtype, H, KV, num_splits, window):
+    """ALiBi (Baichuan-13B): slope_h x (j - (kvlen - 1)) added to each score, the slopes of head counts that are and
+    are not powers of two, split or not, with a sliding window too."""
+    torch.manual_seed(3)
+    D, kvlens = 16, [9, 1, 140, 33]
+    cache, scale, starts, kv_all = _filled_cache(mode, quant, dtype, KV, D, kvlens)
+    q = torch.randn(len(kvlens), H, D, device=DEV, dtype=dtype)
+    slopes = torch.tensor(ref.alibi_slopes(H), device=DEV)
+    got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens, device=DEV), mode, window,
+                                      num_splits=num_splits, alibi=slopes)
+    want = _packed_reference(q, kv_all, [1] * len(kvlens), kvlens, window, slopes)
+    close(got, want, dtype, scale=2)
+    assert (want - _packed_reference(q, kv_all, [1] * len(kvlens), kvlens, window)).abs().max() > 0.1  # it matters
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_alibi(mode, quant, dtype):
+    """ALiBi in the varlen flash kernel: each (token, head) row with its head's slope and its own position."""
+    torch.manual_seed(4)
+    H, KV, D, S, starts = 6, 3, 16, 20, [0, 100]
+    kvlens = [p + S for p in starts]
+    cache, scale, cstarts, kv_all = _filled_cache(mode, quant, dtype, KV, D, kvlens)
+    q = torch.randn(len(starts) * S, H, D, device=DEV, dtype=dtype)
+    slopes = torch.tensor(ref.alibi_slopes(H), device=DEV)
+    got = triton_ops.prefill_attention(q, cache, scale, 2, 0, cstarts, torch.tensor(kvlens, device=DEV), mode, S,
+                                       alibi=slopes)
+    close(got, _packed_reference(q, kv_all, [S] * len(starts), kvlens, None, slopes), dtype, scale=2)
+
+
+def test_alibi_slopes_are_baichuans():
+    """The standard slopes (Press et al.), as modeling_baichuan.py's _get_interleave: a geometric series for a power
+    of two; otherwise that of the power below, then every other slope of twice it (40 heads: Baichuan-13B)."""
+    import seed_families
+    for n in (1, 2, 6, 8, 12, 32, 40, 64):
+        assert ref.alibi_slopes(n) == pytest.approx(seed_families.baichuan_slopes(n), rel=1e-12)
+    assert ref.alibi_slopes(8) == pytest.approx([2 ** -(i + 1) for i in range(8)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D,R", [(16, 8), (64, 32), (24, 8)])
+def test_partial_rotary(dtype, D, R):
+    """A partial rotary (ChatGLM: the first half of each head): the first R dims of q and k turn in interleaved
+    pairs, the other D - R pass through bit for bit; the rotated k is what the cache gets."""
+    T, H, KV, rows = 5, 4, 2, 40
+    qkv = torch.randn(T, (H + 2 * KV) * D, device=DEV, dtype=dtype) * 3
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, KV * D, KV * D], dim=-1))
+    pos = torch.arange(T, device=DEV) * 7 + 3
+    cos, sin = ref.rope_cos_sin(pos, ref.rope_inv_freq(R, 1e4).to(DEV))       # [T, R / 2]
+    want_q, want_k = ref.apply_rotary(q.clone(), cos, sin), ref.apply_rotary(k.clone(), cos, sin)
+    assert torch.equal(want_q[..., R:], q[..., R:]) and not torch.equal(want_q[..., :R], q[..., :R])
+    slots = torch.tensor([3, 17, 8, 39, 21], device=DEV)
+    want_c, _ = _cache(1, 2, rows, KV, D, False, dtype)
+    ref.kv_store(want_c, None, 1, 1, want_k, v, slots)
+    got_c, _ = _cache(1, 2, rows, KV, D, False, dtype)
+    q0, k0 = q.clone(), k.clone()
+    triton_ops.rotary_kv_store(q, k, v, cos, sin, got_c, None, 1, 1, slots)
+    close(q, want_q, dtype)
+    close(k, want_k, dtype)
+    assert torch.equal(q[..., R:], q0[..., R:]) and torch.equal(k[..., R:], k0[..., R:])
+    close(got_c, want_c, dtype)
+    x = q0.clone()
+    assert triton_ops.apply_rotary(x, cos, sin) is x
+    close(x, want_q, dtype)
 
 
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
@@ -257,6 +328,34 @@ def test_down_projection_takes_the_swiglu_input():
     close(row(gate_up, swiglu=True).float(), want, torch.float16)
     with pytest.raises(ValueError, match="no plain weight"):
         Linear(torch.randn(256, 256), kernel="pmx").use_small_rows(triton_ops.decode_linear, 16)
+
+
+@pytest.mark.parametrize("name", ["chatglm3", "baichuan2_13b", "qwen_logn"])
+def test_engine_with_triton_kernels_runs_the_seed_families(tmp_path, name):
+    """The engine on the Triton kernels with a partial rotary (ChatGLM3), ALiBi over the cache in prefill and decode
+    (Baichuan-13B) and logn-scaled queries (Qwen) against the families' references; a prompt prefilled in chunks
+    (the later chunks attend over the cache through the varlen flash kernel)."""
+    import seed_families
+    from runner.pmx.convert import convert
+    from test_engine import engine, prompts_and_conts, rel_err, STEPS
+    from tp_worker import teacher_forced_logits
+    model = seed_families.build(name, tmp_path / "hf")
+    convert(str(tmp_path / "hf"), str(tmp_path / "pmx"), progress=False)
+    prompts, conts = prompts_and_conts(model.vocab_size)
+    conts = [c[:STEPS // 2] for c in conts]
+    want = model.logits(prompts, conts, STEPS // 2)
+    eng = engine(tmp_path / "pmx", DEV, kernels="triton", cache_layout=3, cache_mode=1, quantized_cache=False)
+    assert eng.model.ops.name == "triton"
+    got = torch.stack(teacher_forced_logits(eng, prompts, conts)).cpu()
+    assert rel_err(got, want) < 1e-4, rel_err(got, want)
+    from runner.engine.plan import StepLengths
+    prompt, cache = prompts[2], eng.cache(*eng.model.new_cache(ref.PAGE_SIZE))   # 12 tokens in chunks of 5, 5, 2:
+    for p0 in range(0, len(prompt), 5):                                         # the later ones over the cache
+        chunk = prompt[p0:p0 + 5]
+        tokens, plan = eng.plan(StepLengths(chunk, [len(chunk)], [p0], [[0]], 0))
+        assert plan.prefill[0].plain_causal == (p0 == 0)
+        last = eng.run(tokens, plan, cache)[0].cpu()
+    assert rel_err(last, want[0, 2]) < 1e-4, rel_err(last, want[0, 2])
 
 
 def test_engine_with_triton_kernels_matches_transformers(make_hf, tmp_path):

@@ -4,7 +4,8 @@ Used by the tests: prefill of several prompts of different lengths packed in one
 steps fed with given tokens (teacher forcing), so logits can be compared with transformers' and with
 TP=1. Usage: python tests/tp_worker.py CKPT OUT.pt '[{"cache_layout": 2, ...}, ...]' PROMPTS_JSON [COMM_BACKEND]
 (saves [option sets, steps, B, V] on the CPU, and in OUT.pt.json which steps each engine took: one-call decode,
-sequence parallelism, with its collectives counted and how many found the partial sums already in place)
+sequence parallelism, with its collectives counted and how many found the partial sums already in place; with
+"generate": n in PROMPTS_JSON, also each prompt's n greedy ids from the engine core, as "generated")
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import torch
 
 from runner.config import EngineConfig
+from runner.engine.core import EngineCore
 from runner.engine.fused_decode import OneCallDecode
 from runner.engine.model import Transformer, load_shard
 from runner.engine.runners import Stepper
@@ -78,6 +80,9 @@ def main(ckpt: str, out: str, options: str, prompts: str, comm_backend: str = "a
             del shm.reduce_norm
         info.append({"fused_decode": any(isinstance(r, OneCallDecode) for r in stepper.runners),
                      "seq_parallel": stepper.runners[-1].sp is not None, **calls})
+        if spec.get("generate"):
+            generator = EngineCore(stepper.model, stepper, config)
+            info[-1]["generated"] = generator.generate(spec["prompts"], spec["generate"])
     if sess.is_main:
         torch.save(torch.stack(results).cpu(), out)
         with open(out + ".json", "w") as f:

@@ -22,7 +22,8 @@ from runner.parallel.layers import RowParallelLinear
 @dataclass(frozen=True)
 class LayerFeatures:
     """What one decoder layer computes, read from its modules; :meth:`names`: what a runner must support to run it."""
-    position: str         # "rotary": interleaved pairs of all head_dim; "rotary_partial": of its first dims; "alibi"
+    position: str         # "rotary": interleaved pairs of all head_dim; "rotary_partial": of its first dims; "alibi":
+                          # no rotary, a bias per head on the scores
     mlp: str              # "swiglu" (FeedForward) or "moe"
     linears: str          # "packed_linears": this project's CPU kernels (float32, int8, int4); else "other_linears"
     split_qkv: bool       # q, k, v in linears of their own (fused_qkv off)
@@ -50,8 +51,9 @@ def layer_features(model, i: int) -> LayerFeatures:
     a, f = layer.attention, layer.feed_forward
     rotary_dims = 2 * model.rotary.inv_freq.numel()  # the dims rotated: as many pairs as frequencies
     lins = [*(m.linear for m in a.qkv), a.wo.linear] + ([] if moe else [*(m.linear for m in f.gate_up), f.w2.linear])
+    position = "alibi" if a.alibi is not None else "rotary" if rotary_dims == a.head_dim else "rotary_partial"
     return LayerFeatures(
-        position="rotary" if rotary_dims == a.head_dim else "rotary_partial", mlp="moe" if moe else "swiglu",
+        position=position, mlp="moe" if moe else "swiglu",
         linears="packed_linears" if all(map(_packable, lins)) else "other_linears",
         split_qkv=len(a.qkv) != 1, split_gate_up=not moe and len(f.gate_up) != 1,
         qkv_bias=any(m.linear.bias is not None for m in a.qkv), o_bias=a.wo.bias is not None,
@@ -114,7 +116,8 @@ class OneCallDecode:
             layers.append(torch.classes.pmx_cpu.Layer(
                 index=i, attention_norm=layer.attention_norm.weight, ffn_norm=layer.ffn_norm.weight, q_norm=a.q_norm,
                 k_norm=a.k_norm, qkv=qkv, wo=wo, gate_up=gate_up, w2=w2, heads=a.heads, kv_heads=a.kv_heads,
-                head_dim=a.head_dim, window=a.window or 0, eps=layer.attention_norm.eps))
+                head_dim=a.head_dim, window=a.window or 0, eps=layer.attention_norm.eps,
+                rotary_dim=2 * model.rotary.inv_freq.numel(), alibi=a.alibi))
         self.vocab_size, self.layout, self.paged = model.params.vocab_size, model.config.cache_layout, model.config.paged
         self._model = torch.classes.pmx_cpu.DecodeModel(
             embedding=model.tok_embeddings.weight.contiguous(), layers=layers, norm=model.norm.weight,
@@ -124,8 +127,9 @@ class OneCallDecode:
 
     @staticmethod
     def accepts(plan, cache) -> bool:
-        """A step where every sequence decodes one token, its history read in place, on a float32 or int8 cache."""
-        return (plan.decode_only and plan.decode.kv_slots is None
+        """A step where every sequence decodes one token, its history read in place, on a float32 or int8 cache, with
+        no logn scaling of its queries (a step past a logn model's length runs on the next runner)."""
+        return (plan.decode_only and plan.decode.kv_slots is None and plan.q_scale is None
                 and cache.data.dtype == (torch.int8 if cache.scale is not None else torch.float32))
 
     def __call__(self, tokens: torch.Tensor, plan, cache) -> torch.Tensor:

@@ -99,21 +99,28 @@ class SkipRMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Self-attention of one layer over the step's packed tokens, reading and writing the KV cache."""
+    """Self-attention of one layer over the step's packed tokens, reading and writing the KV cache.
+
+    Positions enter as rotary (q and k rotated on the plan's cos / sin, whose width says how many dims turn) or, where
+    `alibi` holds this rank's heads' slopes, as ALiBi's bias slope_h x (j - i) on the scores; with the plan's
+    `q_scale` (logn scaling) each query is scaled by its position's factor."""
 
     def __init__(self, layer: int, qkv: list, wo, q_norm, k_norm, heads: tuple, eps: float,
-                 sliding_window: Optional[int], config: EngineConfig, ops):
+                 sliding_window: Optional[int], config: EngineConfig, ops, alibi: Optional[torch.Tensor] = None):
         super().__init__()
         self.layer, (self.heads, self.kv_heads, self.head_dim) = layer, heads   # this rank's (H, KV, head_dim)
         self.qkv, self.wo = nn.ModuleList(qkv), wo
         self.register_buffer("q_norm", q_norm, persistent=False)
         self.register_buffer("k_norm", k_norm, persistent=False)
+        self.register_buffer("alibi", alibi, persistent=False)                   # (H,) float32 slopes, or None
         self.eps, self.window, self.ops = eps, sliding_window, ops
         self.friendly_gqa, self.cache_mode = config.friendly_gqa, config.cache_mode
 
     def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None
                 ) -> torch.Tensor:
         q, k, v = self._qkv_stored(x, plan, cache)                                # (T, H|KV|KV, D)
+        if plan.q_scale is not None:                                              # logn scaling of the queries
+            q = q * plan.q_scale[:, None, None].to(q.dtype)
         if plan.packed is not None:
             out = self._packed(q, plan, cache)
         else:
@@ -128,7 +135,10 @@ class Attention(nn.Module):
 
     def _qkv_stored(self, x, plan, cache):
         """q, k, v (T, H|KV|KV, D) of the new tokens, q and k rotated, k and v written to the cache."""
-        if self.ops.rotary_kv_store is not None:  # one kernel rotates q, k in place and writes k, v to the cache
+        if self.alibi is not None:  # no rotary: positions enter the scores
+            q, k, v = self._qkv(x)
+            cache.store(self.layer, k, v, plan.slots)
+        elif self.ops.rotary_kv_store is not None:  # one kernel rotates q, k in place and writes k, v to the cache
             q, k, v = self._qkv(x)
             self.ops.rotary_kv_store(q, k, v, plan.cos, plan.sin, cache.data, cache.scale, cache.layout, self.layer,
                                      plan.slots)
@@ -170,14 +180,16 @@ class Attention(nn.Module):
         Bd = q.shape[0]
         if self.ops.decode_attention is not None:  # a kernel that walks the cache itself
             out = self.ops.decode_attention(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
-                                            d.kvlens, self.cache_mode, self.window)
+                                            d.kvlens, self.cache_mode, self.window, alibi=self.alibi)
         elif self.ops.decode_attention_rows is not None and d.kv_slots is None:  # rows read in place
             out = self.ops.decode_attention_rows(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
-                                                 d.kvlens, self.window, ref.PAGE_SIZE if d.cachestarts.dim() == 2 else 0)
+                                                 d.kvlens, self.window,
+                                                 ref.PAGE_SIZE if d.cachestarts.dim() == 2 else 0, alibi=self.alibi)
         else:
             k, v = cache.gather(self.layer, d.kv_slots, q.dtype)                  # (Bd, N, KV, D)
             k, v = self._repeat_kv(k.transpose(1, 2), v.transpose(1, 2), 1)       # (Bd, KV, N, D)
-            out = self.ops.attend(q[:, :, None], k, v, d.mask, causal=False)      # (Bd, H, 1, D)
+            mask = self._with_alibi(d.mask, (d.kvlens - 1)[:, None], k.shape[2], False)
+            out = self.ops.attend(q[:, :, None], k, v, mask, causal=False)        # (Bd, H, 1, D)
         return out.reshape(Bd, self.heads * self.head_dim)
 
     def _prefill(self, q, k, v, g, cache):
@@ -185,22 +197,34 @@ class Attention(nn.Module):
         n, S, D = g.n, g.seqlen, self.head_dim
         if self.ops.prefill_attention is not None and not g.plain_causal:
             out = self.ops.prefill_attention(q, cache.data, cache.scale, cache.layout, self.layer, g.cachestarts,
-                                             g.kvlens, self.cache_mode, S, self.window)   # over the cache
-            return out.reshape(n * S, self.heads * D)
+                                             g.kvlens, self.cache_mode, S, self.window, alibi=self.alibi)
+            return out.reshape(n * S, self.heads * D)                              # (over the cache)
         if g.kv_slots is None:                                                    # a fresh prompt's own keys
             k, v = k.reshape(n, S, self.kv_heads, D), v.reshape(n, S, self.kv_heads, D)
         else:
             k, v = cache.gather(self.layer, g.kv_slots, q.dtype)                  # (n, N, KV, D)
         k, v = self._repeat_kv(k.transpose(1, 2), v.transpose(1, 2), 1)
-        out = self.ops.attend(q.reshape(n, S, self.heads, D).transpose(1, 2), k, v, g.mask, causal=True)
+        mask = self._with_alibi(g.mask, g.kvlens[:, None] - S + torch.arange(S, device=q.device), k.shape[2], True)
+        out = self.ops.attend(q.reshape(n, S, self.heads, D).transpose(1, 2), k, v, mask, causal=True)
         return out.transpose(1, 2).reshape(n * S, self.heads * D)                 # (n S, H D)
+
+    def _with_alibi(self, mask: Optional[torch.Tensor], q_pos: torch.Tensor, n_keys: int, causal: bool):
+        """The mask `attend` takes: `mask` as it is without ALiBi; with it, the bias slope_h x (j - i) of queries at
+        q_pos [B, S] over keys 0..n_keys-1 (-inf where `mask`, else the causal rule when `causal`, hides a key)."""
+        if self.alibi is None:
+            return mask
+        bias = ref.alibi_bias(self.alibi, q_pos, n_keys)                          # (B, H, S, N) float32
+        if mask is None and causal:
+            mask = torch.arange(n_keys, device=q_pos.device)[None, None, None, :] <= q_pos[:, None, :, None]
+        return bias if mask is None else bias.masked_fill(~mask, float("-inf"))
 
     def _packed(self, q, plan, cache):
         """ppl.pmx's unfused path: each sequence against its packed history (reference attention)."""
         p = plan.packed
         kh, vh = cache.gather(self.layer, p.kv_slots, q.dtype)                   # (Tkv, KV, D)
         kh, vh = self._repeat_kv(kh, vh, 1)
-        out = ref.attention_packed(q, kh, vh, p.seqstarts, p.kvstarts, p.start_pos, p.attn_mask, self.window)
+        out = ref.attention_packed(q, kh, vh, p.seqstarts, p.kvstarts, p.start_pos, p.attn_mask, self.window,
+                                   self.alibi)
         return out.reshape(q.shape[0], self.heads * self.head_dim)
 
 
@@ -283,7 +307,10 @@ class Transformer(nn.Module):
         self.dtype, self.device = w["norm.weight"].dtype, w["norm.weight"].device
         self.num_params = sum(t.numel() for t in w.values())
         self.ops = ops = kernel_set(c.kernels, self.device, self.dtype)
-        self.rotary = ref.Rotary(p.head_dim, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
+        self.rotary = ref.Rotary(p.rotary_dims, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
+        rank, H = comm.rank, self.heads
+        alibi = (torch.tensor(ref.alibi_slopes(p.num_heads), dtype=torch.float32)[rank * H: (rank + 1) * H]
+                 .to(self.device) if p.position_embedding == "alibi" else None)   # this rank's heads' slopes
         self.tok_embeddings = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
         column, row = partial(ColumnParallelLinear, comm=comm), partial(RowParallelLinear, comm=comm)
         weight = partial(pop_weight, w, scheme=scheme_of(p), kernels=c.kernels)  # float, or weight-only quantised
@@ -305,7 +332,7 @@ class Transformer(nn.Module):
                 i, linears(column, *take([f"{a}.wq", f"{a}.wk", f"{a}.wv"], p.qkv_bias), c.fused_qkv),
                 linears(row, *take([f"{a}.wo"], p.o_bias))[0], w.pop(f"{a}.q_norm.weight", None),
                 w.pop(f"{a}.k_norm.weight", None), (self.heads, self.kv_heads, self.head_dim), p.norm_eps,
-                p.sliding_window, c, ops)
+                p.sliding_window, c, ops, alibi)
             if p.num_experts:  # each expert cut like a dense MLP; the MoE block all-reduces once, not per expert
                 w1, w3, w2 = (weight(f"{m}.{x}") for x in ("w1", "w3", "w2"))  # [E, F/n, D], [E, D, F/n]
                 ffn = MoE(w.pop(f"{m}.gate.weight"), [

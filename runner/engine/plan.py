@@ -28,6 +28,7 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from runner.kernels import reference as ref
 from runner.kernels.reference import PAGE_SIZE, Rotary
 
 
@@ -80,6 +81,7 @@ class StepPlan:
     decode: Optional[DecodeAttention] = None
     prefill: tuple = ()                    # PrefillGroup, ...
     packed: Optional[PackedHistory] = None
+    q_scale: Optional[torch.Tensor] = None  # [T] float32: logn scaling of each query (None: every factor is 1)
 
     @property
     def decode_only(self) -> bool:
@@ -114,6 +116,7 @@ class PlanSpec:
     read_cache_in_prefill: bool  # fresh prompts attend over their keys as stored (an int8 cache: what later steps see)
     gather_prefill: bool         # prefill attention over gathered rows (else a kernel walks the cache)
     gather_decode: bool          # decode attention over gathered rows (else a kernel reads the history in place)
+    logn_scaling: Optional[int] = None  # queries past this length are scaled (reference.logn_scale); None: off
 
 
 def _rows(cache: torch.Tensor, pos: torch.Tensor, paged: bool) -> torch.Tensor:
@@ -154,7 +157,9 @@ def make_plan(b: StepLengths, spec: PlanSpec, attn_mask: Optional[torch.Tensor] 
     slots = (_rows(cache, positions[:, None], paged)[:, 0] if bot is None
              else _rows(cache[bot], positions[:, None], paged)[:, 0])
     kvlens = start_t + seqlen_t
-    cos, sin = spec.rotary.cos_sin(positions, end=max(int(p) + int(n) for p, n in zip(start_pos, seqlens)) if B else 0)
+    end = max(int(p) + int(n) for p, n in zip(start_pos, seqlens)) if B else 0
+    cos, sin = spec.rotary.cos_sin(positions, end=end)
+    q_scale = ref.logn_scale(positions, spec.logn_scaling) if spec.logn_scaling and end > spec.logn_scaling else None
     ends = torch.cumsum(seqlen_t, 0)
     if any(b.all_rows):
         last = torch.cat([torch.arange(e - n, e) if whole else (e - 1)[None]
@@ -205,7 +210,7 @@ def make_plan(b: StepLengths, spec: PlanSpec, attn_mask: Optional[torch.Tensor] 
                                         kvlens[group].to(**to)))
             row, i = row + n * S, i + n
     return StepPlan(slots.to(**to), cos.to(**to), sin.to(**to), None if last is None else last.to(**to),
-                    decode, tuple(prefill), packed)
+                    decode, tuple(prefill), packed, None if q_scale is None else q_scale.to(**to))
 
 
 class _Buffers:
@@ -279,14 +284,16 @@ class DecodeInputs:
         self.size_of, self.device, self.paged = size_of, spec.device, spec.paged
         self.max_pages = -(-spec.rotary.max_pos // PAGE_SIZE) if spec.paged else None
         self.tables = (spec.rotary.cos_table.numpy(), spec.rotary.sin_table.numpy())
+        # positions it takes: those of the tables, and none a logn scaling would scale (their plans carry no q_scale)
+        self.end = min(self.tables[0].shape[0], spec.logn_scaling or self.tables[0].shape[0])
         self.buffers: dict[int, _Buffers] = {}
 
     def write(self, tokens: Sequence[int], start_pos: Sequence[int], caches: Sequence[CacheOf]
               ) -> Optional[tuple[torch.Tensor, StepPlan]]:
-        """(token ids [B], plan), or None where the buffers do not take the step (a position past the rotary tables,
-        a page table wider than max_pages)."""
+        """(token ids [B], plan), or None where the buffers do not take the step (a position past the rotary tables
+        or where logn scaling starts, a page table wider than max_pages)."""
         B = len(start_pos)
-        if B == 0 or max(start_pos) >= self.tables[0].shape[0] or (
+        if B == 0 or max(start_pos) >= self.end or (
                 self.paged and max(map(len, caches)) > self.max_pages):
             return None
         size = self.size_of(B)

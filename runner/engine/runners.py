@@ -151,7 +151,8 @@ class Stepper:
         c, ops, comm = config, model.ops, model.comm
         self.model, self.config = model, c
         self.spec = PlanSpec(model.rotary, model.device, c.paged, model.params.sliding_window, not c.fused_kvcache,
-                             c.quantized_cache, ops.prefill_attention is None, not ops.reads_history_in_place)
+                             c.quantized_cache, ops.prefill_attention is None, not ops.reads_history_in_place,
+                             model.params.logn_scaling)
         graphs = (c.cuda_graphs and model.device.type == "cuda" and ops.decode_attention is not None
                   and not model.params.num_experts and comm.captures_cuda_graphs)
         in_place = not self.spec.gather_decode and c.fused_kvcache

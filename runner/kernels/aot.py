@@ -5,8 +5,8 @@ ptxas (which ships in the triton wheel) with no driver, which catches what the i
 does not compile for a real GPU, and register spills. The specialisations compiled are the engine's own:
 each op's wrapper is called on meta tensors shaped as the engine's tensors are (models with head_dim 64 and
 128, float16 and bfloat16, every cache layout, offset and paged, float and int8 caches, decode and prefill
-batches), with a `launch` that records the kernel, its arguments and the block sizes / warps the wrapper
-picked instead of launching; each recorded launch is specialised exactly as a launch on a GPU would be
+batches, a partial rotary (ChatGLM3) and ALiBi (Baichuan2-13B)), with a `launch` that records the kernel, its
+arguments and the block sizes / warps the wrapper picked instead of launching; each recorded launch is specialised exactly as a launch on a GPU would be
 (Triton's own argument binder: types, 16-byte alignment and divisibility of the integers) and compiled for
 each target.
 
@@ -54,6 +54,8 @@ class ModelShape:
     intermediate: int
     layers: int = 32
     window: Optional[int] = None
+    rotary_dim: Optional[int] = None   # a partial rotary's dims (None: all of head_dim)
+    alibi: bool = False                # ALiBi instead of rotary (the attention kernels add the slopes' bias)
 
 
 MODELS = (
@@ -61,6 +63,8 @@ MODELS = (
     ModelShape("llama-3-8b", 4096, 32, 8, 128, 14336),
     ModelShape("llama-3.2-1b", 2048, 32, 8, 64, 8192, layers=16),
     ModelShape("mistral-7b-window", 4096, 32, 8, 128, 14336, window=4096),
+    ModelShape("chatglm3-6b", 4096, 32, 2, 128, 13696, layers=28, rotary_dim=64),
+    ModelShape("baichuan2-13b-alibi", 5120, 40, 40, 128, 13696, layers=40, alibi=True),
 )
 WIDE_NORMS = (8192, 16384)   # hidden sizes of 70B / 405B models: the norm's warps grow with the width
 DTYPES = (torch.float16, torch.bfloat16)
@@ -124,7 +128,8 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
                 add(f"{tag} decode linear {n}x{k}{' swiglu' if swiglu else ''}", triton_ops.decode_linear, xi, w,
                     torch.empty(n, dtype=dt, device=META) if bias else None, swiglu=swiglu)
             slots = torch.empty(512, dtype=torch.int64, device=META)
-            cos = torch.empty(512, D // 2, dtype=torch.float32, device=META)
+            cos = torch.empty(512, (m.rotary_dim or D) // 2, dtype=torch.float32, device=META)
+            alibi = torch.empty(H, dtype=torch.float32, device=META) if m.alibi else None
             qkv = torch.empty(512, (H + 2 * KV) * D, dtype=dt, device=META)
             q, k, v = (t.view(512, -1, D) for t in qkv.split([H * D, KV * D, KV * D], dim=-1))
             add(f"{tag} rotary", triton_ops.apply_rotary, q, cos, cos)
@@ -142,10 +147,11 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
                             kvlens = torch.empty(B, dtype=torch.int64, device=META)
                             qd = torch.empty(B, (H + 2 * KV) * D, dtype=dt, device=META)[:, : H * D].view(B, H, D)
                             add(f"{mtag} decode B={B}", triton_ops.decode_attention, qd, cache, scale, layout, 3,
-                                starts, kvlens, mode, m.window, num_splits=triton_ops.decode_splits(B, KV, H100_SMS))
+                                starts, kvlens, mode, m.window, num_splits=triton_ops.decode_splits(B, KV, H100_SMS),
+                                alibi=alibi)
                         starts = torch.empty((2, 32) if mode else (2,), dtype=torch.int64, device=META)
                         add(f"{mtag} prefill", triton_ops.prefill_attention, q, cache, scale, layout, 3, starts,
-                            torch.empty(2, dtype=torch.int64, device=META), mode, 256, m.window)
+                            torch.empty(2, dtype=torch.int64, device=META), mode, 256, m.window, alibi=alibi)
     return found
 
 

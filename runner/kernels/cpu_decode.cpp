@@ -43,21 +43,25 @@ struct Linear : torch::CustomClassHolder {
 using LinearPtr = c10::intrusive_ptr<Linear>;
 
 // A decoder layer (runner.engine.model.Block): x += wo(attention(norm(x))), x += w2(swiglu(gate_up(norm(x)))), with
-// `heads` over kv_heads K/V heads of head_dim, q and k rms-normed where q_norm / k_norm are given, then rotated on
-// interleaved pairs, the last `window` positions seen (0: all).
+// `heads` over kv_heads K/V heads of head_dim, q and k rms-normed where q_norm / k_norm are given, then their first
+// rotary_dim dims rotated on interleaved pairs (0: none), ALiBi's slope per head added to the scores where `alibi`
+// is given, the last `window` positions seen (0: all).
 struct Layer : torch::CustomClassHolder {
   at::Tensor attention_norm, ffn_norm, q_norm, k_norm;  // q_norm, k_norm: both undefined where the layer has none
+  at::Tensor alibi;                                      // this rank's heads' slopes [heads], or undefined
   LinearPtr qkv, wo, gate_up, w2;
-  int64_t heads, kv_heads, head_dim, window, ffn;  // ffn: this rank's intermediate size (w2's inputs)
+  int64_t heads, kv_heads, head_dim, window, ffn, rotary_dim;  // ffn: this rank's intermediate size (w2's inputs)
   float eps;
 
   Layer(int64_t index, at::Tensor attention_norm_, at::Tensor ffn_norm_, c10::optional<at::Tensor> q_norm_,
         c10::optional<at::Tensor> k_norm_, LinearPtr qkv_, LinearPtr wo_, LinearPtr gate_up_, LinearPtr w2_,
-        int64_t heads_, int64_t kv_heads_, int64_t head_dim_, int64_t window_, double eps_)
+        int64_t heads_, int64_t kv_heads_, int64_t head_dim_, int64_t window_, double eps_, int64_t rotary_dim_,
+        c10::optional<at::Tensor> alibi_)
       : attention_norm(std::move(attention_norm_)), ffn_norm(std::move(ffn_norm_)),
-        q_norm(q_norm_.value_or(at::Tensor())), k_norm(k_norm_.value_or(at::Tensor())), qkv(std::move(qkv_)),
-        wo(std::move(wo_)), gate_up(std::move(gate_up_)), w2(std::move(w2_)), heads(heads_), kv_heads(kv_heads_),
-        head_dim(head_dim_), window(window_), ffn(w2->p.k), eps(static_cast<float>(eps_)) {
+        q_norm(q_norm_.value_or(at::Tensor())), k_norm(k_norm_.value_or(at::Tensor())),
+        alibi(alibi_.value_or(at::Tensor())), qkv(std::move(qkv_)), wo(std::move(wo_)), gate_up(std::move(gate_up_)),
+        w2(std::move(w2_)), heads(heads_), kv_heads(kv_heads_), head_dim(head_dim_), window(window_), ffn(w2->p.k),
+        rotary_dim(rotary_dim_), eps(static_cast<float>(eps_)) {
     const int64_t D = attention_norm.numel(), hd = head_dim;
     const auto need = [&](bool ok, const char* field, const std::string& want) {
       TORCH_CHECK(ok, "decoder layer ", index, ": ", field, " must be ", want);
@@ -71,6 +75,9 @@ struct Layer : torch::CustomClassHolder {
     need(D > 0 && vec(attention_norm, D) && vec(ffn_norm, D), "attention_norm, ffn_norm", "float32 [hidden]");
     need(q_norm.defined() == k_norm.defined() && (!q_norm.defined() || (vec(q_norm, hd) && vec(k_norm, hd))),
          "q_norm and k_norm", c10::str("both absent or contiguous float32 [", hd, "]"));
+    need(rotary_dim >= 0 && rotary_dim <= hd && rotary_dim % 2 == 0, "rotary_dim",
+         c10::str("even, in [0, ", hd, "], not ", rotary_dim));
+    need(!alibi.defined() || vec(alibi, heads), "alibi", c10::str("absent or contiguous float32 [", heads, "]"));
     const std::tuple<const Linear*, const char*, int64_t, int64_t, bool> lins[] = {
         {qkv.get(), "qkv", (heads + 2 * kv_heads) * hd, D, false}, {wo.get(), "wo", D, heads * hd, true},
         {gate_up.get(), "gate_up", 2 * ffn, D, false}, {w2.get(), "w2", D, ffn, true}};
@@ -104,9 +111,9 @@ struct DecodeModel : torch::CustomClassHolder {
     for (size_t i = 0; i < layers.size(); ++i) {
       const Layer &l = *layers[i], &l0 = *layers[0];
       TORCH_CHECK(l.attention_norm.numel() == hidden && l.heads == l0.heads && l.kv_heads == l0.kv_heads &&
-                      l.head_dim == l0.head_dim, "DecodeModel: decoder layer ", i, " must have the final norm's ",
-                  "hidden (", hidden, ") and layer 0's heads, kv_heads, head_dim (", l0.heads, ", ", l0.kv_heads,
-                  ", ", l0.head_dim, ")");
+                      l.head_dim == l0.head_dim && l.rotary_dim == l0.rotary_dim, "DecodeModel: decoder layer ", i,
+                  " must have the final norm's hidden (", hidden, ") and layer 0's heads, kv_heads, head_dim, ",
+                  "rotary_dim (", l0.heads, ", ", l0.kv_heads, ", ", l0.head_dim, ", ", l0.rotary_dim, ")");
       widest_window = (i == 0 || widest_window > 0) && l.window > 0 ? std::max(widest_window, l.window) : 0;
       ffn = std::max(ffn, l.ffn);
     }
@@ -137,12 +144,12 @@ struct DecodeModel : torch::CustomClassHolder {
 
   // logits [B, ranks x vocab part] of the step where each of the B sequences decodes tokens[b] at position
   // kvlens[b] - 1: k and v written at cache row slots[b] of every layer, the history read where cachestarts says
-  // (offsets [B], or page starts [B, MaxP] of page_size rows), cos / sin [B, head_dim / 2] of each position.
+  // (offsets [B], or page starts [B, MaxP] of page_size rows), cos / sin [B, rotary_dim / 2] of each position.
   at::Tensor step(const at::Tensor& tokens, const at::Tensor& cache, const c10::optional<at::Tensor>& cache_scale,
                   int64_t layout, const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin,
                   const at::Tensor& cachestarts, const at::Tensor& kvlens, int64_t page_size) {
     const int64_t B = tokens.numel(), D = hidden, L = layers.size(), H = layers[0]->heads, KV = layers[0]->kv_heads;
-    const int64_t hd = layers[0]->head_dim, F = ffn;
+    const int64_t hd = layers[0]->head_dim, rd = layers[0]->rotary_dim, F = ffn;
     auto int64_vec = [&](const at::Tensor& t, const char* what) {
       TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.numel() == B && t.is_contiguous(), "decode step: ",
                   what, " must be contiguous int64 [", B, "]");
@@ -153,8 +160,8 @@ struct DecodeModel : torch::CustomClassHolder {
     const int64_t* lens = int64_vec(kvlens, "kvlens");
     for (const at::Tensor* t : {&cos, &sin})
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == B &&
-                      t->size(1) == hd / 2,
-                  "decode step: cos and sin must be contiguous float32 [", B, ", ", hd / 2, "]");
+                      t->size(1) == rd / 2,
+                  "decode step: cos and sin must be contiguous float32 [", B, ", ", rd / 2, "]");
     const auto [cv, sv] = pmx_cpu::cache_views(cache, cache_scale, layout, "decode step");
     const pmx_cpu::CacheView* scales = cache.scalar_type() == at::kChar ? &sv : nullptr;
     TORCH_CHECK(cv.L == L && cv.KV == KV && cv.last == hd, "decode step: cache of shape ", cache.sizes(), " is not ",
@@ -197,10 +204,12 @@ struct DecodeModel : torch::CustomClassHolder {
         pmx_cpu::skip_rms_norm_into(q, nullptr, y.q_norm.data_ptr<float>(), H, hd, y.eps, nullptr, q);
         pmx_cpu::skip_rms_norm_into(k, nullptr, y.k_norm.data_ptr<float>(), KV, hd, y.eps, nullptr, k);
       }
-      pmx_cpu::rotary(qkv, B, NQKV, hd, H + KV, hd, cos.data_ptr<float>(), sin.data_ptr<float>());  // q, k: adjacent
+      if (rd > 0)  // q, k: adjacent heads; their first rd dims rotate
+        pmx_cpu::rotary(qkv, B, NQKV, hd, H + KV, rd, cos.data_ptr<float>(), sin.data_ptr<float>());
       pmx_cpu::kv_store(qkv + H * hd, qkv + (H + KV) * hd, B, NQKV, hd, cv, scales, l, slot);
       pmx_cpu::decode_attention_into(qkv, NQKV, B, H, pmx_cpu::kv_rows(cv, scales, l, 0),
-                                     pmx_cpu::kv_rows(cv, scales, l, 1), hist, lens, y.window, scale, attn);
+                                     pmx_cpu::kv_rows(cv, scales, l, 1), hist, lens, y.window, scale, attn,
+                                     y.alibi.defined() ? y.alibi.data_ptr<float>() : nullptr);
       linear(*y.wo, attn, B, x);
       pmx_cpu::skip_rms_norm_into(x, resid, y.ffn_norm.data_ptr<float>(), B, D, y.eps, resid, h);
       linear(*y.gate_up, h, B, gu);
@@ -226,9 +235,11 @@ TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
            arg("what")});
   m.class_<Layer>("Layer").def(
       torch::init<int64_t, at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, LinearPtr,
-                  LinearPtr, LinearPtr, LinearPtr, int64_t, int64_t, int64_t, int64_t, double>(), "",
+                  LinearPtr, LinearPtr, LinearPtr, int64_t, int64_t, int64_t, int64_t, double, int64_t,
+                  c10::optional<at::Tensor>>(), "",
       {arg("index"), arg("attention_norm"), arg("ffn_norm"), arg("q_norm"), arg("k_norm"), arg("qkv"), arg("wo"),
-       arg("gate_up"), arg("w2"), arg("heads"), arg("kv_heads"), arg("head_dim"), arg("window"), arg("eps")});
+       arg("gate_up"), arg("w2"), arg("heads"), arg("kv_heads"), arg("head_dim"), arg("window"), arg("eps"),
+       arg("rotary_dim"), arg("alibi")});
   m.class_<DecodeModel>("DecodeModel")
       .def(torch::init<at::Tensor, std::vector<c10::intrusive_ptr<Layer>>, at::Tensor, double, LinearPtr, int64_t,
                        at::Tensor, int64_t, int64_t, double>(), "",
@@ -236,7 +247,7 @@ TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
             arg("workspace"), arg("rank"), arg("world"), arg("deadline_s")})
       .def("step", &DecodeModel::step)
       .def_static("features", []() {  // what a layer may have (fused_decode.LayerFeatures.names); nothing else
-        return std::vector<std::string>{"rotary", "swiglu", "packed_linears", "qkv_bias", "o_bias", "ffn_bias",
-                                        "qk_norm", "sliding_window"};
+        return std::vector<std::string>{"rotary", "rotary_partial", "alibi", "swiglu", "packed_linears", "qkv_bias",
+                                        "o_bias", "ffn_bias", "qk_norm", "sliding_window"};
       });
 }

@@ -49,9 +49,10 @@ struct HistoryRows {
 };
 
 // out [B, H, D] = decode attention of q (row b at q + b * q_stride, H x D contiguous) over the history rows, read in
-// place (cpu_step.cpp, pmx_cpu::decode_attention); h from history_rows (checked).
+// place (cpu_step.cpp, pmx_cpu::decode_attention); h from history_rows (checked); slopes: ALiBi's [H], or null.
 void decode_attention_into(const float* q, int64_t q_stride, int64_t B, int64_t H, const KVRows& k, const KVRows& v,
-                           const HistoryRows& h, const int64_t* kvlens, int64_t window, float scale, float* out);
+                           const HistoryRows& h, const int64_t* kvlens, int64_t window, float scale, float* out,
+                           const float* slopes = nullptr);
 
 // A KV cache (or its int8 scales) of ppl.pmx `layout` 0..3 as (L, 2, MaxT, KV, last) strides (reference.cache_view).
 struct CacheView {
@@ -86,7 +87,7 @@ void kv_store(const float* k, const float* v, int64_t T, int64_t t_stride, int64
               const CacheView* s, int64_t layer, const int64_t* slots);
 
 // reference.apply_rotary in place: pairs (a, b) of x [T, heads, D] (strided as kv_store's k) -> (a cos - b sin,
-// a sin + b cos), cos and sin [T, D/2] contiguous.
+// a sin + b cos), cos and sin [T, D/2] contiguous (a partial rotary: D the rotated dims, h_stride the head's).
 void rotary(float* x, int64_t T, int64_t t_stride, int64_t h_stride, int64_t heads, int64_t D, const float* cos,
             const float* sin);
 

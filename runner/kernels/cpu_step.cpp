@@ -161,7 +161,7 @@ inline int64_t row_at(const pmx_cpu::HistoryRows& h, int64_t b, int64_t j) {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const c10::optional<at::Tensor>& kv_scale,
                             int64_t layout, int64_t layer, const at::Tensor& rows, const at::Tensor& kvlens,
-                            int64_t window, double scale, int64_t page_size) {
+                            int64_t window, double scale, int64_t page_size, const c10::optional<at::Tensor>& alibi) {
   const auto [c, s] = pmx_cpu::cache_views(cache, kv_scale, layout, "decode_attention");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.size(2) == c.last,
               "q must be contiguous float32 [B, H, ", c.last, "]");
@@ -172,10 +172,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const 
   const at::Tensor kl = kvlens.contiguous();
   const pmx_cpu::HistoryRows h = pmx_cpu::history_rows(rows, page_size, kl.data_ptr<int64_t>(), B, window, c.T);
   const pmx_cpu::CacheView* sp = cache.scalar_type() == at::kChar ? &s : nullptr;
+  const bool has_alibi = alibi.has_value() && alibi->defined();
+  if (has_alibi)
+    TORCH_CHECK(alibi->scalar_type() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 1 &&
+                    alibi->numel() == H, "alibi must be the contiguous float32 slopes [", H, "]");
   at::Tensor out = at::empty({B, H, c.last}, q.options());
   pmx_cpu::decode_attention_into(q.data_ptr<float>(), H * c.last, B, H, pmx_cpu::kv_rows(c, sp, layer, 0),
                                  pmx_cpu::kv_rows(c, sp, layer, 1), h, kl.data_ptr<int64_t>(), window, (float)scale,
-                                 out.data_ptr<float>());
+                                 out.data_ptr<float>(), has_alibi ? alibi->data_ptr<float>() : nullptr);
   return out;
 }
 
@@ -348,7 +352,8 @@ HistoryRows history_rows(const at::Tensor& rows, int64_t page_size, const int64_
 }
 
 void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t H, const KVRows& k, const KVRows& v,
-                           const HistoryRows& h, const int64_t* lens, int64_t window, float sc, float* op) {
+                           const HistoryRows& h, const int64_t* lens, int64_t window, float sc, float* op,
+                           const float* slopes) {
   const int64_t D = k.D, KV = k.KV, G = H / KV;
   // parts: each sequence's seen rows [lo, len) cut into `parts` pieces
   const int64_t threads = at::get_num_threads();
@@ -389,6 +394,9 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
           for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) s[hh * n + j] = dot(qb + hh * D, kr, D) * sc;
         }
       }
+      if (slopes)  // ALiBi: slope_h x (j - the query's position len - 1), as reference.alibi_bias
+        for (int64_t hh = 0; hh < H; ++hh)
+          for (int64_t j = 0; j < n; ++j) s[hh * n + j] += slopes[hh] * static_cast<float>(j0 + j - (len - 1));
       for (int64_t hh = 0; hh < H; ++hh)
         softmax_part(s.data() + hh * n, n, &part_max[t * H + hh], &part_sum[t * H + hh]);
       for (int64_t j = 0; j < n; ++j) {
@@ -482,7 +490,7 @@ void swiglu_into(const float* gp, int64_t gs, const float* upp, int64_t us, int6
 
 TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor cache, Tensor? kv_scale, int layout, int layer, Tensor rows, Tensor kvlens, "
-        "int window, float scale, int page_size=0) -> Tensor");
+        "int window, float scale, int page_size=0, Tensor? alibi=None) -> Tensor");
   m.def("skip_rms_norm(Tensor x, Tensor? skip, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");

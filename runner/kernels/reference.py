@@ -145,9 +145,11 @@ class Rotary:
 
     def __init__(self, head_dim: int, theta: float, scaling: Optional[dict], max_position_embeddings: int,
                  device: torch.device):
+        """`head_dim`: the dims rotated (the rotary dims of a partial rotary; 0: none, the tables are [n, 0])."""
         self.head_dim, self.theta, self.scaling, self.max_pos = head_dim, theta, scaling, max_position_embeddings
-        self.dynamic = rope_type(scaling) == "dynamic"
-        self.inv_freq = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings).to(device)
+        self.dynamic = rope_type(scaling) == "dynamic" and head_dim > 0
+        self.inv_freq = (rope_inv_freq(head_dim, theta, scaling, max_position_embeddings) if head_dim
+                         else torch.zeros(0)).to(device)
         self.scale = rope_attention_scale(scaling, max_position_embeddings)
         n = max(1, min(max_position_embeddings, ROTARY_TABLE_POSITIONS))
         self.cos_table, self.sin_table = rope_cos_sin(torch.arange(n), self.inv_freq.cpu(), self.scale)  # [n, D/2]
@@ -167,16 +169,50 @@ class Rotary:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates interleaved pairs (x[2j], x[2j+1]) of x[T, heads, D] by angle positions x inv_freq[j].
+    """Rotates interleaved pairs (x[2j], x[2j+1]) of x[T, heads, D] by angle positions x inv_freq[j], j < R/2 for
+    cos, sin [T, R/2]: the first R dims of each head (all of them when R = D; a partial rotary, as ChatGLM's, when
+    R < D); the other D - R dims pass through unchanged.
 
     (a, b) -> (a cos - b sin, a sin + b cos); this is ppl.pmx's layout, HF's rotate-half rows are
     permuted into it at conversion.
     """
     T, nh, D = x.shape
-    xf = x.float().view(T, nh, D // 2, 2)  # (T, nh, D/2, 2)
+    R = 2 * cos.shape[-1]
+    xf = x[..., :R].float().reshape(T, nh, R // 2, 2)  # (T, nh, R/2, 2)
     a, b = xf[..., 0], xf[..., 1]
     c, s = cos[:, None, :], sin[:, None, :]
-    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).view(T, nh, D).to(x.dtype)
+    rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).view(T, nh, R).to(x.dtype)
+    return rot if R == D else torch.cat((rot, x[..., R:]), dim=-1)
+
+
+def logn_scale(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """Qwen's logn attention scaling (`use_logn_attn`): the factor [T] float32 a query at position p is multiplied
+    by, log(p + 1) / log(length) where p + 1 > length, else 1."""
+    n = positions.to(torch.float64) + 1
+    return torch.where(n > length, torch.log(n) / math.log(length), torch.ones_like(n)).float()
+
+
+# --- ALiBi -----------------------------------------------------------------------------------
+def alibi_slopes(heads: int) -> list[float]:
+    """The ALiBi slope of each head (Press et al.; Baichuan's `_get_interleave`): for a power of two n,
+    s_h = 2^(-8 (h + 1) / n); otherwise the slopes of the power of two below n, then every other slope of twice
+    that power until there are n."""
+    def power_of_2(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start ** i for i in range(n)]
+
+    if math.log2(heads).is_integer():
+        return power_of_2(heads)
+    below = 2 ** math.floor(math.log2(heads))
+    return power_of_2(below) + alibi_slopes(2 * below)[0::2][: heads - below]
+
+
+def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """The ALiBi term of the scores, [B, H, S, N] float32: slope_h x (j - q_pos[b, s]) for key position j < n_keys
+    (0 on the diagonal, negative for keys behind; softmax takes it as Baichuan's slope_h x j, which differs by a
+    constant per query row)."""
+    rel = torch.arange(n_keys, device=q_pos.device)[None, None, :] - q_pos[:, :, None]        # (B, S, N)
+    return slopes.float()[None, :, None, None] * rel[:, None].float()
 
 
 # --- feed forward ----------------------------------------------------------------------------
@@ -252,14 +288,15 @@ def kv_load(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, lay
 # --- attention -------------------------------------------------------------------------------
 def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqstarts: torch.Tensor,
                      kvstarts: torch.Tensor, start_pos: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                     sliding_window: Optional[int] = None) -> torch.Tensor:
+                     sliding_window: Optional[int] = None, alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Multi-head attention over packed variable-length sequences, one sequence at a time (the spec).
 
     q [T, H, D] holds the new tokens of every sequence (seqstarts), k/v [Tkv, KV, D] every sequence's
     whole key/value history including the new tokens (kvstarts). Query i of sequence b sits at
     position start_pos[b] + i and sees key positions j <= that (causal; a decoding sequence sees its
     whole cache), and j > pos - sliding_window when a window is set. H / KV query heads share one
-    KV head (GQA). An explicit additive attn_mask [T, Tkv] replaces the causal rule. Output [T, H, D].
+    KV head (GQA). An explicit additive attn_mask [T, Tkv] replaces the causal rule. With `alibi` (the slopes [H]),
+    slope_h x (j - position) is added to head h's scores (:func:`alibi_bias`). Output [T, H, D].
     """
     H, KV, D = q.shape[1], k.shape[1], q.shape[2]
     out = torch.empty_like(q)
@@ -269,6 +306,9 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqstart
         kb = k[k0:k1].transpose(0, 1).float().repeat_interleave(H // KV, dim=0)    # (H, Skv, D)
         vb = v[k0:k1].transpose(0, 1).float().repeat_interleave(H // KV, dim=0)
         scores = qb @ kb.transpose(1, 2) / math.sqrt(D)                            # (H, S, Skv)
+        if alibi is not None:
+            qpos = int(start_pos[b]) + torch.arange(s1 - s0, device=q.device)
+            scores = scores + alibi_bias(alibi, qpos[None], k1 - k0)[0]
         if attn_mask is not None and attn_mask.numel():
             scores = scores + attn_mask[s0:s1, k0:k1].float()
         else:
@@ -285,13 +325,16 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqstart
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
            causal: bool) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) + mask) v in float32, for q [B, H, S, D] and k, v [B, KV, N, D]: each group of
-    H / KV query heads shares one KV head. mask [B, 1, S, N] bool (True: the key is seen); without a
-    mask, `causal` lets query i see keys j <= i (S == N), else every key is seen. Returns [B, H, S, D]."""
+    H / KV query heads shares one KV head. mask [B, 1, S, N] bool (True: the key is seen), or an additive float
+    mask [B, 1 or H, S, N] (-inf: not seen; e.g. an ALiBi bias); without a mask, `causal` lets query i see keys
+    j <= i (S == N), else every key is seen. Returns [B, H, S, D]."""
     H, KV, S, N = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     kf, vf = k.float().repeat_interleave(H // KV, dim=1), v.float().repeat_interleave(H // KV, dim=1)
     scores = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])              # (B, H, S, N)
     if mask is None and causal:
         mask = torch.ones(S, N, dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
+    if mask is not None and mask.dtype != torch.bool:
+        scores = scores + mask.float()
+    elif mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(-1) @ vf).to(q.dtype)

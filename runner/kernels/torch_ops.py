@@ -51,15 +51,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates interleaved pairs of x [T, heads, D] (see reference.apply_rotary); in place where it can."""
-    if _cpu_kernel_takes(x, cos, sin) and x.stride(-1) == 1:
-        torch.ops.pmx_cpu.rotary_(x, cos.contiguous(), sin.contiguous())
-        return x
+    """Rotates interleaved pairs of the first 2 cos.shape[-1] dims of x [T, heads, D] (see reference.apply_rotary;
+    the rest pass through); in place where it can (a partial rotary works on the view of the rotated dims)."""
     T, nh, D = x.shape
+    R = 2 * cos.shape[-1]
+    if _cpu_kernel_takes(x, cos, sin) and x.stride(-1) == 1:
+        torch.ops.pmx_cpu.rotary_(x[..., :R], cos.contiguous(), sin.contiguous())
+        return x
     if (torch.compiler.is_compiling() or x.dtype != torch.float32 or x.stride(-1) != 1
             or x.stride(0) % 2 or x.stride(1) % 2):
         return ref.apply_rotary(x, cos, sin)
-    xc = torch.view_as_complex(x.view(T, nh, D // 2, 2))        # (T, nh, D/2) complex views of the pairs
+    xc = torch.view_as_complex(x[..., :R].view(T, nh, R // 2, 2))   # (T, nh, R/2) complex views of the pairs
     xc.mul_(torch.complex(cos, sin)[:, None, :])
     return x
 
@@ -117,8 +119,8 @@ def kv_load(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, lay
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
            causal: bool) -> torch.Tensor:
-    """q [B, H, S, D] against k, v [B, KV, N, D] (H a multiple of KV); mask [B, 1, S, N] bool (True: seen),
-    else causal (query i sees keys j <= i) or everything. Returns [B, H, S, D].
+    """q [B, H, S, D] against k, v [B, KV, N, D] (H a multiple of KV); mask [B, 1, S, N] bool (True: seen) or
+    additive float [B, 1 or H, S, N], else causal (query i sees keys j <= i) or everything. Returns [B, H, S, D].
 
     One query per sequence (decode): two batched GEMVs and a softmax over each KV head's query group, which
     costs a tenth of SDPA's flash kernel at these sizes. Longer queries: SDPA (flash attention on CPU)."""
@@ -127,21 +129,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
     if S == 1:
         qg = q.reshape(B, KV, H // KV, D)                                          # (B, KV, G, D)
         scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))   # (B, KV, G, N)
-        if mask is not None:
+        if mask is not None and mask.dtype != torch.bool:                         # (B, 1 | H, 1, N) additive
+            scores = scores.add_(mask.to(scores.dtype).expand(B, H, 1, -1).reshape(B, KV, H // KV, -1))
+        elif mask is not None:
             scores = scores.masked_fill_(~mask, float("-inf"))                    # mask (B, 1, 1, N)
         return torch.matmul(scores.softmax(-1), v).view(B, H, 1, D)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                           enable_gqa=H != KV)
 
 
 def decode_attention_rows(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int,
                           layer: int, rows: torch.Tensor, kvlens: torch.Tensor,
-                          sliding_window: Optional[int], page_size: int = 0) -> torch.Tensor:
+                          sliding_window: Optional[int], page_size: int = 0,
+                          alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, H, D], one new token per sequence, against the first kvlens[b] positions of its history (the last
     `sliding_window` of them where set), read in place from layer `layer` of a cache of `layout`: float32, or int8
     with its float16 `scale`. The history's cache rows: `rows` [B, N] lists them; or, as the plan's cachestarts,
     `rows` [B] holds each sequence's offset (page_size 0) or [B, MaxP] its page starts (page_size rows a page).
-    Returns [B, H, D] float32: the math of `attend` over the gathered (and dequantised) rows, without gathering
-    them."""
+    `alibi`: the slopes [H] of an ALiBi model (reference.alibi_bias added to the scores). Returns [B, H, D] float32:
+    the math of `attend` over the gathered (and dequantised) rows, without gathering them."""
     return torch.ops.pmx_cpu.decode_attention(q.contiguous(), cache, scale, layout, layer, rows, kvlens,
-                                              sliding_window or 0, 1.0 / math.sqrt(q.shape[-1]), page_size)
+                                              sliding_window or 0, 1.0 / math.sqrt(q.shape[-1]), page_size, alibi)

@@ -5,7 +5,8 @@ Each op has the reference's signature and meaning:
 - skip_rms_norm: residual add and RMSNorm in one pass over each row; the warps grow with the row width
   (about 16 elements per thread), so wide rows do not spill.
 - rotary_kv_store: one launch per layer rotates q and k in place (interleaved pairs, loaded as contiguous
-  pairs) and writes the rotated k and v into the cache, quantised to int8 (groups of 8, one scale per
+  pairs; the first cos.shape[-1] pairs of a head, the rest pass through: a partial rotary) and writes the rotated
+  k and v into the cache, quantised to int8 (groups of 8, one scale per
   group) when the cache is; any cache layout, offset or paged, with the cache's own strides. apply_rotary
   and kv_store are the same kernel with the cache store, or the rotation, switched off.
 - swiglu: silu(gate) * up in one pass.
@@ -18,6 +19,7 @@ Each op has the reference's signature and meaning:
   SM count and the batch size only (:func:`decode_splits`), never from the history lengths, so a captured
   CUDA graph stays valid as sequences grow; each program finds its key range from the sequence's length on
   the device. The splits are merged by a second Triton kernel (none when there is one split).
+- decode_attention and prefill_attention add ALiBi's slope_h x (j - i) to the scores where given the slopes.
 - prefill_attention: flash attention of n sequences of S new tokens each over their keys in the cache
   (causal, offset by each sequence's start, optional sliding window, int8 or float, offset or paged): for
   continued chunks and other prefill that reads the cache. Fresh prompts of one length attend with torch's
@@ -118,11 +120,12 @@ def _round_half_even(x):
 
 
 @triton.jit
-def _rotate(x, cos_ptr, sin_ptr, t, HALF, BLOCK: tl.constexpr):
-    """x (BLOCK, 2): pairs (a, b) of one head at token t -> (a cos - b sin, a sin + b cos), float32."""
+def _rotate(x, cos_ptr, sin_ptr, t, ROT, BLOCK: tl.constexpr):
+    """x (BLOCK, 2): pairs (a, b) of one head at token t -> (a cos - b sin, a sin + b cos), float32, for the first ROT
+    pairs (cos, sin [T, ROT]); the pairs past them pass through (cos 1, sin 0: a partial rotary)."""
     j = tl.arange(0, BLOCK)
-    c = tl.load(cos_ptr + t * HALF + j, mask=j < HALF, other=0.0)
-    s = tl.load(sin_ptr + t * HALF + j, mask=j < HALF, other=0.0)
+    c = tl.load(cos_ptr + t * ROT + j, mask=j < ROT, other=1.0)
+    s = tl.load(sin_ptr + t * ROT + j, mask=j < ROT, other=0.0)
     a, b = tl.split(x.to(tl.float32))
     return tl.join(a * c - b * s, a * s + b * c)
 
@@ -149,25 +152,26 @@ def _store_row(c_ptr, s_ptr, slot, head, x, c_t, c_h, s_t, s_h, D,
 
 @triton.jit
 def _rotary_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                      sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, c_t, c_h, s_t, s_h, NQ, HALF,
+                      sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, c_t, c_h, s_t, s_h, NQ, HALF, ROT,
                       ROTATE: tl.constexpr, STORE: tl.constexpr, QUANT: tl.constexpr,
                       BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """Program (t, h): h < NQ rotates query head h of token t in place; h >= NQ takes KV head h - NQ:
-    rotates k in place (ROTATE) and writes k and v into the cache (STORE)."""
+    rotates k in place (ROTATE) and writes k and v into the cache (STORE). A head has HALF pairs, the first ROT of
+    which rotate."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = 2 * tl.arange(0, BLOCK)[:, None] + tl.arange(0, 2)[None, :]     # (BLOCK, 2): element 2j + p of a head
     m = d < 2 * HALF
     if h < NQ:
         qp = q_ptr + t * sq_t + h * sq_h + d
-        tl.store(qp, _rotate(tl.load(qp, mask=m, other=0.0), cos_ptr, sin_ptr, t, HALF, BLOCK)
+        tl.store(qp, _rotate(tl.load(qp, mask=m, other=0.0), cos_ptr, sin_ptr, t, ROT, BLOCK)
                  .to(q_ptr.dtype.element_ty), mask=m)
     else:
         kh = (h - NQ).to(tl.int64)
         kp = k_ptr + t * sk_t + kh * sk_h + d
         k = tl.load(kp, mask=m, other=0.0)
         if ROTATE:
-            k = _rotate(k, cos_ptr, sin_ptr, t, HALF, BLOCK).to(k_ptr.dtype.element_ty)
+            k = _rotate(k, cos_ptr, sin_ptr, t, ROT, BLOCK).to(k_ptr.dtype.element_ty)
             tl.store(kp, k, mask=m)
         if STORE:
             slot = tl.load(slots_ptr + t)
@@ -201,20 +205,23 @@ def _rotary_kv(q, k, v, cos, sin, cache, scale, layout, layer, slots, rotate: bo
     q_, k_, v_ = (t if t is not None else heads[0] for t in (q, k, v))
     if rotate:
         cos, sin = cos.contiguous(), sin.contiguous()
+        if 2 * cos.shape[-1] > D:
+            raise ValueError(f"rotary over {2 * cos.shape[-1]} dims of heads of {D}")
     else:
         cos = sin = heads[0]
     launch(_rotary_kv_kernel, (T, nq + nkv), q_, k_, v_, cos, sin, slots, kc, vc, ks, vs,
            q_.stride(0), q_.stride(1), k_.stride(0), k_.stride(1), v_.stride(0), v_.stride(1), c_t, c_h, s_t, s_h,
-           nq, D // 2, ROTATE=rotate, STORE=store, QUANT=scale is not None, BLOCK=block, GROUP=QUANT_GROUP,
-           num_warps=1 if block <= 64 else 2)
+           nq, D // 2, cos.shape[-1] if rotate else 0, ROTATE=rotate, STORE=store, QUANT=scale is not None,
+           BLOCK=block, GROUP=QUANT_GROUP, num_warps=1 if block <= 64 else 2)
 
 
 def rotary_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int, slots: torch.Tensor,
                     launch: Launch = _launch) -> None:
-    """reference.apply_rotary on q [T, H, D] and k [T, KV, D] (in place), then reference.kv_store of the rotated
-    k and v [T, KV, D] into rows `slots` of layer `layer`: one launch. Any token / head strides (the views of a
-    fused qkv GEMM output); rows with a negative slot are rotated but not stored."""
+    """reference.apply_rotary on q [T, H, D] and k [T, KV, D] (in place; cos, sin [T, R/2]: the first R dims of each
+    head, R <= D), then reference.kv_store of the rotated k and v [T, KV, D] into rows `slots` of layer `layer`: one
+    launch. Any token / head strides (the views of a fused qkv GEMM output); rows with a negative slot are rotated
+    but not stored."""
     _rotary_kv(q, k, v, cos, sin, cache, scale, layout, layer, slots, True, launch)
 
 
@@ -365,12 +372,13 @@ def _kv_tile(c_ptr, s_ptr, slot, head, valid, c_t, c_h, s_t, s_h, D, out_ty: tl.
 
 
 @triton.jit
-def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_ptr, out_ptr, part_ptr,
+def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_ptr, out_ptr, part_ptr, slopes_ptr,
                         stride_qb, stride_qh, c_t, c_h, s_t, s_h, stride_sb, qk_scale, window, G, H, D, NUM_SPLITS,
                         PAGED: tl.constexpr, QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-                        EXACT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                        PAGE: tl.constexpr, GROUP: tl.constexpr):
-    """Program (b, kvh, sp): the G query heads of KV head kvh of sequence b against split sp of its keys."""
+                        EXACT: tl.constexpr, ALIBI: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr):
+    """Program (b, kvh, sp): the G query heads of KV head kvh of sequence b against split sp of its keys (ALIBI: plus
+    slope_h x (j - (kvlen - 1)) on each score)."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
@@ -387,6 +395,8 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_
     qm = (g < G)[:, None] & (d < D)[None, :]
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qm, other=0.0)  # (BG, BD)
     ty = q_ptr.dtype.element_ty
+    if ALIBI:  # each head's slope, in log2 units as the scores
+        slope = tl.load(slopes_ptr + heads, mask=g < G, other=0.0).to(tl.float32) * 1.4426950408889634
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
@@ -396,8 +406,10 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_
         slot = _cache_rows(starts_ptr, b, j, inside, stride_sb, PAGED, PAGE)
         k = _kv_tile(k_ptr, ks_ptr, slot, kvh, inside, c_t, c_h, s_t, s_h, D, ty, QUANT, BLOCK_N, BLOCK_D, GROUP)
         v = _kv_tile(v_ptr, vs_ptr, slot, kvh, inside, c_t, c_h, s_t, s_h, D, ty, QUANT, BLOCK_N, BLOCK_D, GROUP)
-        s = dot_acc(q, tl.trans(k), EXACT)
-        s = tl.where(inside[None, :], s * qk_scale, float("-inf"))        # (BG, BN), log2 units
+        s = dot_acc(q, tl.trans(k), EXACT) * qk_scale
+        if ALIBI:
+            s += slope[:, None] * (j - (kvlen - 1)).to(tl.float32)[None, :]
+        s = tl.where(inside[None, :], s, float("-inf"))                   # (BG, BN), log2 units
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, ty, EXACT)
     if SPLIT:  # partials [B, H, NUM_SPLITS, D + 2]: acc, then the running max (log2) and sum
         row = ((b * H + heads) * NUM_SPLITS + sp) * (D + 2)
@@ -427,6 +439,16 @@ def _merge_splits_kernel(part_ptr, out_ptr, H, D, NUM_SPLITS, BLOCK_S: tl.conste
     tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+def _slopes(alibi: Optional[torch.Tensor], heads: int, dummy: torch.Tensor) -> torch.Tensor:
+    """The ALiBi slopes a kernel reads (checked: contiguous float32 [heads]), or `dummy` where there are none."""
+    if alibi is None:
+        return dummy
+    if alibi.dtype != torch.float32 or alibi.shape != (heads,) or not alibi.is_contiguous():
+        raise ValueError(f"alibi must be the contiguous float32 slopes [{heads}], got {alibi.dtype} "
+                         f"{tuple(alibi.shape)}")
+    return alibi
+
+
 def decode_splits(batch: int, kv_heads: int, sms: int) -> int:
     """Key splits per (sequence, KV head) of decode attention: enough programs for two per SM, at most
     MAX_SPLITS. A function of the batch size (a CUDA graph's bucket) and the device only."""
@@ -444,10 +466,11 @@ def decode_blocks(head_dim: int, quantized: bool) -> tuple[int, int, int]:
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
                      cachestarts: torch.Tensor, kvlens: torch.Tensor, cache_mode: int,
                      sliding_window: Optional[int] = None, num_splits: Optional[int] = None,
-                     launch: Launch = _launch) -> torch.Tensor:
-    """q [B, H, D]: one new token per sequence, already in the cache at position kvlens[b] - 1.
-    Returns [B, H, D] in q's dtype; the math of reference.attention_packed for decoding sequences. No host
-    sync and no shape that depends on the history lengths (capturable in a CUDA graph)."""
+                     launch: Launch = _launch, alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [B, H, D]: one new token per sequence, already in the cache at position kvlens[b] - 1; `alibi`: the slopes
+    [H] float32 of an ALiBi model. Returns [B, H, D] in q's dtype; the math of reference.attention_packed for
+    decoding sequences. No host sync and no shape that depends on the history lengths (capturable in a CUDA
+    graph)."""
     B, H, D = q.shape
     if q.stride(-1) != 1:
         raise ValueError("decode_attention needs a contiguous head_dim")
@@ -467,11 +490,12 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch
     sview = cache_view(scale, layout)[layer] if scale is not None else view
     starts = cachestarts.contiguous()
     launch(_decode_attn_kernel, (B, KV, num_splits), q, view[0], view[1], sview[0], sview[1], starts,
-           kvlens.contiguous(), out, part, q.stride(0), q.stride(1), view.stride(1), view.stride(2), sview.stride(1),
-           sview.stride(2), starts.stride(0) if starts.dim() == 2 else 0, LOG2E / math.sqrt(D),
-           int(sliding_window or 0), G, H, D, num_splits, PAGED=cache_mode == 1, QUANT=scale is not None,
-           HAS_WINDOW=bool(sliding_window), SPLIT=split, EXACT=exact_dot(q.dtype), BLOCK_G=block_g,
-           BLOCK_N=block_n, BLOCK_D=block_d, PAGE=PAGE_SIZE, GROUP=QUANT_GROUP, num_warps=4, num_stages=3)
+           kvlens.contiguous(), out, part, _slopes(alibi, H, q), q.stride(0), q.stride(1), view.stride(1),
+           view.stride(2), sview.stride(1), sview.stride(2), starts.stride(0) if starts.dim() == 2 else 0,
+           LOG2E / math.sqrt(D), int(sliding_window or 0), G, H, D, num_splits, PAGED=cache_mode == 1,
+           QUANT=scale is not None, HAS_WINDOW=bool(sliding_window), SPLIT=split, EXACT=exact_dot(q.dtype),
+           ALIBI=alibi is not None, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, PAGE=PAGE_SIZE,
+           GROUP=QUANT_GROUP, num_warps=4, num_stages=3)
     if split:
         launch(_merge_splits_kernel, (B, H), part, out, H, D, num_splits, BLOCK_S=_pow2(num_splits),
                BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2)
@@ -479,14 +503,14 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch
 
 
 @triton.jit
-def _prefill_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_ptr, out_ptr,
+def _prefill_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_ptr, out_ptr, slopes_ptr,
                          stride_qt, stride_qh, c_t, c_h, s_t, s_h, stride_sb, qk_scale, window, S, G, H, D,
                          PAGED: tl.constexpr, QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr, EXACT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                         GROUP: tl.constexpr):
+                         ALIBI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PAGE: tl.constexpr, GROUP: tl.constexpr):
     """Program (blk, b, kvh): rows blk * BLOCK_M .. of the (token, query head of kvh) pairs of sequence b,
     row r = token r // G, head kvh * G + r % G; the tokens sit at positions kvlen - S ...; flash attention
-    over the keys each may see."""
+    over the keys each may see (ALIBI: plus slope_head x (j - position) on each score)."""
     blk = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     kvh = tl.program_id(2).to(tl.int64)
@@ -502,6 +526,8 @@ def _prefill_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens
     qm = rm[:, None] & (d < D)[None, :]
     q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qm, other=0.0)
     ty = q_ptr.dtype.element_ty
+    if ALIBI:  # each row's head's slope, in log2 units as the scores
+        slope = tl.load(slopes_ptr + heads, mask=rm, other=0.0).to(tl.float32) * 1.4426950408889634
     hi = tl.minimum(p0 + (tl.minimum(blk * BLOCK_M + BLOCK_M, S * G) - 1) // G + 1, kvlen)
     lo = 0
     if HAS_WINDOW:
@@ -515,11 +541,13 @@ def _prefill_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens
         slot = _cache_rows(starts_ptr, b, j, inside, stride_sb, PAGED, PAGE)
         k = _kv_tile(k_ptr, ks_ptr, slot, kvh, inside, c_t, c_h, s_t, s_h, D, ty, QUANT, BLOCK_N, BLOCK_D, GROUP)
         v = _kv_tile(v_ptr, vs_ptr, slot, kvh, inside, c_t, c_h, s_t, s_h, D, ty, QUANT, BLOCK_N, BLOCK_D, GROUP)
-        s = dot_acc(q, tl.trans(k), EXACT)
+        s = dot_acc(q, tl.trans(k), EXACT) * qk_scale
+        if ALIBI:
+            s += slope[:, None] * (j[None, :] - pos[:, None]).to(tl.float32)
         seen = inside[None, :] & (j[None, :] <= pos[:, None])
         if HAS_WINDOW:
             seen = seen & (j[None, :] > pos[:, None] - window)
-        s = tl.where(seen, s * qk_scale, float("-inf"))
+        s = tl.where(seen, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, ty, EXACT)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (tok[:, None] * H + heads[:, None]) * D + d[None, :], out.to(ty), mask=qm)
@@ -537,10 +565,12 @@ def prefill_blocks(head_dim: int) -> tuple[int, int, int, int]:
 
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
                       cachestarts: torch.Tensor, kvlens: torch.Tensor, cache_mode: int, seqlen: int,
-                      sliding_window: Optional[int] = None, launch: Launch = _launch) -> torch.Tensor:
+                      sliding_window: Optional[int] = None, launch: Launch = _launch,
+                      alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [n * seqlen, H, D]: seqlen new tokens of each of n sequences (already in the cache, the last at
-    kvlens[b] - 1), each attending causally over its keys in the cache (and within the sliding window).
-    Returns [n * seqlen, H, D] in q's dtype: reference.attention_packed for these sequences."""
+    kvlens[b] - 1), each attending causally over its keys in the cache (and within the sliding window; `alibi`:
+    the slopes [H] float32 of an ALiBi model). Returns [n * seqlen, H, D] in q's dtype: reference.attention_packed
+    for these sequences."""
     T, H, D = q.shape
     if q.stride(-1) != 1:
         raise ValueError("prefill_attention needs a contiguous head_dim")
@@ -557,9 +587,10 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torc
     sview = cache_view(scale, layout)[layer] if scale is not None else view
     starts = cachestarts.contiguous()
     launch(_prefill_attn_kernel, (triton.cdiv(seqlen * G, block_m), n, KV), q, view[0], view[1], sview[0], sview[1],
-           starts, kvlens.contiguous(), out, q.stride(0), q.stride(1), view.stride(1), view.stride(2),
-           sview.stride(1), sview.stride(2), starts.stride(0) if starts.dim() == 2 else 0, LOG2E / math.sqrt(D),
-           int(sliding_window or 0), seqlen, G, H, D, PAGED=cache_mode == 1, QUANT=scale is not None,
-           HAS_WINDOW=bool(sliding_window), EXACT=exact_dot(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
-           BLOCK_D=block_d, PAGE=PAGE_SIZE, GROUP=QUANT_GROUP, num_warps=warps, num_stages=2)
+           starts, kvlens.contiguous(), out, _slopes(alibi, H, q), q.stride(0), q.stride(1), view.stride(1),
+           view.stride(2), sview.stride(1), sview.stride(2), starts.stride(0) if starts.dim() == 2 else 0,
+           LOG2E / math.sqrt(D), int(sliding_window or 0), seqlen, G, H, D, PAGED=cache_mode == 1,
+           QUANT=scale is not None, HAS_WINDOW=bool(sliding_window), EXACT=exact_dot(q.dtype), ALIBI=alibi is not None,
+           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PAGE=PAGE_SIZE, GROUP=QUANT_GROUP, num_warps=warps,
+           num_stages=2)
     return out

@@ -70,9 +70,9 @@ def write_pmx(out_dir: Path, params: PmxParams, plan: Plan, fetch: Callable[[str
 
 def _write_dir(input_dir: Path, output_dir: str, overwrite: bool, params: PmxParams, plan: Plan,
                fetch: Callable[[str], torch.Tensor], num_shards: int, desc: str, progress: bool,
-               quant: Optional[QuantScheme] = None) -> PmxParams:
-    """write_pmx into a temporary directory beside output_dir, with input_dir's tokenizer files, then rename.
-    With `quant`, the float model (params, plan, fetch) is written quantised."""
+               quant: Optional[QuantScheme] = None, extras: Optional[dict] = None) -> PmxParams:
+    """write_pmx into a temporary directory beside output_dir, with input_dir's tokenizer files (and `extras`, name ->
+    text, written over them), then rename. With `quant`, the float model (params, plan, fetch) is written quantised."""
     check_apart(Path(output_dir), {"--input_dir": input_dir})
     if quant is not None:
         plan, fetch = quantizing_fetch(quant, plan, fetch)
@@ -80,6 +80,8 @@ def _write_dir(input_dir: Path, output_dir: str, overwrite: bool, params: PmxPar
     with atomic_output_dir(Path(output_dir), overwrite) as tmp:
         written = write_pmx(tmp, params, plan, fetch, num_shards, desc=desc, progress=progress)
         copy_tokenizer_files(input_dir, tmp)
+        for name, text in (extras or {}).items():
+            (tmp / name).write_text(text)
     return written
 
 
@@ -93,7 +95,7 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
     ckpt = HFCheckpoint(Path(input_dir))
     cfg_path = str(Path(input_dir) / "config.json")
     family = family_for(ckpt.config, source=cfg_path)
-    params = family.params(ckpt.config, _resolve_dtype(dtype, ckpt), source=cfg_path)
+    params = family.params(ckpt.config, _resolve_dtype(dtype, ckpt), source=cfg_path, directory=Path(input_dir))
     target = DTYPE_NAMES[params.dtype]
     sharded_params(with_quant(params, quant), num_shards)  # fail before any work if the cut is impossible
 
@@ -115,9 +117,9 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
         if hf is None:
             raise PmxError(f"{input_dir}: missing tensor {src.hf_names[0]!r} (needed for {src.pmx_name})")
         shape = ckpt.shape(stored(hf))
-        if tuple(shape) != tuple(src.shape):
+        if tuple(shape) != tuple(src.expected_hf_shape):
             raise PmxError(f"{ckpt.locate(stored(hf))}: tensor {hf!r} has shape {list(shape)}, "
-                           f"expected {list(src.shape)} from config.json")
+                           f"expected {list(src.expected_hf_shape)} from config.json")
         sources[src.pmx_name] = (src, stored(hf))
         used.add(stored(hf))
     extra = sorted(n for n in ckpt.keys() if n not in used and not family.is_ignored(n))
@@ -125,16 +127,27 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
         raise PmxError(f"{input_dir}: unexpected tensor(s) not used by {family.name}: {extra[:8]}"
                        f"{' ...' if len(extra) > 8 else ''} ({len(extra)} in all); refusing to drop them silently")
 
+    last: dict = {}  # the HF tensor read last: a fused one (q/k/v, gate/up) gives its parts one after the other
+
+    def read(hf: str) -> torch.Tensor:
+        if hf not in last:
+            last.clear()
+            last[hf] = ckpt.get(hf)
+        return last[hf]
+
     def fetch(name: str) -> torch.Tensor:
         src, hf = sources[name]
-        t = torch.stack([ckpt.get(stored(n)) for n in src.stacked]) if src.stacked else ckpt.get(hf)
+        t = torch.stack([ckpt.get(stored(n)) for n in src.stacked]) if src.stacked else read(hf)
+        if src.take is not None:
+            t = src.take(t)
         if src.rotary_heads:
             t = unpermute_rotary(t, src.rotary_heads)
         return t.to(target)
 
     plan = [(s.pmx_name, target, s.shape) for s, _ in sources.values()]
+    extras = family.tokenizer_extras(Path(input_dir), params)
     return _write_dir(Path(input_dir), output_dir, overwrite, params, plan, fetch, num_shards, "converting", progress,
-                      quant)
+                      quant, extras)
 
 
 def with_quant(params: PmxParams, quant: Optional[QuantScheme]) -> PmxParams:

@@ -3,6 +3,9 @@
 The file is the contract between conversion, split/merge and the engine (PMX format version 1,
 see DESIGN.md). Loading is strict: a missing required key, an unknown key or a value of the wrong
 type is an error naming the file and the key.
+
+Keys added to version 1 later (position_embedding, rotary_dim, logn_scaling) default to what a file without them
+meant (rotary over all of head_dim, no logn scaling), so older files load unchanged; conversion writes them all.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from runner.pmx.quant import QuantScheme
 FORMAT_VERSION = 1
 PARAMS_FILE = "pmx_params.json"
 DTYPES = ("float32", "float16", "bfloat16")
+POSITION_EMBEDDINGS = ("rotary", "alibi")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,10 @@ class PmxParams:
     max_position_embeddings: int
     dtype: str
     rope_scaling: Optional[dict] = None  # null or the HF dict, as it was in config.json
+    position_embedding: str = "rotary"   # "rotary" (q, k rotated) or "alibi" (a linear bias per head on the scores)
+    rotary_dim: Optional[int] = None     # dims of each head rotated, in interleaved pairs from the first (the rest pass
+                                         # through); null: all head_dim (files written before the key); 0 with alibi
+    logn_scaling: Optional[int] = None   # L: q at position p scaled by log(p + 1) / log(L) where p + 1 > L; null: off
     qkv_bias: bool = False
     o_bias: bool = False
     ffn_bias: bool = False
@@ -68,8 +76,27 @@ class PmxParams:
             raise PmxError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.quantization is not None:
             QuantScheme.from_dict(self.quantization, "quantization")
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise PmxError(f"position_embedding must be one of {', '.join(POSITION_EMBEDDINGS)}, got "
+                           f"{self.position_embedding!r}")
+        rd = self.rotary_dims
+        if self.position_embedding == "alibi" and rd != 0:
+            raise PmxError(f"rotary_dim must be 0 with position_embedding alibi, got {self.rotary_dim}")
+        if self.position_embedding == "rotary" and not (isinstance(rd, int) and 0 < rd <= self.head_dim
+                                                        and rd % 2 == 0):
+            raise PmxError(f"rotary_dim must be an even number in [2, head_dim={self.head_dim}] (or null: all of "
+                           f"head_dim), got {self.rotary_dim!r}")
+        if self.logn_scaling is not None and not (isinstance(self.logn_scaling, int) and self.logn_scaling > 1):
+            raise PmxError(f"logn_scaling must be null or an integer > 1, got {self.logn_scaling!r}")
 
     # -- derived sizes -------------------------------------------------------------------------
+    @property
+    def rotary_dims(self) -> int:
+        """The dims of each head that rotary rotates (0: none, ALiBi)."""
+        if self.rotary_dim is None:
+            return 0 if self.position_embedding == "alibi" else self.head_dim
+        return self.rotary_dim
+
     def padded(self, dim: str) -> int:
         """The size of logical dim `dim` as stored in the shards (after split padding)."""
         return self.padded_dims.get(dim, getattr(self, dim))

@@ -294,8 +294,8 @@ def atomic_file(path: Path, what: str = "the output") -> Iterator[Path]:
         raise
 
 
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "qwen.tiktoken", "tokenizer_config.json",
+                   "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
