@@ -88,7 +88,7 @@ def generate(
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     env = detect()
     params = PmxParams.load(Path(ckpt_dir))
-    check_world_size(ckpt_dir, params.num_shards, env)
+    check_world_size(ckpt_dir, params, env)
     dumper = TensorDumper(dump_tensor_path, env.rank, steps) if dump_tensor_path else None
     tok = Tokenizer(tokenizer_path or ckpt_dir, params.bos_token_id, params.eos_ids[0] if params.eos_ids else None,
                     vocab_size=params.vocab_size)
