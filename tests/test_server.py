@@ -340,5 +340,8 @@ def test_torchrun_server(stories, tmp_path):
         r = srv.client.completions.create(model=srv.model, prompt="Once upon a time", max_tokens=40, temperature=0)
         assert r.choices[0].text == REFERENCE_TEXT
         assert srv.stop(launcher_rc=(0, 1)) < 30  # torchrun ends with status 1 when signalled, by design
+        tail = srv.job.stderr[srv.job.stderr.index("server stopped"):].splitlines()  # scripts/torchrun.sh's one line,
+        assert tail[-1] == "torchrun: stopped by SIGTERM; its workers were stopped with it"  # not the agent's
+        assert "Traceback" not in srv.job.stderr, srv.job.stderr  # 25-line traceback
     finally:
         srv.job.cleanup()
