@@ -194,6 +194,8 @@ def leftovers(at_start: dict, grace_s: float = 5.0) -> list[str]:
 
 def pytest_sessionstart(session):
     session.config.stash[AT_START] = _entries()
+    from runner.kernels.cpu_ext import cpu_ops
+    cpu_ops()  # built here on a fresh machine (and said so), not inside the first test whose job uses the kernels
 
 
 def pytest_collection_modifyitems(session, config, items):
