@@ -9,6 +9,12 @@ import time
 from tqdm import tqdm
 
 
+def note(message: str) -> None:
+    """One line on stderr that leaves a progress bar being drawn intact (it is redrawn below the line)."""
+    tqdm.write(message, file=sys.stderr)
+    sys.stderr.flush()
+
+
 def progress_bar(total: int, desc: str, unit: str = "B", show: bool = True) -> tqdm:
     """A tqdm bar on stderr (bytes scaled to kB / MB / GB); `show=False` gives a silent one."""
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", file=sys.stderr, disable=not show,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels run under its interpreter on CPU (set before Triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# torch.compile's cache beside the other build caches in ~/.cache rather than in /tmp (see leftovers())
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "pmx-runner" / "torchinductor"))
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_MODELS = ROOT.parent / "shared" / "models"
@@ -137,3 +141,70 @@ def make_hf(tmp_path):
         d = save_hf(model, tmp_path / f"{arch}-{fmt}-{num_files}-{seed}", fmt, num_files)
         return d, model
     return make
+
+
+# --- what the suite leaves in /dev/shm and /tmp (tests/test_leftovers.py, run last) ---------------------------
+LEFTOVER_DIRS = (Path("/dev/shm"), Path(tempfile.gettempdir()))
+AT_START = pytest.StashKey[dict]()
+
+
+def _entries() -> dict:
+    """{directory: {name: owner uid}} of what /dev/shm and /tmp hold now."""
+    out = {}
+    for d in LEFTOVER_DIRS:
+        names = {}
+        for name in (os.listdir(d) if d.is_dir() else ()):
+            try:
+                names[name] = os.lstat(d / name).st_uid
+            except FileNotFoundError:
+                pass
+        out[d] = names
+    return out
+
+
+def _held() -> set:
+    """Paths that a live process has open, mapped or as its working directory."""
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                held.update(parts[5].rstrip("\n") for parts in (ln.split(None, 5) for ln in f) if len(parts) == 6)
+            links = [f"/proc/{pid}/cwd"] + [f"/proc/{pid}/fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # the process ended meanwhile
+            continue
+        for link in links:
+            try:
+                held.add(os.readlink(link))
+            except OSError:
+                pass
+    return held
+
+
+def leftovers(at_start: dict, grace_s: float = 5.0) -> list[str]:
+    """Entries of /dev/shm and /tmp that appeared since `at_start`, are ours (this uid) and that no live process
+    holds (another job running beside the suite holds its own), waiting up to `grace_s` for them to go."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        now, held = _entries(), _held()
+        left = []
+        for d, names in now.items():
+            for name, uid in names.items():
+                path = str(d / name)
+                if name in at_start.get(d, {}) or uid != os.getuid():
+                    continue
+                if not any(h == path or h.startswith(path + "/") for h in held):
+                    left.append(path)
+        if not left or time.monotonic() > deadline:
+            return sorted(left)
+        time.sleep(0.2)
+
+
+def pytest_sessionstart(session):
+    session.config.stash[AT_START] = _entries()
+    from runner.kernels.cpu_ext import cpu_ops
+    cpu_ops()  # built here on a fresh machine (and said so), not inside the first test whose job uses the kernels
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The leftovers check runs after every other test of the session."""
+    items.sort(key=lambda item: item.path.name == "test_leftovers.py")

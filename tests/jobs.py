@@ -30,12 +30,12 @@ def has_open_mpi() -> bool:
 
 
 def launch_cmd(launcher: str, n: int, *cmd) -> tuple[list, dict]:
-    """(command, environment) starting `cmd` on n ranks: launcher "mpich" (the venv's mpirun), "openmpi" or
-    "torchrun" (its standalone rendezvous on localhost; it starts Python itself, so a leading interpreter in
-    `cmd` is left out)."""
+    """(command, environment) starting `cmd` on n ranks: launcher "mpich" (the venv's mpirun), "openmpi" (both
+    through scripts/mpirun.sh) or "torchrun" (its standalone rendezvous on localhost, as scripts/torchrun.sh runs
+    it; it starts Python itself, so a leading interpreter in `cmd` is left out)."""
     if launcher == "torchrun":
         cmd = cmd[1:] if str(cmd[0]) == sys.executable else cmd
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", n, *cmd], {}
+        return [sys.executable, "-m", "runner.parallel.torchrun", "--standalone", "--nproc_per_node", n, *cmd], {}
     return [ROOT / "scripts" / "mpirun.sh", "-np", n, *cmd], ({"MPIRUN": OPEN_MPI} if launcher == "openmpi" else {})
 
 

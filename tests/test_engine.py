@@ -109,7 +109,7 @@ def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun", env=Non
     if launcher == "mpirun":
         cmd = [str(ROOT / "scripts" / "mpirun.sh"), "-np", str(n), sys.executable, *worker]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *worker]
+        cmd = [sys.executable, "-m", "runner.parallel.torchrun", "--standalone", "--nproc_per_node", str(n), *worker]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     assert res.returncode == 0, res.stderr[-3000:]
     logits = torch.load(out, weights_only=True)

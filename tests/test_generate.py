@@ -51,7 +51,7 @@ def demo(launcher: str, n: int, ckpt: Path, *flags) -> subprocess.CompletedProce
     if launcher == "mpirun":
         cmd = [str(ROOT / "scripts" / "mpirun.sh"), "-np", str(n), sys.executable, *args]
     elif launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *args]
+        cmd = [sys.executable, "-m", "runner.parallel.torchrun", "--standalone", "--nproc_per_node", str(n), *args]
     else:
         cmd = [sys.executable, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -12,8 +12,8 @@ import torch
 from runner.errors import PmxError
 from runner.pmx.convert import PmxModel, convert, quantize_model, reshard
 from runner.pmx.params import PmxParams
-from runner.pmx.quant import (QuantScheme, dequantize, pack_int4, quantize_int4, quantize_int8, scheme_from_flags,
-                              unpack_int4)
+from runner.pmx.quant import (QuantScheme, dequantize, pack_int4, quantize_int4, quantize_int8, quantized_tensors,
+                              scheme_from_flags, unpack_int4)
 from runner.pmx.store import SafetensorsReader
 from test_bad_input import assert_fails_cleanly, run_cli
 from test_split_merge import assert_same_model
@@ -134,6 +134,21 @@ def test_split_that_cuts_a_group_is_refused(make_hf, tmp_path):
     assert_fails_cleanly(res, out, "layers.*.feed_forward.w2", "group_size 32", "num_shards=2", "48")
     with pytest.raises(PmxError, match="group_size 32"):  # also while converting straight into shards
         convert(str(src), str(tmp_path / "c"), num_shards=2, progress=False, quant=QuantScheme("int4", 32))
+
+
+def test_int4_group_size_error_lists_every_size_that_fits(shared_model, tmp_path):
+    """stories260k (input dims 64 and 172) used to fail at 128, then at 64, ...: one error now lists 2 and 4, and
+    each size it lists quantises the model."""
+    convert(str(shared_model("stories260k")), str(tmp_path / "fp"), progress=False)
+    out = tmp_path / "q"
+    res = run_cli("quantize", "--input_dir", tmp_path / "fp", "--output_dir", out, "--quantize", "int4",
+                  "--group_size", 128)
+    assert_fails_cleanly(res, out, "group_size 128", "group sizes that divide every input dim: 2, 4")
+    for g in (2, 4):
+        quantize_model(str(tmp_path / "fp"), str(tmp_path / f"q{g}"), QuantScheme("int4", g), progress=False)
+    with pytest.raises(PmxError, match=r"no int4 group size divides every input dim \(their common divisor is 1\)"):
+        quantized_tensors(QuantScheme("int4", 2), {"layers.0.attention.wq.weight": (8, 64),
+                                                   "layers.0.feed_forward.w2.weight": (64, 171)})
 
 
 def test_merge_refuses_differing_int8_scale_replicas(make_hf, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +33,60 @@ def test_help_lists_flags():
                          env={"PAGER": "cat", "PATH": "/usr/bin:/bin"})
     text = res.stdout + res.stderr
     assert res.returncode == 0 and "num_shards" in text.lower() and "--overwrite" in text
+
+
+FAKE_PYTHON = """#!/bin/sh
+# an interpreter stand-in: logs its arguments; "-m venv DIR" makes DIR/bin/python (this script)
+echo "$*" >> "$FAKE_LOG"
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; fi
+[ "$1" = "--version" ] && echo "Python 3.x"
+exit 0
+"""
+
+
+def test_install_says_what_it_does(tmp_path):
+    """scripts/install.sh (~90 s the first time) prints each step and how long it took, then once installed, one
+    line; torch stays pinned. Run on a copy, with a stand-in interpreter (no download)."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("scripts/install.sh", "pyproject.toml"):
+        (repo / name).write_bytes((SCRIPTS.parent / name).read_bytes())
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "FAKE_LOG": str(tmp_path / "log")}
+
+    def install():
+        res = subprocess.run(["bash", str(repo / "scripts" / "install.sh")], capture_output=True, text=True, env=env,
+                             timeout=60)
+        assert res.returncode == 0, res.stderr
+        return res.stdout.splitlines()
+
+    lines = install()
+    steps = [ln for ln in lines if ln.endswith(" ...")]
+    assert [ln.split(" (")[0].removesuffix(" ...") for ln in steps] == [
+        "install: creating the virtual environment .venv", "install: upgrading pip", "install: installing torch 2.13.0",
+        "install: installing pmx-runner", "install: checking the imports"], lines
+    assert sum(ln.startswith("install:   done in ") for ln in lines) == len(steps) and lines[-1].startswith(
+        "install: ready in ")
+    assert "-m pip install -q torch==2.13.0" in (tmp_path / "log").read_text()
+    assert install() == ["install: .venv is up to date"]
+
+
+def test_test_sh_shows_progress_and_the_slowest_tests(tmp_path):
+    """scripts/test.sh names each test file with its progress and ends with the slowest tests (pyproject's
+    addopts), rather than 17 minutes of dots. Run from a copy whose install.sh is a stand-in (the real one is
+    test_install_says_what_it_does's), over this checkout's tests and environment."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "test.sh").write_bytes((SCRIPTS / "test.sh").read_bytes())
+    (repo / "scripts" / "install.sh").write_text("echo 'install: (a stand-in)'\n")
+    (repo / "pyproject.toml").write_bytes((SCRIPTS.parent / "pyproject.toml").read_bytes())
+    (repo / "tests").symlink_to(SCRIPTS.parent / "tests")
+    (repo / ".venv").symlink_to(Path(sys.executable).parents[1])
+    res = subprocess.run(["bash", str(repo / "scripts" / "test.sh"), "tests/test_launch.py", "-k",
+                          "rank_from_the_environment", "-p", "no:cacheprovider"], capture_output=True, text=True,
+                         timeout=300, cwd=repo)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert re.search(r"^tests/test_launch\.py \.+ +\[100%\]$", res.stdout, re.M), res.stdout
+    assert "slowest 25 durations" in res.stdout, res.stdout

@@ -148,3 +148,24 @@ def test_split_and_merge_check_the_params_against_the_tensors(stories_splits, ed
     with pytest.raises(PmxError, match=message):
         reshard(str(t / "full"), str(t / "split"), 2, progress=False)
     assert not (t / "merged").exists() and not (t / "split").exists()
+
+
+def test_wrong_rank_count_suggests_only_what_works(make_hf, tmp_path):
+    """A model split in 2 started on 3 ranks used to suggest `Split.py --num_shards 3`, which fails for 4 heads:
+    the error offers -np 2 and the counts the model can be cut into; on 4 ranks, the split for 4, which works."""
+    from runner.engine.session import check_world_size
+    from runner.parallel.launch import LaunchEnv
+    src, _ = make_hf("llama_mha")  # 4 query heads, 4 KV heads
+    convert(str(src), str(tmp_path / "pmx_2"), num_shards=2, progress=False)
+    params = PmxParams.load(tmp_path / "pmx_2")
+    check_world_size("m", params, LaunchEnv("mpi", 0, 2, 0, 2))
+    with pytest.raises(PmxError) as e:
+        check_world_size("m", params, LaunchEnv("mpi", 0, 3, 0, 3))
+    assert str(e.value) == ("m: the model is split into 2 shard(s) but 3 rank(s) were started; launch -np 2 (it "
+                            "cannot be split for 3 ranks: num_heads=4 is not divisible by 3; it can be for 1, 2 or 4)")
+    with pytest.raises(PmxError, match="cannot be honoured"):
+        reshard(str(tmp_path / "pmx_2"), str(tmp_path / "pmx_3"), 3, progress=False)
+    with pytest.raises(PmxError) as e:
+        check_world_size("m", params, LaunchEnv("mpi", 0, 4, 0, 4))
+    assert str(e.value).endswith("; launch -np 2 or split it with scripts/Split.py --num_shards 4")
+    reshard(str(tmp_path / "pmx_2"), str(tmp_path / "pmx_4"), 4, progress=False)

@@ -94,7 +94,7 @@ def generate(
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     env = detect()
     params = PmxParams.load(Path(ckpt_dir))
-    check_world_size(ckpt_dir, params.num_shards, env)
+    check_world_size(ckpt_dir, params, env)
     if dump_layers and not dump_tensor_path:
         raise PmxError("--dump_layers needs --dump_tensor_path (where the layers' values go)")
     dumper = TensorDumper(dump_tensor_path, env.rank, steps) if dump_tensor_path else None

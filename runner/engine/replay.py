@@ -131,7 +131,7 @@ def replay(ckpt_dir: str, dump_dir: DumpDir, step: ReplayStep, output_dir: Repla
         raise PmxError(f"{dump_dir}: has no rank_{env.rank} (dump with Demo.py --dump_tensor_path {dump_dir} on as "
                        f"many ranks as replay)")
     params = PmxParams.load(Path(ckpt_dir))
-    check_world_size(ckpt_dir, params.num_shards, env)
+    check_world_size(ckpt_dir, params, env)
     meta = load_meta(str(rank_dir))
     if meta and meta.get("world_size", env.world_size) != env.world_size:
         raise PmxError(f"{rank_dir / META_FILE}: the dump was made on {meta['world_size']} rank(s), but "

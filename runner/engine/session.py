@@ -66,11 +66,34 @@ def pick_dtype(dtype: str, params_dtype: str, device: torch.device) -> torch.dty
     return DTYPE_NAMES[dtype]
 
 
-def check_world_size(ckpt_dir: str, num_shards: int, env: LaunchEnv) -> None:
-    if num_shards != env.world_size:
-        raise PmxError(f"{ckpt_dir}: the model is split into {num_shards} shard(s) but {env.world_size} "
-                       f"rank(s) were started; launch -np {num_shards} or split it with "
-                       f"scripts/Split.py --num_shards {env.world_size}")
+def check_world_size(ckpt_dir: str, params: PmxParams, env: LaunchEnv) -> None:
+    """The ranks started must be the model's shard count; the error suggests only what would work: launching as
+    many ranks as shards, and re-splitting for the ranks started where this model can be cut so (else the counts
+    it can be cut into)."""
+    if params.num_shards == env.world_size:
+        return
+    n, fix = env.world_size, f"launch -np {params.num_shards}"
+    unsplit = unsharded_params(params)
+    try:
+        sharded_params(unsplit, n)
+        fix += f" or split it with scripts/Split.py --num_shards {n}"
+    except PmxError as e:
+        why = str(e).split(": ", 1)[-1].split(";")[0]
+        fix += f" (it cannot be split for {n} ranks: {why}; it can be for {_split_counts(unsplit)})"
+    raise PmxError(f"{ckpt_dir}: the model is split into {params.num_shards} shard(s) but {n} rank(s) were "
+                   f"started; {fix}")
+
+
+def _split_counts(unsplit: PmxParams) -> str:
+    """The shard counts (up to the number of query heads) that `unsplit` can be cut into, e.g. "1, 2, 4 or 8"."""
+    ok = []
+    for n in range(1, unsplit.num_heads + 1):
+        try:
+            sharded_params(unsplit, n)
+            ok.append(str(n))
+        except PmxError:
+            pass
+    return ok[0] if len(ok) == 1 else f"{', '.join(ok[:-1])} or {ok[-1]}"
 
 
 def open_session(ckpt_dir: str, config: EngineConfig = EngineConfig(), random_weights: bool = False, seed: int = 0,
@@ -88,7 +111,7 @@ def open_session(ckpt_dir: str, config: EngineConfig = EngineConfig(), random_we
     if random_weights:
         params = sharded_params(unsharded_params(params), env.world_size)
     else:
-        check_world_size(ckpt_dir, params.num_shards, env)
+        check_world_size(ckpt_dir, params, env)
         headers = {r: SafetensorsReader(Path(ckpt_dir) / shard_file(r)) for r in {0, env.rank}}
         check_shards(headers, params.num_shards)
     dev = pick_device(config.device, env)

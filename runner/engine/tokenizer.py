@@ -2,7 +2,14 @@
 kinds whose tokenization is a family's own code, recognised from the files: ChatGLM's sentencepiece model with its
 special tokens after its pieces and the `[gMASK]` `sop` prompt prefix (tokenizer_config.json's tokenizer_class
 ChatGLMTokenizer), and Qwen's `qwen.tiktoken`, read with tiktoken (:class:`ChatGLMTokenizer`, :class:`QwenTokenizer`).
-`Tokenizer(path, ...)` opens whichever kind `path` holds."""
+`Tokenizer(path, ...)` opens whichever kind `path` holds.
+
+The BOS rule, one for every command (Demo, perplexity, LLM, the server, the benchmarks), is transformers' own
+(`AutoTokenizer(dir)(text)`, checked on stories260k and tinystories-656k): a `tokenizer.json` adds what its
+post-processor puts before the text (tinystories-656k: `<|start_story|>`; a Qwen2 tokenizer: nothing); a
+sentencepiece model adds its BOS unless the `tokenizer_config.json` beside it says `"add_bos_token": false`
+(transformers 5 adds none when that file is missing; Meta's Llama code, ppl.pmx and llama.cpp add it, as here).
+"""
 
 from __future__ import annotations
 
@@ -42,7 +49,9 @@ def _kind(path) -> Optional[type]:
 
 
 class Tokenizer:
-    """encode(text) -> ids with BOS first; decode(ids) -> text. `path` is a file or a directory holding one.
+    """encode(text) -> ids with BOS first where the tokenizer adds one (the module's rule); decode(ids) -> text.
+    `path` is a file or a directory holding one. `bos_id` / `eos_id` (the model's, from pmx_params.json) name those
+    tokens where the tokenizer's files do not; whether BOS is added is the tokenizer's own rule.
 
     With `vocab_size` (the model's), the tokenizer must fit the model: at most vocab_size tokens, and more
     than half of it (models pad their vocabulary to a round size, they never double it), so that another
@@ -70,7 +79,9 @@ class Tokenizer:
                 self._hf = HFTokenizer.from_file(str(p))
                 self._sp = None
                 self.size = self._hf.get_vocab_size(with_added_tokens=True)
-                self.bos_id = bos_id if bos_id is not None else self._hf.token_to_id("<s>")
+                self._prefix = _post_processor_prefix(self._hf)
+                own_bos = self._prefix[0] if len(self._prefix) == 1 else self._hf.token_to_id("<s>")
+                self.bos_id = bos_id if bos_id is not None else own_bos
                 self.eos_id = eos_id if eos_id is not None else self._hf.token_to_id("</s>")
             else:
                 import sentencepiece as spm
@@ -79,16 +90,18 @@ class Tokenizer:
                 self.size = self._sp.get_piece_size()
                 self.bos_id = bos_id if bos_id is not None else self._sp.bos_id()
                 self.eos_id = eos_id if eos_id is not None else self._sp.eos_id()
+                adds = _config(p.parent).get("add_bos_token", True) is not False
+                self._prefix = [self.bos_id] if adds and self.bos_id is not None and self.bos_id >= 0 else []
         except Exception as e:  # noqa: BLE001 (sentencepiece and tokenizers raise plain RuntimeError / OSError)
             kind = "a HF tokenizer.json" if p.suffix == ".json" else "a sentencepiece tokenizer.model"
             raise PmxError(f"{p}: not {kind} ({' '.join(str(e).split())[:200]})") from None
-        if vocab_size is not None and not vocab_size // 2 < self.size <= vocab_size:
-            raise PmxError(f"{p}: the tokenizer has {self.size} tokens, which does not fit the model's vocabulary of "
-                           f"{vocab_size} (pmx_params.json vocab_size): it belongs to another model")
+        _fits(self, vocab_size)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
+        """The ids of `text`, after the tokens the tokenizer puts first (its BOS) unless bos=False (a chat
+        template's text, which writes its own)."""
         ids = self._sp.encode(text) if self._sp else self._hf.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if bos and self.bos_id is not None and self.bos_id >= 0 else []) + list(ids)
+        return (list(self._prefix) if bos else []) + list(ids)
 
     @property
     def vocab_size(self) -> int:
@@ -244,3 +257,21 @@ class QwenTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens (EOS among them) and padded rows left out."""
         return self._enc.decode([i for i in ids if 0 <= i < self.ranks], errors="replace")
+
+
+def _post_processor_prefix(hf) -> list[int]:
+    """The ids a tokenizer.json's post-processor puts before the text (as transformers' encode does), found by
+    encoding one character with and without it; any it puts after (an EOS) are not added to a prompt."""
+    plain = hf.encode("a", add_special_tokens=False).ids
+    full = hf.encode("a", add_special_tokens=True).ids
+    at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+    return full[:at]
+
+
+def _config(directory: Path) -> dict:
+    """tokenizer_config.json beside the tokenizer ({} when absent or unreadable)."""
+    try:
+        cfg = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}

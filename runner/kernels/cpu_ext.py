@@ -3,11 +3,13 @@ into blocks of 64 output channels, k-major (runner/kernels/cpu_linear.cpp), deco
 the KV cache and one-pass residual + RMSNorm and SwiGLU (runner/kernels/cpu_step.cpp), and the collectives of
 ranks on one machine through shared memory (runner/kernels/cpu_comm.cpp).
 
-The extension is built on first use for this machine (-march=native, OpenMP as torch) and cached under
-$TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions, in a folder named by a hash of its sources and flags (once per
-machine and version, ~20-60 s; two checkouts of different versions never rebuild over each other); a build lock
-left by a build that was killed is taken over after STALE_LOCK_S. Where it cannot be built (no compiler or ninja)
-the callers fall back to oneDNN / aten kernels with a warning.
+The extension is built on first use for this machine (-march=native, OpenMP as torch), ~20 s on 2 cores, which rank
+0 says on stderr. The build is cached in a directory named by a hash of what it is made of (the C++ files' contents,
+the flags, torch's and Python's versions, the CPU), under $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions: any
+clone of the same version on this machine finds it (torch's own cache is keyed by the extension's name and
+rebuilds when the sources' paths or times change, e.g. in a fresh clone), and a changed source builds anew; a build
+lock left by a build that was killed is taken over after STALE_LOCK_S. Where it cannot be built (no compiler or
+ninja) the callers fall back to oneDNN / aten kernels with a warning.
 """
 
 from __future__ import annotations
@@ -16,46 +18,77 @@ import functools
 import hashlib
 import mmap
 import os
+import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from runner.parallel.launch import rank_from_environment
+from runner.progress import note
+
 SOURCES = ("cpu_linear.cpp", "cpu_step.cpp", "cpu_comm.cpp", "cpu_decode.cpp")
+CFLAGS, LDFLAGS = ("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)
+BUILT = "built"  # written into the build directory once the library is complete
 CPU_BLOCK = 64  # output channels per block of the packed weights
 HUGE_PAGE = 2 << 20            # bytes of a transparent huge page (x86-64, arm64 with 4K pages)
 HUGE_PAGE_MIN_BYTES = HUGE_PAGE  # weights from one huge page up go in memory advised for transparent huge pages
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
 STALE_LOCK_S = 900  # a build lock this old was left by a killed build (a build takes about a minute)
 
 
-def build_directory() -> Path:
-    """Where the extension of these sources and flags is built and cached."""
-    h = hashlib.sha256(" ".join((torch.__version__, *CFLAGS)).encode())
-    for f in SOURCES:
-        h.update(Path(__file__).with_name(f).read_bytes())
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    return root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / f"pmx_cpu_{h.hexdigest()[:12]}"
+
+def build_dir() -> Path:
+    """Where this version of the extension is built for this machine: a hash of the C++ files' contents, the flags,
+    torch's and Python's versions and the CPU (its model and feature flags: -march=native)."""
+    h = hashlib.blake2b(digest_size=8)
+    here = Path(__file__).parent
+    for path in sorted([*here.glob("*.cpp"), *here.glob("*.h")]):  # the sources and what they include
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    cpu = ""
+    try:
+        cpu = "".join(ln for ln in Path("/proc/cpuinfo").read_text().splitlines(keepends=True)
+                      if ln.startswith(("model name", "flags", "Features", "CPU part")))
+    except OSError:
+        pass
+    h.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2], platform.machine(),
+                   sorted(set(cpu.splitlines())))).encode())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+    return Path(root) / f"pmx_cpu-{h.hexdigest()}"
+
+
+def _load_or_build(directory: Path) -> None:
+    """Loads the library built in `directory`, building it first (and saying so, on rank 0) where it is not there.
+    Ranks building at once take turns through torch's lock in the directory; the second finds the build done."""
+    library = directory / "pmx_cpu.so"
+    if (directory / BUILT).is_file() and library.is_file():
+        torch.ops.load_library(str(library))
+        return
+    from torch.utils.cpp_extension import load
+    loud = rank_from_environment()[0] == 0
+    if loud:
+        note(f"building this project's C++ CPU kernels for this machine (once per version: ~20 s on 2 cores) "
+             f"into {directory}")
+    t0 = time.perf_counter()
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"  # torch's build lock; one this old was left by a build that was killed
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        note(f"{lock} is {time.time() - lock.stat().st_mtime:.0f} s old, left by a build that was killed; removing it")
+        lock.unlink(missing_ok=True)
+    load(name="pmx_cpu", sources=[str(Path(__file__).with_name(f)) for f in SOURCES], extra_cflags=list(CFLAGS),
+         extra_ldflags=list(LDFLAGS), is_python_module=False, build_directory=str(directory), verbose=False)
+    (directory / BUILT).write_text(f"{time.perf_counter() - t0:.1f} s\n")
+    if loud:
+        note(f"built the C++ CPU kernels in {time.perf_counter() - t0:.0f} s")
 
 
 @functools.lru_cache(maxsize=None)
 def cpu_ops():
-    """torch.ops.pmx_cpu, built and loaded on first call; None where it cannot be built."""
-    from torch.utils.cpp_extension import load
-    where = build_directory()
+    """torch.ops.pmx_cpu, built (once per version and machine) and loaded on first call; None where it cannot be
+    built."""
     try:
-        where.mkdir(parents=True, exist_ok=True)
-        lock = where / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            print(f"warning: {lock} is {time.time() - lock.stat().st_mtime:.0f} s old, left by a build that was "
-                  "killed; removing it", file=sys.stderr)
-            lock.unlink(missing_ok=True)
-        if not (where / "pmx_cpu.so").exists():
-            print(f"building this project's CPU kernels for this machine in {where} (once, about a minute)",
-                  file=sys.stderr)
-        load(name="pmx_cpu", sources=[str(Path(__file__).with_name(f)) for f in SOURCES], build_directory=str(where),
-             extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        _load_or_build(build_dir())
     except Exception as e:  # noqa: BLE001 - no compiler / ninja: the slower oneDNN / aten kernels still work
         print(f"warning: this project's CPU kernels could not be built ({type(e).__name__}: "
               f"{str(e).splitlines()[0] if str(e) else ''}); using oneDNN / torch's aten kernels", file=sys.stderr)

@@ -136,7 +136,7 @@ def export(ckpt_dir: CkptDir, export_path: str, tokenizer_path: TokenizerPath = 
     if opset == "standard" and params.num_shards != 1:
         raise PmxError(f"--opset standard exports one rank: {ckpt_dir} is split into {params.num_shards} shards "
                        f"(merge it with scripts/Merge.py)")
-    check_world_size(ckpt_dir, params.num_shards, env)
+    check_world_size(ckpt_dir, params, env)
     exportable(params)
     engine.check_model(params.head_dim)
     out = _check_export_path(export_path, ckpt_dir, overwrite)

@@ -100,7 +100,33 @@ def end_job(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    if under_mpi():
+        remove_mpich_segments()
     os._exit(code)
+
+
+def remove_mpich_segments(maps: str = "/proc/self/maps") -> list[str]:
+    """Unlinks the MPICH shared-memory files this process maps (/dev/shm/mpich_*); returns their paths.
+
+    MPICH removes its node's segment (mpich_shm_<job>_<node>, 2-3 MB, made by the first rank of the node to open
+    it) in MPI_Finalize only, and the ranks the launcher kills when one exits never get there: the rank that
+    ends the job removes it for all of them (every rank of the node maps the same file; those still attached
+    keep their mapping). scripts/mpirun.sh removes what a rank killed outright leaves."""
+    try:
+        with open(maps) as f:
+            paths = {ln.split(None, 5)[5].rstrip("\n") for ln in f if " /dev/shm/mpich_" in ln}
+    except OSError:
+        return []
+    removed = []
+    for path in sorted(paths):
+        if path.endswith(" (deleted)"):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
 
 
 def torchrun_default_threads(environ=os.environ) -> bool:

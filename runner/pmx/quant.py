@@ -22,6 +22,7 @@ Quantised: the linear weights of attention (wq wk wv wo), the MLP (w1 w2 w3) and
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -150,17 +151,30 @@ def quantized_tensors(scheme: QuantScheme, tensors: dict) -> dict:
     """{name: unsplit shape} of a float model -> the same with each quantised weight replaced, in place in
     the order, by its `qweight` and `scale`."""
     out = {}
+    if scheme.method == "int4":
+        _check_group_size(scheme.group_size, {n: s for n, s in tensors.items() if scheme.quantizes(n)})
     for name, shape in tensors.items():
         if scheme.quantizes(name):
             base = name[: -len(".weight")]
-            if scheme.method == "int4" and shape[-1] % scheme.group_size:
-                raise PmxError(f"int4 with group_size {scheme.group_size}: tensor {name!r} has input dim "
-                               f"{shape[-1]}, not a multiple of it; pick a --group_size that divides it")
             out[f"{base}.qweight"] = scheme.qshape(shape)
             out[f"{base}.scale"] = scheme.scale_shape(shape)
         else:
             out[name] = shape
     return out
+
+
+def _check_group_size(group_size: int, weights: dict) -> None:
+    """Every quantised weight's input dim must hold whole groups; the error lists every group size that would
+    do (the even divisors of the input dims' greatest common divisor), so none is found one failure at a time."""
+    bad = next((n for n, shape in weights.items() if shape[-1] % group_size), None)
+    if bad is None:
+        return
+    common = math.gcd(*(shape[-1] for shape in weights.values()))
+    fits = [g for g in range(2, common + 1, 2) if common % g == 0]
+    hint = (f"group sizes that divide every input dim: {', '.join(map(str, fits))}" if fits else
+            f"no int4 group size divides every input dim (their common divisor is {common}); use --quantize int8")
+    raise PmxError(f"int4 with group_size {group_size}: tensor {bad!r} has input dim {weights[bad][-1]}, not a "
+                   f"multiple of it; {hint}")
 
 
 def tensor_dtype(params, name: str, float_dtype: torch.dtype) -> torch.dtype:

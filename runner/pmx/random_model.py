@@ -16,7 +16,7 @@ CORPUS = ("Once upon a time there was a little girl named Lily. She loved to pla
 
 
 def _tokenizer_json(vocab_size: int) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -25,6 +25,8 @@ def _tokenizer_json(vocab_size: int) -> str:
     tok.train_from_iterator([CORPUS] * 4, trainer)
     # the small corpus gives a few hundred tokens: fill up to the model's vocabulary, as a real tokenizer would
     tok.add_special_tokens([f"<extra_{i}>" for i in range(vocab_size - tok.get_vocab_size())])
+    # BOS first, as a Llama tokenizer.json's post-processor puts it (runner.engine.tokenizer's BOS rule)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
     return tok.to_str()
 
 

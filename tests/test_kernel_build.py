@@ -1,0 +1,42 @@
+"""The C++ CPU kernels' first build (runner/kernels/cpu_ext.py): rank 0 says what is happening and how long it took,
+once; the build is cached by content, so a clone of the same version elsewhere loads it without building, and a
+changed source builds anew."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+
+from jobs import ROOT, run_job
+
+LOAD = "from runner.kernels.cpu_ext import cpu_ops; assert cpu_ops() is not None; print('loaded', flush=True)"
+BUILDING = "building this project's C++ CPU kernels"
+
+
+def test_first_build_is_announced_once_and_cached_for_any_clone(tmp_path):
+    cache = tmp_path / "ext"
+    env = {"TORCH_EXTENSIONS_DIR": str(cache)}
+    rc, out, err, secs = run_job([ROOT / "scripts" / "mpirun.sh", "-np", 2, sys.executable, "-c", LOAD], tmp_path,
+                                 env, timeout=600)
+    assert rc == 0 and out.split() == ["loaded", "loaded"], err
+    lines = err.splitlines()
+    assert len([ln for ln in lines if BUILDING in ln]) == 1 and not [ln for ln in lines if ln.startswith("rank 1")]
+    assert [ln for ln in lines if ln.startswith("built the C++ CPU kernels in ")], err
+    (built,) = cache.iterdir()
+
+    clone = tmp_path / "clone"  # another checkout of the same version: other paths, newer files
+    shutil.copytree(ROOT / "runner", clone / "runner")
+    env["PYTHONPATH"] = str(clone)
+    script = tmp_path / "load.py"  # a script outside the checkout (`python -c` would import from the job's cwd)
+    script.write_text(LOAD + "; import runner; print(runner.__file__)")
+    t0 = time.monotonic()
+    rc, out, err, _ = run_job([sys.executable, script], tmp_path, env, timeout=120)
+    assert rc == 0 and out.split()[1] == str(clone / "runner" / "__init__.py") and BUILDING not in err, err
+    assert time.monotonic() - t0 < secs and list(cache.iterdir()) == [built]
+
+    with open(clone / "runner" / "kernels" / "cpu_step.cpp", "a") as f:  # a changed source: another build
+        f.write("\n// changed\n")
+    script.write_text("from runner.kernels.cpu_ext import build_dir; print(build_dir())")
+    rc, out, err, _ = run_job([sys.executable, script], tmp_path, env, timeout=120)
+    assert rc == 0 and out.strip().startswith(str(cache / "pmx_cpu-")) and out.strip() != str(built), out + err
