@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from runner.errors import PmxError
+from runner.pmx.stored import as_tensor
 
 METHODS = ("int8", "int4")
 QUANTIZABLE = re.compile(r"layers\.\d+\.(attention\.(wq|wk|wv|wo)|feed_forward\.(w1|w2|w3))")
@@ -211,7 +212,7 @@ def quantizing_fetch(scheme: QuantScheme, plan, fetch):
     def fetch_q(name: str) -> torch.Tensor:
         base, _, leaf = name.rpartition(".")
         if leaf == "qweight":
-            q, pending[base] = quantize(fetch(f"{base}.weight"), scheme)
+            q, pending[base] = quantize(as_tensor(fetch(f"{base}.weight")), scheme)
             return q
         if leaf == "scale" and base in pending:
             return pending.pop(base)
