@@ -199,7 +199,9 @@ TokenizerPath = Annotated[Optional[str], Help("tokenizer.model or tokenizer.json
 QuantMethod = Annotated[str, OneOf("int8", "int4"), Help("weight-only quantisation: int8 (per output channel) or int4 "
                                                           "(groups along the input dim)")]
 GroupSize = Annotated[int, Range(1), Help("int4 input columns per scale (a divisor of every input dim)")]
-QuantizeOutput = Annotated[bool, Help("quantise the lm head (output.weight) too")]
+QuantizeOutput = Annotated[bool, Help("quantise the lm head (output.weight) too (default: True with --quantize)")]
+QuantizeEmbedding = Annotated[bool, Help("store the token embedding quantised too, dequantised as its rows are "
+                                         "gathered (default: True with --quantize)")]
 
 
 def doc_lines(fn: Callable) -> tuple[str, dict[str, str]]:

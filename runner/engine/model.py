@@ -284,9 +284,10 @@ class Transformer(nn.Module):
         self.num_params = sum(t.numel() for t in w.values())
         self.ops = ops = kernel_set(c.kernels, self.device, self.dtype)
         self.rotary = ref.Rotary(p.head_dim, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
-        self.tok_embeddings = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
         column, row = partial(ColumnParallelLinear, comm=comm), partial(RowParallelLinear, comm=comm)
         weight = partial(pop_weight, w, scheme=scheme_of(p), kernels=c.kernels)  # float, or weight-only quantised
+        self.tok_embeddings = ParallelEmbedding(weight("tok_embeddings"), p.hidden_dim, comm, self.dtype,
+                                                ops.quant_embedding)
 
         def take(names, bias_on):
             """Pops the weights (and biases, when the model has them) of `names`."""

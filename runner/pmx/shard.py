@@ -18,8 +18,9 @@ Axes count from the end, so MoE experts stacked as [E, out, in] are cut like a d
 A weight-only quantised weight (runner/pmx/quant.py) is cut like its float weight: `qweight` on the
 same axis (in bytes, two int4 columns each, along the input dim), `scale` with its rows. An int8 scale is
 one per output row, so it is cut with the rows of a column-parallel weight and replicated beside a
-row-parallel one (wo, w2), whose scales cover the full row. int4 groups run along the input dim: a
-row-parallel cut must fall on group boundaries, and a split that would cut a group is refused.
+row-parallel one (wo, w2) or the embedding (cut by hidden columns), whose scales cover the full row. int4
+groups run along the input dim: a row-parallel (or embedding) cut must fall on group boundaries, and a split
+that would cut a group is refused.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def _check_groups(p: PmxParams, sharded: PmxParams) -> None:
     pmx_tensors(p)  # refuses an input dim that is not a multiple of group_size, naming the tensor
     per_rank = {"layers.*.attention.wo": p.num_heads * p.head_dim // n,
                 "layers.*.feed_forward.w2": sharded.padded("intermediate_dim") // n}
+    if scheme.quantize_embedding:  # cut by hidden columns
+        per_rank["tok_embeddings"] = sharded.padded("hidden_dim") // n
     for tensor, cols in per_rank.items():
         if cols % scheme.group_size:
             raise PmxError(f"num_shards={n} cannot be honoured: it would cut the int4 groups of tensor {tensor!r} "
