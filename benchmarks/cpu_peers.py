@@ -8,7 +8,8 @@ Systems (`--systems`, comma-separated; default all):
   ct2           CTranslate2 float32, Generator(intra_threads=THREADS, inter_threads=1)
   llama.cpp     F32 GGUF: llama-bench (batch 1, prefill) and llama-batched-bench (batch 16), -t THREADS
 Weight-only quantised, the same weights (each quantised by its own tool, lm head included):
-  pmx1-int8 / pmx1-int4    pmx-runner TP=1 on `python -m runner quantize --quantize int8|int4 --quantize_output True`
+  pmx1-int8 / pmx1-int4    pmx-runner TP=1 on `python -m runner quantize --quantize int8|int4` (lm head and embedding
+                           quantised too, the default)
   pmx2-int8 / pmx2-int4    the same at TP=2
   ct2-int8                 CTranslate2 with ct2-transformers-converter --quantization int8
   llama.cpp-q8_0 / -q4_0   llama-quantize of the F32 GGUF to Q8_0 / Q4_0 (its default: Q4_0 keeps a Q6_K lm head)
@@ -245,10 +246,10 @@ def _worker_round(cmd_head: list, system: str, model: Path, a: dict, env_threads
 def _pmx_model(n: int, a: dict, quant: str | None = None) -> Path:
     from runner.pmx.convert import convert
     from runner.pmx.quant import scheme_from_flags
-    pmx = a["work"] / (f"pmx{n}-{quant}" if quant else f"pmx{n}")
-    if not (pmx / "pmx_params.json").exists():
-        convert(str(a["hf"]), str(pmx), num_shards=n, overwrite=True, progress=False,
-                quant=scheme_from_flags(quant, quantize_output=quant is not None))
+    pmx, scheme = a["work"] / (f"pmx{n}-{quant}" if quant else f"pmx{n}"), scheme_from_flags(quant)
+    params = pmx / "pmx_params.json"  # a cached conversion of another scheme (older defaults) is made again
+    if not params.exists() or json.loads(params.read_text()).get("quantization") != (scheme and scheme.to_dict()):
+        convert(str(a["hf"]), str(pmx), num_shards=n, overwrite=True, progress=False, quant=scheme)
     return pmx
 
 
@@ -796,9 +797,19 @@ def _stats(r: list) -> dict:
     return {"median": statistics.median(r), "geomean": statistics.geometric_mean(r), "min": min(r), "max": max(r)}
 
 
+def _own_model(tree: Path, label: str, n: int, a: dict, quant: str) -> Path:
+    """The HF checkpoint converted by `tree`'s own `runner convert --quantize QUANT` at its defaults (a PMX format
+    or default that changed between the trees: each job reads the files its version writes)."""
+    pmx = a["work"] / f"pmx{n}-{quant}-{label}"
+    subprocess.run([sys.executable, "-m", "runner", "convert", "--input_dir", a["hf"], "--output_dir", pmx,
+                    "--num_shards", n, "--quantize", quant, "--overwrite", "True", "--progress", "false"],
+                   check=True, cwd=tree, env={**os.environ, **_tree_env(tree, label)}, stdout=subprocess.DEVNULL)
+    return pmx
+
+
 def versions(base: str, shape: str = "gqa", tp="1,2", quant="none,int8", pairs: int = 12, tokens: int = 64,
              threads: int = 2, metrics: str = ",".join(VERSION_POINTS), engine_options="{}",
-             json_path: str | None = None, workdir: str = str(CACHE / "peers")) -> None:
+             json_path: str | None = None, workdir: str = str(CACHE / "peers"), own_models: bool = False) -> None:
     """The code at `base` ("before") against this checkout ("after"), paired as tp_paired: for each shape, TP and
     weights, one job of each (the same model files and threads; TP=2: scripts/mpirun.sh -np 2, threads / 2 a rank)
     stays loaded and they take turns at every point, alternating who goes first. Prints, per point, the median of
@@ -810,7 +821,11 @@ def versions(base: str, shape: str = "gqa", tp="1,2", quant="none,int8", pairs: 
     goes to `json_path` (default out/versions_SHAPE.json), written after each configuration.
 
         python benchmarks/cpu_peers.py versions --base /work/baseline [--shape gqa|base|all] [--tp 1,2]
-            [--quant none,int8] [--pairs 12] [--metrics decode_b1,decode_b16,prefill_512,mixed]
+            [--quant none,int8] [--pairs 12] [--metrics decode_b1,decode_b16,prefill_512,mixed] [--own_models True]
+
+    With `own_models`, each tree runs the quantised model its own `runner convert --quantize Q` writes at its
+    defaults (for a change of the quantised format or its defaults; the files' sizes are printed); float models are
+    shared as always.
     """
     before, after = Path(base).expanduser().resolve(), REPO
     shapes = list(SHAPES) if shape == "all" else _csv(shape)
@@ -845,13 +860,21 @@ def versions(base: str, shape: str = "gqa", tp="1,2", quant="none,int8", pairs: 
         a = dict(work=work, hf=work / "hf")
         for n in map(int, tps):
             for q in quants:
-                model, per_rank = _pmx_model(n, a, None if q == "none" else q), max(1, threads // n)
+                per_rank = max(1, threads // n)
+                if own_models and q != "none":
+                    models = {k: _own_model(t, k, n, a, q) for k, t in trees.items()}
+                    print(f"\n{sh} TP={n} {q}: each tree's own files, " + ", ".join(
+                        f"{k} {sum(f.stat().st_size for f in m.glob('model.*.safetensors')) / 1e6:.1f} MB"
+                        for k, m in models.items()), flush=True)
+                else:
+                    models = dict.fromkeys(trees, _pmx_model(n, a, None if q == "none" else q))
                 head = [REPO / "scripts" / "mpirun.sh", "-np", n] if n > 1 else []
-                cmd = head + [sys.executable, SELF, "job_worker", "pmx", model, "--tokens", tokens,
-                              "--engine_options", json.dumps(opts)]
+                cmds = {k: head + [sys.executable, SELF, "job_worker", "pmx", m, "--tokens", tokens,
+                                   "--engine_options", json.dumps(opts)] for k, m in models.items()}
                 name = f"{sh} TP={n} {'fp32' if q == 'none' else q}"
-                rec = {"shape": {"name": sh, **SHAPES[sh]}, "tp": n, "quant": q, "model": str(model),
-                       "threads_per_rank": per_rank, "jobs": {}, "loadavg": {"start": os.getloadavg()}}
+                rec = {"shape": {"name": sh, **SHAPES[sh]}, "tp": n, "quant": q,
+                       "model": {k: str(m) for k, m in models.items()}, "threads_per_rank": per_rank, "jobs": {},
+                       "loadavg": {"start": os.getloadavg()}}
 
                 def check(infos: dict) -> None:  # every rank of each job runs its own tree's runner
                     for label, ranks in infos.items():
@@ -866,7 +889,7 @@ def versions(base: str, shape: str = "gqa", tp="1,2", quant="none,int8", pairs: 
                 t0 = time.time()
                 print(f"\n{name}: loading", flush=True)
                 others = {}
-                rates, ratios = _alternate({k: (cmd, per_rank, _tree_env(t, k), t) for k, t in trees.items()},
+                rates, ratios = _alternate({k: (cmds[k], per_rank, _tree_env(t, k), t) for k, t in trees.items()},
                                            chosen, pairs, on_ready=check, others=others)
                 rec.update(seconds=time.time() - t0, first_in_pair=["before" if i % 2 == 0 else "after"
                                                                     for i in range(pairs)])

@@ -36,16 +36,21 @@ class TensorSource:
         return self.shape if self.hf_shape is None else self.hf_shape
 
 
-def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def unpermute_rotary(w: torch.Tensor, n_heads: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """HF rotate-half q/k rows -> ppl.pmx / Meta interleaved-pair rows (inverse of HF's `permute`).
 
     HF row j < d/2 of a head holds the real part of pair j, row d/2 + j its imaginary part; PMX
-    stores them side by side (rows 2j, 2j+1). Works for weights [rows, in] and biases [rows].
+    stores them side by side (rows 2j, 2j+1). Works for weights [rows, in] and biases [rows]. With
+    `out` (w's dtype and shape), written there (conversion reuses one buffer for every tensor).
     """
     rows = w.shape[0]
     d = rows // n_heads
     tail = w.shape[1:]
-    return w.reshape(n_heads, 2, d // 2, *tail).transpose(1, 2).reshape(rows, *tail)
+    pairs = w.reshape(n_heads, 2, d // 2, *tail).transpose(1, 2)  # (heads, d/2, 2, *tail)
+    if out is None:
+        return pairs.reshape(rows, *tail)
+    out.view(n_heads, d // 2, 2, *tail).copy_(pairs)
+    return out
 
 
 def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -202,7 +202,9 @@ ChatTemplateFile = Annotated[Optional[str], Help("a jinja chat template for the 
 QuantMethod = Annotated[str, OneOf("int8", "int4"), Help("weight-only quantisation: int8 (per output channel) or int4 "
                                                           "(groups along the input dim)")]
 GroupSize = Annotated[int, Range(1), Help("int4 input columns per scale (a divisor of every input dim)")]
-QuantizeOutput = Annotated[bool, Help("quantise the lm head (output.weight) too")]
+QuantizeOutput = Annotated[bool, Help("quantise the lm head (output.weight) too (default: True with --quantize)")]
+QuantizeEmbedding = Annotated[bool, Help("store the token embedding quantised too, dequantised as its rows are "
+                                         "gathered (default: True with --quantize)")]
 # the replays' (runner.engine.replay, runner.onnx.replay)
 DumpDir = Annotated[str, Help("the --dump_tensor_path of the run; rank r reads dump_dir/rank_r")]
 ReplayStep = Annotated[int, Range(0), Help("the step to replay")]

@@ -17,8 +17,8 @@ from typing import Annotated, Callable, Optional
 
 import fire
 
-from runner.args import (Dtype, GroupSize, OneOf, Overwrite, PositiveInt, Progress, QuantizeOutput, QuantMethod, Range,
-                         check_argv, doc_lines, help_text, typed)
+from runner.args import (Dtype, GroupSize, OneOf, Overwrite, PositiveInt, Progress, QuantizeEmbedding, QuantizeOutput,
+                         QuantMethod, Range, check_argv, doc_lines, help_text, typed)
 from runner.engine.bench import bench
 from runner.engine.compare import compare
 from runner.engine.demo import generate
@@ -37,7 +37,8 @@ from runner.serve.server import serve
 
 def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: PositiveInt = 1,
             overwrite: Overwrite = False, progress: Progress = True, quantize: Optional[QuantMethod] = None,
-            group_size: GroupSize = 128, quantize_output: QuantizeOutput = False) -> None:
+            group_size: GroupSize = 128, quantize_output: Optional[QuantizeOutput] = None,
+            quantize_embedding: Optional[QuantizeEmbedding] = None) -> None:
     """Convert a HuggingFace checkpoint directory into a PMX directory.
 
     Args:
@@ -46,7 +47,7 @@ def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: 
         dtype: auto (the checkpoint's), float32, float16 or bfloat16.
         num_shards: split into this many tensor-parallel shards while converting.
     """
-    quant = scheme_from_flags(quantize, group_size, quantize_output)
+    quant = scheme_from_flags(quantize, group_size, quantize_output, quantize_embedding)
     p = pmx_convert(input_dir, output_dir, dtype=dtype, num_shards=num_shards, overwrite=overwrite, progress=progress,
                  quant=quant)
     print(f"converted {input_dir} ({p.architecture}, {p.num_layers} layers, {p.dtype}"
@@ -55,8 +56,8 @@ def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: 
 
 
 def quantize(input_dir: str, output_dir: str, quantize: QuantMethod = "int8", group_size: GroupSize = 128,
-             quantize_output: QuantizeOutput = False, num_shards: Optional[PositiveInt] = None,
-             overwrite: Overwrite = False, progress: Progress = True) -> None:
+             quantize_output: Optional[QuantizeOutput] = None, quantize_embedding: Optional[QuantizeEmbedding] = None,
+             num_shards: Optional[PositiveInt] = None, overwrite: Overwrite = False, progress: Progress = True) -> None:
     """Weight-only quantise a float PMX model (split or not): int8 per output channel or int4 in groups.
 
     Args:
@@ -64,11 +65,13 @@ def quantize(input_dir: str, output_dir: str, quantize: QuantMethod = "int8", gr
         output_dir: PMX directory to create, its linears quantised.
         num_shards: shards of the output (default: as many as the input has).
     """
-    quant = scheme_from_flags(quantize, group_size, quantize_output)
+    quant = scheme_from_flags(quantize, group_size, quantize_output, quantize_embedding)
     p = quantize_model(input_dir, output_dir, quant, num_shards=num_shards, overwrite=overwrite, progress=progress)
     print(f"quantized {input_dir} -> {output_dir} ({quant.method}"
           f"{f', groups of {quant.group_size}' if quant.group_size else ''}"
-          f"{', output too' if quant.quantize_output else ''}; {p.num_shards} shard{'s' if p.num_shards > 1 else ''})")
+          f"{', output float' if not quant.quantize_output else ''}"
+          f"{', embedding float' if not quant.quantize_embedding else ''}; "
+          f"{p.num_shards} shard{'s' if p.num_shards > 1 else ''})")
 
 
 def split(input_dir: str, num_shards: PositiveInt, output_dir: str, overwrite: Overwrite = False,

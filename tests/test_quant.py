@@ -52,17 +52,23 @@ def test_int4_groups_pack_and_error():
 
 def test_scheme_flags_and_validation():
     assert scheme_from_flags(None) is None
-    assert scheme_from_flags("int8", group_size=64) == QuantScheme("int8", 0, False)  # int8 is per channel
-    assert scheme_from_flags("int4", 32, True) == QuantScheme("int4", 32, True)
+    assert scheme_from_flags("int8", group_size=64) == QuantScheme("int8", 0, True, True)  # int8 is per channel
+    assert scheme_from_flags("int4", 32, False, False) == QuantScheme("int4", 32, False, False)
     for args, msg in [(("int3",), "--quantize must be int8 or int4"), (("int4", 7), "--group_size"),
-                      ((None, 128, True), "--quantize_output needs")]:
+                      ((None, 128, True), "--quantize_output needs"), ((None, 128, None, True), "--quantize_embedding"),
+                      (("int8", 0, None, "yes"), "--quantize_embedding must be True or False")]:
         with pytest.raises(PmxError, match=msg):
             scheme_from_flags(*args)
     with pytest.raises(PmxError, match="quantization"):
         QuantScheme.from_dict({"method": "int8", "bits": 8})
-    assert INT4.quantizes("layers.3.feed_forward.w2.weight") and not INT4.quantizes("output.weight")
-    assert not INT4.quantizes("tok_embeddings.weight") and not INT4.quantizes("layers.0.feed_forward.gate.weight")
-    assert QuantScheme("int8", 0, True).quantizes("output.weight")
+    assert INT4.quantizes("layers.3.feed_forward.w2.weight") and not INT4.quantizes("layers.0.feed_forward.gate.weight")
+    assert INT4.quantizes("output.weight") and INT4.quantizes("tok_embeddings.weight")  # by default
+    floats = QuantScheme("int4", 16, False, False)
+    assert not floats.quantizes("output.weight") and not floats.quantizes("tok_embeddings.weight")
+    # a pmx_params.json written before quantize_embedding (or quantize_output) existed: those stayed float
+    assert QuantScheme.from_dict({"method": "int8", "group_size": 0, "quantize_output": True}) == \
+        QuantScheme("int8", 0, True, False)
+    assert QuantScheme.from_dict({"method": "int4", "group_size": 32}) == QuantScheme("int4", 32, False, False)
 
 
 # --- convert, quantize, split, merge ---------------------------------------------------------------
@@ -80,7 +86,8 @@ def test_convert_quantized_layout_and_size(make_hf, tmp_path, scheme, ratio):
     rd = SafetensorsReader(tmp_path / "q" / "model.00.safetensors")
     assert rd.dtype("layers.0.attention.wq.qweight") == scheme.qdtype
     assert rd.dtype("layers.1.feed_forward.w2.scale") == torch.float32
-    assert "layers.0.attention.wq.weight" not in rd.keys() and rd.dtype("output.weight") == torch.float32
+    assert "layers.0.attention.wq.weight" not in rd.keys() and rd.dtype("output.qweight") == scheme.qdtype
+    assert rd.dtype("tok_embeddings.qweight") == scheme.qdtype and "tok_embeddings.weight" not in rd.keys()
     f, q = linear_bytes(tmp_path / "f", {"weight"}) - linear_bytes(tmp_path / "q", {"weight"}), \
         linear_bytes(tmp_path / "q", {"qweight", "scale"})
     assert ratio <= q / f <= ratio * 1.3, q / f  # a quarter / an eighth of fp32, plus the scales
@@ -110,6 +117,11 @@ def test_split_merge_bit_exact(make_hf, tmp_path, scheme, n):
         assert torch.equal(rd.get(f"{w2}.qweight"), full.get_merged(f"{w2}.qweight")[:, r * cols:(r + 1) * cols])
         if scheme.method == "int8":  # one scale per full row: replicated on every rank
             assert torch.equal(rd.get(f"{w2}.scale"), full.get_merged(f"{w2}.scale"))
+        emb, cols = "tok_embeddings", full.readers[0].shape("tok_embeddings.qweight")[1] // n  # by hidden columns
+        assert torch.equal(rd.get(f"{emb}.qweight"), full.get_merged(f"{emb}.qweight")[:, r * cols:(r + 1) * cols])
+        groups = full.readers[0].shape(f"{emb}.scale")[-1] // n if scheme.method == "int4" else None
+        assert torch.equal(rd.get(f"{emb}.scale"), full.get_merged(f"{emb}.scale") if groups is None else
+                           full.get_merged(f"{emb}.scale")[:, r * groups:(r + 1) * groups])
 
 
 def test_int4_padding_falls_on_group_boundaries(make_hf, tmp_path):
@@ -170,7 +182,12 @@ def test_cli_quantize_and_convert_flags(make_hf, tmp_path):
     res = run_cli("convert", "--input_dir", src, "--output_dir", tmp_path / "q", "--quantize", "int4",
                   "--group_size", 16, "--quantize_output", "True")
     assert res.returncode == 0, res.stderr
-    assert PmxParams.load(tmp_path / "q").quantization == {"method": "int4", "group_size": 16, "quantize_output": True}
+    assert PmxParams.load(tmp_path / "q").quantization == {"method": "int4", "group_size": 16, "quantize_output": True,
+                                                           "quantize_embedding": True}
+    res = run_cli("convert", "--input_dir", src, "--output_dir", tmp_path / "q0", "--quantize", "int8",
+                  "--quantize_output", "False", "--quantize_embedding", "False")
+    assert res.returncode == 0, res.stderr
+    assert SafetensorsReader(tmp_path / "q0" / "model.00.safetensors").dtype("output.weight") == torch.float32
     convert(str(src), str(tmp_path / "f"), num_shards=2, progress=False)
     res = subprocess.run([sys.executable, "scripts/Quantize.py", "--input_dir", tmp_path / "f", "--output_dir",
                           tmp_path / "q8", "--quantize", "int8"], capture_output=True, text=True)
@@ -180,7 +197,7 @@ def test_cli_quantize_and_convert_flags(make_hf, tmp_path):
     for args, needles in [
         (["--quantize", "int3"], ["--quantize must be one of int8, int4", "int3"]),
         (["--quantize", "int4", "--group_size", 5], ["--group_size", "5"]),
-        (["--quantize", "int4", "--group_size", 128], ["layers.0.attention.wq.weight", "group_size 128", "64"]),
+        (["--quantize", "int4", "--group_size", 128], ["tok_embeddings.weight", "group_size 128", "64"]),
     ]:
         out = tmp_path / "bad"
         assert_fails_cleanly(run_cli("quantize", "--input_dir", tmp_path / "f", "--output_dir", out, *args), out,

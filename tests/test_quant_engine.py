@@ -4,6 +4,8 @@ compiled decode, tensor parallel, MoE, the real checkpoints, dumps / replay and 
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -19,11 +21,14 @@ from runner.engine.runners import Compiled, Stepper
 from runner.errors import PmxError
 from runner.kernels.linear import Linear
 from runner.kernels.quant_linear import (CPU_KERNEL_MAX_ROWS, QuantLinear, QuantWeight, aten_int4_takes, cpu_ops,
-                                         make_linear, packed_args, reference_linear)
+                                         make_linear, packed_args, quant_embedding, reference_linear)
 from runner.parallel.comm import SingleComm
+from runner.parallel.layers import ParallelEmbedding
 from runner.pmx.convert import convert, quantize_model, reshard
 from runner.pmx.quant import QuantScheme, quantize
+from runner.pmx.params import PmxParams
 from runner.pmx.shard import sharded_params
+from runner.pmx.store import SafetensorsReader
 from conftest import shared_model_path
 from test_bad_input import run_cli
 from test_engine import core, engine, hf_logits, prompts_and_conts, rel_err, run_tp
@@ -179,16 +184,79 @@ def test_quantized_moe(make_hf, tmp_path):
 
 def test_random_quantized_shard_runs():
     """bench --random_weights with a quantised params file: each rank's weights made and quantised in place."""
-    from runner.pmx.params import PmxParams
     p = PmxParams(model_type="llama", hidden_dim=64, intermediate_dim=128, num_layers=1, num_heads=4, num_kv_heads=2,
                   head_dim=16, vocab_size=80, norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,
                   dtype="float32", quantization=QuantScheme("int4", 32).to_dict())
     w = random_shard(sharded_params(p, 1), 0, torch.device("cpu"), torch.float32)
-    assert w["layers.0.feed_forward.w2.qweight"].dtype == torch.uint8 and "output.weight" in w
+    assert w["layers.0.feed_forward.w2.qweight"].dtype == torch.uint8
+    assert {"output.qweight", "tok_embeddings.qweight"} <= set(w) and "output.weight" not in w  # quantised by default
     c = EngineConfig()
     m = Transformer(sharded_params(p, 1), w, SingleComm(), c)
     out = EngineCore(m, Stepper(m, c), c).generate([[1, 2, 3]], 4)
     assert len(out[0]) == 4
+
+
+# --- the quantised embedding ----------------------------------------------------------------------
+@pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 16), ("int4", 2)])
+def test_quantised_embedding_rows_are_the_dequantised_rows(method, group):
+    """ParallelEmbedding on a QuantWeight gathers rows of the dequantised weight, bit for bit: by the spec on CPU and by
+    the Triton kernel (compiled on CUDA, under the interpreter on CPU, which truncates to bfloat16 where GPUs round)."""
+    w = weight(method, 50, 64, group)
+    ids = torch.tensor([[3, 49, 0], [7, 7, 12]])
+    assert torch.equal(ParallelEmbedding(w, 64, SingleComm())(ids), w.dequantize()[ids])
+    triton_quant = pytest.importorskip("runner.kernels.triton_quant", reason="triton is not installed")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        got = triton_quant.quant_embedding(ids.to(dev), w.qweight.to(dev), w.scale.to(dev), method, group, dt).cpu()
+        want = quant_embedding(ids, w.qweight, w.scale, method, group, dt)
+        assert got.shape == (2, 3, 64) and got.dtype == dt
+        if dt == torch.bfloat16 and dev.type == "cpu":
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+        else:
+            assert torch.equal(got, want)
+    assert triton_quant.quant_embedding(torch.empty(0, dtype=torch.int64), w.qweight, w.scale, method, group,
+                                        torch.float32).shape == (0, 64)
+
+
+def test_the_triton_set_gathers_the_embedding_with_its_kernel(make_hf, tmp_path):
+    """--kernels triton: the model's embedding lookups run the Triton gather (here under the interpreter)."""
+    pytest.importorskip("runner.kernels.triton_quant", reason="triton is not installed")
+    src, model = make_hf("llama_mha")
+    convert(str(src), str(tmp_path / "q"), progress=False, quant=QuantScheme("int4", 16))
+    from runner.kernels import triton_quant
+    eng = engine(tmp_path / "q", kernels="triton", compile="off")
+    assert eng.model.tok_embeddings.quant_rows is triton_quant.quant_embedding
+    ids = torch.tensor([1, 5, 9])
+    ref = engine(tmp_path / "q", kernels="reference").model.tok_embeddings
+    assert torch.equal(eng.model.tok_embeddings(ids), ref(ids))
+
+
+def test_quantised_embedding_size_and_files_written_before_it(make_hf, tmp_path):
+    """The embedding (V x D) takes a quarter (int8: a row scale each) or an eighth (int4: a scale per group) of its
+    float32 bytes plus scales. A model quantised before the embedding could be (its pmx_params.json without
+    quantize_embedding) reads as one whose embedding is float: it loads, runs as before, splits and merges."""
+    src, model = make_hf("llama_mha", vocab_size=256)
+    V, D = 256, 64
+    for scheme, want in ((QuantScheme("int8"), V * D + 4 * V), (QuantScheme("int4", 16), V * D // 2 + 4 * V * D // 16)):
+        convert(str(src), str(tmp_path / scheme.method), progress=False, quant=scheme)
+        rd = SafetensorsReader(tmp_path / scheme.method / "model.00.safetensors")
+        assert rd.nbytes("tok_embeddings.qweight") + rd.nbytes("tok_embeddings.scale") == want
+    old = tmp_path / "old"
+    convert(str(src), str(old), progress=False, quant=QuantScheme("int8", 0, True, False))
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    before = torch.stack(teacher_forced_logits(engine(old), prompts, conts))
+    params = json.loads((old / "pmx_params.json").read_text())
+    del params["quantization"]["quantize_embedding"]
+    (old / "pmx_params.json").write_text(json.dumps(params))
+    assert SafetensorsReader(old / "model.00.safetensors").dtype("tok_embeddings.weight") == torch.float32
+    assert torch.equal(torch.stack(teacher_forced_logits(engine(old), prompts, conts)), before)
+    reshard(str(old), str(tmp_path / "old2"), 2, progress=False)
+    reshard(str(tmp_path / "old2"), str(tmp_path / "old1"), 1, progress=False)
+    a, b = SafetensorsReader(old / "model.00.safetensors"), SafetensorsReader(tmp_path / "old1" / "model.00.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a.get(k), b.get(k)) for k in a.keys())  # (the fingerprint
+    assert PmxParams.load(tmp_path / "old1").quantization == params["quantization"]  # hashes the edited params)
+    new = torch.stack(teacher_forced_logits(engine(tmp_path / "int8"), prompts, conts))  # embedding quantised too
+    assert 30 < snr_db(new, before) < math.inf
 
 
 # --- the real checkpoints -------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from runner.kernels import reference as ref
 from runner.kernels.cpu_ext import cpu_ops, pack_blocks
 from runner.kernels.linear import PREPACK_MIN_NUMEL, Linear
-from runner.kernels.quant_linear import CPU_KERNEL_MAX_ROWS, packed_args
+from runner.kernels.quant_linear import CPU_KERNEL_MAX_ROWS, QuantWeight, packed_args
 from runner.parallel.layers import RowParallelLinear
 
 
@@ -119,8 +119,11 @@ class OneCallDecode:
                 head_dim=a.head_dim, window=a.window or 0, eps=layer.attention_norm.eps,
                 rotary_dim=2 * model.rotary.inv_freq.numel(), alibi=a.alibi))
         self.vocab_size, self.layout, self.paged = model.params.vocab_size, model.config.cache_layout, model.config.paged
+        emb = model.tok_embeddings.weight  # float32, or a QuantWeight dequantised as its rows are gathered
+        quant = isinstance(emb, QuantWeight)
         self._model = torch.classes.pmx_cpu.DecodeModel(
-            embedding=model.tok_embeddings.weight.contiguous(), layers=layers, norm=model.norm.weight,
+            embedding=(emb.qweight if quant else emb).contiguous(), embedding_scale=emb.scale.contiguous() if quant
+            else None, embedding_group=emb.scheme.group_size if quant else 0, layers=layers, norm=model.norm.weight,
             eps=model.norm.eps, output=_linear(model.output, "output"), dequant_above=CPU_KERNEL_MAX_ROWS,
             workspace=torch.empty(0, dtype=torch.uint8) if shm is None else shm.workspace, rank=comm.rank,
             world=comm.world_size, deadline_s=0.0 if shm is None else float(shm.deadline_s))

@@ -311,9 +311,10 @@ class Transformer(nn.Module):
         rank, H = comm.rank, self.heads
         alibi = (torch.tensor(ref.alibi_slopes(p.num_heads), dtype=torch.float32)[rank * H: (rank + 1) * H]
                  .to(self.device) if p.position_embedding == "alibi" else None)   # this rank's heads' slopes
-        self.tok_embeddings = ParallelEmbedding(w.pop("tok_embeddings.weight"), p.hidden_dim, comm)
         column, row = partial(ColumnParallelLinear, comm=comm), partial(RowParallelLinear, comm=comm)
         weight = partial(pop_weight, w, scheme=scheme_of(p), kernels=c.kernels)  # float, or weight-only quantised
+        self.tok_embeddings = ParallelEmbedding(weight("tok_embeddings"), p.hidden_dim, comm, self.dtype,
+                                                ops.quant_embedding)
 
         def take(names, bias_on):
             """Pops the weights (and biases, when the model has them) of `names`."""

@@ -133,7 +133,8 @@ def open_session(ckpt_dir: str, config: EngineConfig = EngineConfig(), random_we
     model = Transformer(params, weights, comm, config)
     stepper = Stepper(model, config)
     if progress and env.rank == 0:
-        print(f"engine: {stepper.describe()}", file=sys.stderr, flush=True)
+        print(f"engine: {comm.describe() + '; ' if comm.world_size > 1 else ''}{stepper.describe()}", file=sys.stderr,
+              flush=True)
         if draft is not None:
             print(f"draft model: {config.speculative_model} ({draft.model.params.num_layers} layers, "
                   f"{draft.stepper.describe()})", file=sys.stderr, flush=True)

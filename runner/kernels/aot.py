@@ -119,6 +119,10 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
                     scale = torch.empty((m.hidden, m.hidden // group) if group else (m.hidden,), device=META)
                     add(f"{tag} {method} g{group} linear, {T} rows", triton_quant.quant_matmul, x, qw, scale,
                         method, group)
+                    ids = torch.empty(T, dtype=torch.int64, device=META)
+                    emb = torch.empty(32000, qw.shape[1], dtype=qw.dtype, device=META)
+                    add(f"{tag} {method} g{group} embedding, {T} rows", triton_quant.quant_embedding, ids, emb,
+                        torch.empty((32000, m.hidden // group) if group else (32000,), device=META), method, group, dt)
             rows = triton_ops.DECODE_LINEAR_ROWS   # the decode linears: qkv, o, gate/up, down, output head
             for n, k, swiglu, bias in (((H + 2 * KV) * D, m.hidden, False, True), (m.hidden, H * D, False, False),
                                        (2 * m.intermediate, m.hidden, False, False),

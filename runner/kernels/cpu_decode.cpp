@@ -87,8 +87,51 @@ struct Layer : torch::CustomClassHolder {
   }
 };
 
+// This rank's columns of the token embedding, [V, Dn] (Dn = hidden / ranks), and one row of it dequantised as it is
+// gathered: float32; int8 with a scale per row (scale [V], the full row's); int4 bytes [V, Dn / 2] (column 2j in the
+// low nibble, 2j+1 in the high one, the value nibble - 8) with a scale per group of `group` columns (scale
+// [V, Dn / group]). Each value is float(q) * scale, as runner.pmx.quant.dequantize computes it.
+struct Embedding {
+  at::Tensor weight, scale;
+  int64_t kind = 32, group = 0, V = 0, Dn = 0;
+
+  Embedding(at::Tensor w, at::Tensor s, int64_t group_) : weight(std::move(w)), scale(std::move(s)), group(group_) {
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "DecodeModel: embedding must be a contiguous matrix");
+    V = weight.size(0);
+    const auto st = weight.scalar_type();
+    kind = st == at::kFloat ? 32 : st == at::kChar ? 8 : st == at::kByte ? 4 : 0;
+    Dn = weight.size(1) * (kind == 4 ? 2 : 1);
+    TORCH_CHECK(kind != 0, "DecodeModel: embedding must be float32, int8 or int4 (uint8 bytes), not ", st);
+    const auto scale_ok = [&](std::vector<int64_t> shape) {
+      return scale.defined() && scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.sizes() == shape;
+    };
+    TORCH_CHECK(kind == 32 ? !scale.defined() : kind == 8 ? scale_ok({V}) :
+                    group > 0 && Dn % group == 0 && scale_ok({V, Dn / (group > 0 ? group : 1)}),
+                "DecodeModel: embedding scale must be absent (float32), float32 [V] (int8) or float32 [V, columns / ",
+                "group] (int4, group > 0 dividing the columns)");
+  }
+
+  void row(int64_t t, float* out) const {
+    if (kind == 32) {
+      std::memcpy(out, weight.data_ptr<float>() + t * Dn, Dn * sizeof(float));
+    } else if (kind == 8) {
+      const int8_t* q = weight.data_ptr<int8_t>() + t * Dn;
+      const float s = scale.data_ptr<float>()[t];
+      for (int64_t d = 0; d < Dn; ++d) out[d] = static_cast<float>(q[d]) * s;
+    } else {
+      const uint8_t* q = weight.data_ptr<uint8_t>() + t * (Dn / 2);
+      const float* s = scale.data_ptr<float>() + t * (Dn / group);
+      for (int64_t j = 0; j < Dn / 2; ++j) {
+        out[2 * j] = static_cast<float>((q[j] & 15) - 8) * s[2 * j / group];
+        out[2 * j + 1] = static_cast<float>((q[j] >> 4) - 8) * s[(2 * j + 1) / group];
+      }
+    }
+  }
+};
+
 struct DecodeModel : torch::CustomClassHolder {
-  at::Tensor embedding, norm;  // [V, hidden / ranks]: this rank's columns; the final norm [hidden]
+  Embedding embedding;  // this rank's columns
+  at::Tensor norm;      // the final norm [hidden]
   std::vector<c10::intrusive_ptr<Layer>> layers;
   LinearPtr output;  // this rank's part of the vocabulary
   float eps;
@@ -100,10 +143,11 @@ struct DecodeModel : torch::CustomClassHolder {
   std::mutex busy;  // one step at a time per model (the scratch is shared)
 
   // dequant_above: the quantised linears' row count above which they dequantise (pmx_cpu::linear_into)
-  DecodeModel(at::Tensor embedding_, std::vector<c10::intrusive_ptr<Layer>> layers_, at::Tensor norm_, double eps_,
-              LinearPtr output_, int64_t dequant_above_, at::Tensor workspace, int64_t rank_, int64_t world_,
-              double deadline_s)
-      : embedding(std::move(embedding_)), norm(std::move(norm_)), layers(std::move(layers_)),
+  DecodeModel(at::Tensor embedding_, c10::optional<at::Tensor> embedding_scale, int64_t embedding_group,
+              std::vector<c10::intrusive_ptr<Layer>> layers_, at::Tensor norm_, double eps_, LinearPtr output_,
+              int64_t dequant_above_, at::Tensor workspace, int64_t rank_, int64_t world_, double deadline_s)
+      : embedding(std::move(embedding_), embedding_scale.value_or(at::Tensor()), embedding_group),
+        norm(std::move(norm_)), layers(std::move(layers_)),
         output(std::move(output_)), eps(static_cast<float>(eps_)), hidden(norm.numel()), dequant_above(dequant_above_),
         ws(std::move(workspace)), rank(rank_), world(world_), timeout_s(deadline_s) {
     TORCH_CHECK(!layers.empty() && norm.scalar_type() == at::kFloat && norm.is_contiguous() && norm.dim() == 1,
@@ -119,9 +163,8 @@ struct DecodeModel : torch::CustomClassHolder {
     }
     TORCH_CHECK(output->p.k == hidden && !output->reduced, "DecodeModel: output must be column-parallel with ", hidden,
                 " inputs, not ", output->p.k);
-    TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == at::kFloat && embedding.is_contiguous() &&
-                    embedding.size(1) * world >= hidden, "DecodeModel: embedding must be contiguous float32 [V, ",
-                "hidden / ranks]");
+    TORCH_CHECK(embedding.Dn * world >= hidden && (world > 1 || embedding.Dn == hidden), "DecodeModel: embedding ",
+                "must have hidden / ranks columns, not ", embedding.Dn);
     TORCH_CHECK(world == 1 || (ws.scalar_type() == at::kByte && ws.numel() > 0),
                 "DecodeModel: ", world, " ranks need the shared-memory workspace");
   }
@@ -167,7 +210,7 @@ struct DecodeModel : torch::CustomClassHolder {
     TORCH_CHECK(cv.L == L && cv.KV == KV && cv.last == hd, "decode step: cache of shape ", cache.sizes(), " is not ",
                 "one of ", L, " layers, ", KV, " KV heads of ", hd, " in layout ", layout);
     const pmx_cpu::HistoryRows hist = pmx_cpu::history_rows(cachestarts, page_size, lens, B, widest_window, cv.T);
-    const int64_t V = embedding.size(0), Dn = embedding.size(1);
+    const int64_t V = embedding.V, Dn = embedding.Dn;
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(tok[b] >= 0 && tok[b] < V, "decode step: token id ", tok[b], " is outside the vocabulary of ", V);
       TORCH_CHECK(slot[b] >= 0 && slot[b] < cv.T, "decode step: cache row ", slot[b], " is outside the cache's ", cv.T,
@@ -188,10 +231,8 @@ struct DecodeModel : torch::CustomClassHolder {
     float *x = bufs[0], *resid = bufs[1], *h = bufs[2], *qkv = bufs[3], *attn = bufs[4], *gu = bufs[5], *act = bufs[6];
     float *gathered = bufs[7], *local = bufs[8];
 
-    const float* emb = embedding.data_ptr<float>();  // this rank's columns (ParallelEmbedding), gathered into resid
-    for (int64_t b = 0; b < B; ++b)
-      std::memcpy(world == 1 ? resid + b * D : local + b * Dn, emb + tok[b] * Dn,
-                  (world == 1 ? D : Dn) * sizeof(float));
+    for (int64_t b = 0; b < B; ++b)  // this rank's columns (ParallelEmbedding), gathered into resid
+      embedding.row(tok[b], world == 1 ? resid + b * D : local + b * Dn);
     if (world > 1) all_gather(local, B, Dn, gathered, resid, D);
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     for (int64_t l = 0; l < L; ++l) {
@@ -217,7 +258,7 @@ struct DecodeModel : torch::CustomClassHolder {
       linear(*y.w2, act, B, x);
     }
     pmx_cpu::skip_rms_norm_into(x, resid, norm.data_ptr<float>(), B, D, eps, resid, h);
-    at::Tensor logits = at::empty({B, world * Vn}, embedding.options());
+    at::Tensor logits = at::empty({B, world * Vn}, norm.options());
     float* lp = logits.data_ptr<float>();
     linear(*output, h, B, world == 1 ? lp : local);
     if (world > 1) all_gather(local, B, Vn, gathered, lp, world * Vn);
@@ -241,10 +282,10 @@ TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
        arg("gate_up"), arg("w2"), arg("heads"), arg("kv_heads"), arg("head_dim"), arg("window"), arg("eps"),
        arg("rotary_dim"), arg("alibi")});
   m.class_<DecodeModel>("DecodeModel")
-      .def(torch::init<at::Tensor, std::vector<c10::intrusive_ptr<Layer>>, at::Tensor, double, LinearPtr, int64_t,
-                       at::Tensor, int64_t, int64_t, double>(), "",
-           {arg("embedding"), arg("layers"), arg("norm"), arg("eps"), arg("output"), arg("dequant_above"),
-            arg("workspace"), arg("rank"), arg("world"), arg("deadline_s")})
+      .def(torch::init<at::Tensor, c10::optional<at::Tensor>, int64_t, std::vector<c10::intrusive_ptr<Layer>>,
+                       at::Tensor, double, LinearPtr, int64_t, at::Tensor, int64_t, int64_t, double>(), "",
+           {arg("embedding"), arg("embedding_scale"), arg("embedding_group"), arg("layers"), arg("norm"), arg("eps"),
+            arg("output"), arg("dequant_above"), arg("workspace"), arg("rank"), arg("world"), arg("deadline_s")})
       .def("step", &DecodeModel::step)
       .def_static("features", []() {  // what a layer may have (fused_decode.LayerFeatures.names); nothing else
         return std::vector<std::string>{"rotary", "rotary_partial", "alibi", "swiglu", "packed_linears", "qkv_bias",

@@ -72,6 +72,14 @@ def pop_weight(weights: dict, base: str, scheme: Optional[QuantScheme], kernels:
     return QuantWeight(weights.pop(f"{base}.qweight"), weights.pop(f"{base}.scale"), scheme, kernels)
 
 
+def quant_embedding(ids: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, method: str, group_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The spec of a quantised embedding's lookup: rows `ids` of (qweight, scale), dequantised as they are gathered,
+    [*ids.shape, columns] in `dtype` (runner.kernels.triton_quant.quant_embedding on CUDA, cpu_decode.cpp's
+    Embedding in the one-call decode step)."""
+    return dequantize(qweight[ids], scale[ids], method, dtype)
+
+
 def reference_linear(x: torch.Tensor, w: QuantWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The spec: dequantise, then an ordinary float linear."""
     return F.linear(x, w.dequantize(x.dtype), bias)

@@ -34,6 +34,7 @@ class KernelSet:
     decode_attention_rows: Optional[Callable] = None   # reads each history's rows in place (CPU)
     decode_linear: Optional[Callable] = None           # batch-1 decode GEMV on a plain half-precision weight
     decode_linear_rows: int = 0
+    quant_embedding: Optional[Callable] = None         # a quantised embedding's rows, dequantised as gathered
 
     @property
     def reads_history_in_place(self) -> bool:
@@ -57,11 +58,12 @@ def kernel_set(kind: str, device: torch.device, dtype: torch.dtype) -> KernelSet
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise PmxError("--kernels triton runs on CUDA devices (or on CPU under TRITON_INTERPRET=1, slowly)")
     try:
-        from runner.kernels import triton_ops
+        from runner.kernels import triton_ops, triton_quant
     except ImportError as e:
         raise PmxError(f"--kernels {kind} on {device.type} needs Triton ({e}); install it (pip install triton) or "
                        f"run with --kernels torch / reference") from None
     t = triton_ops
     return KernelSet("triton", t.skip_rms_norm, t.apply_rotary, t.swiglu, t.kv_store, torch_ops.kv_load,
                      torch_ops.attend, t.rotary_kv_store, t.decode_attention, t.prefill_attention,
-                     decode_linear=t.decode_linear, decode_linear_rows=t.DECODE_LINEAR_ROWS)
+                     decode_linear=t.decode_linear, decode_linear_rows=t.DECODE_LINEAR_ROWS,
+                     quant_embedding=triton_quant.quant_embedding)

@@ -83,3 +83,37 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, me
 def takes_group(group_size: int) -> bool:
     """Whether the kernel runs int4 with this group size (multiples of 16: a step of K holds whole groups)."""
     return group_size % 16 == 0
+
+
+@triton.jit
+def _quant_embedding_kernel(ids_ptr, w_ptr, s_ptr, y_ptr, D, G, INT4: tl.constexpr, BLOCK: tl.constexpr):
+    """y[t, c] = column c of row ids[t] of the quantised embedding, dequantised: q * scale (int8: the row's scale;
+    int4: the nibble - 8, times its group's scale), computed in float32 as runner.pmx.quant.dequantize does."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < D
+    row = tl.load(ids_ptr + t).to(tl.int64)                       # row x D can pass 2^31 (vocabulary x hidden)
+    if INT4:
+        b = tl.load(w_ptr + row * (D // 2) + cols // 2, mask=m, other=0).to(tl.int32)
+        q = tl.where(cols % 2 == 0, b & 15, b >> 4) - 8
+        s = tl.load(s_ptr + row * (D // G) + cols // G, mask=m, other=0.0).to(tl.float32)
+    else:
+        q = tl.load(w_ptr + row * D + cols, mask=m, other=0).to(tl.int32)
+        s = tl.load(s_ptr + row).to(tl.float32)
+    tl.store(y_ptr + t * D + cols, (q.to(tl.float32) * s).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def quant_embedding(ids: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, method: str, group_size: int,
+                    dtype: torch.dtype, launch=_launch) -> torch.Tensor:
+    """Rows `ids` of a quantised embedding (int8 [V, D] with scale [V]; int4 bytes [V, D/2] with scale [V, D/G]),
+    dequantised as they are gathered: [*ids.shape, D] in `dtype`. The spec is
+    runner.kernels.quant_linear.quant_embedding."""
+    int4 = method == "int4"
+    flat = ids.reshape(-1).contiguous()
+    d = qweight.shape[-1] * (2 if int4 else 1)
+    y = torch.empty(flat.numel(), d, device=qweight.device, dtype=dtype)
+    block = min(1024, triton.next_power_of_2(d))
+    if flat.numel():
+        launch(_quant_embedding_kernel, (flat.numel(), triton.cdiv(d, block)), flat, qweight.contiguous(),
+               scale.contiguous(), y, d, max(group_size, 1), INT4=int4, BLOCK=block, num_warps=4)
+    return y.view(*ids.shape, d)

@@ -22,6 +22,14 @@ class Communicator(ABC):
     world_size: int = 1
     shm: Optional[SharedMemory] = None  # the ranks' shared-memory workspace (C++ callers run collectives on it)
     captures_cuda_graphs: bool = False  # whether a CUDA graph of the step may hold its collectives
+    machines: int = 1                   # how many machines (runner.parallel.shm.machine_id) the ranks are on
+    transport: str = "none"             # what carries the collectives where shared memory does not
+
+    def describe(self) -> str:
+        """Where the ranks are and what carries their collectives (said once at start-up)."""
+        where = "one machine" if self.machines == 1 else f"{self.machines} machines"
+        how = f"shared memory (else {self.transport})" if self.shm is not None else self.transport
+        return f"{self.world_size} rank(s) on {where}, collectives through {how}"
 
     @abstractmethod
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor: ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import struct
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Optional
@@ -35,26 +36,30 @@ class TorchComm(Communicator):
                 raise PmxError("the nccl backend needs CUDA tensors (--device cuda)")
             check_gpus_for_nccl(env, torch.cuda.device_count())
         self.captures_cuda_graphs = backend == "nccl"  # NCCL collectives run inside a CUDA graph; gloo's do not
-        kwargs = dict(backend=backend, rank=env.rank, world_size=env.world_size, timeout=PROCESS_GROUP_TIMEOUT)
-        if env.launcher == "mpi":  # mpirun sets no MASTER_ADDR: rank 0 publishes a reachable address
-            kwargs["init_method"] = _mpi_rendezvous()
-        elif env.launcher == "single":  # one process asked for a process group (nccl / gloo at TP=1)
-            kwargs["init_method"] = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+        self.transport = backend
         if not dist.is_initialized():
+            kwargs = dict(backend=backend, rank=env.rank, world_size=env.world_size, timeout=PROCESS_GROUP_TIMEOUT)
+            if env.launcher == "mpi":  # mpirun sets no MASTER_ADDR: rank 0 publishes addresses, each rank takes one
+                kwargs["store"] = _mpi_rendezvous(env.world_size)
+            elif env.launcher == "single":  # one process asked for a process group (nccl / gloo at TP=1)
+                kwargs["init_method"] = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
             dist.init_process_group(**kwargs)
         self._dog = Watchdog(timeout_s)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.10
         self._ops = {"all_reduce": dist.all_reduce, "all_gather": gather, "broadcast": dist.broadcast,
                      "barrier": dist.barrier}
+        self.machines = len(set(self._gathered_objects(machine_id())))
         self.shm = self._shared_memory(timeout_s, environ) if device.type == "cpu" else None
 
+    def _gathered_objects(self, obj) -> list:
+        """Every rank's `obj` (a start-up collective)."""
+        out = [None] * self.world_size
+        self.dist.all_gather_object(out, obj)
+        return out
+
     def _shared_memory(self, timeout_s: float, environ) -> Optional[SharedMemory]:
-        def gathered(obj) -> list:  # every rank's obj
-            out = [None] * self.world_size
-            self.dist.all_gather_object(out, obj)
-            return out
-        return SharedMemory.open(self.rank, self.world_size, lambda obj: gathered(obj)[0],
-                                 lambda flag: all(gathered(bool(flag))), len(set(gathered(machine_id()))) == 1,
+        return SharedMemory.open(self.rank, self.world_size, lambda obj: self._gathered_objects(obj)[0],
+                                 lambda flag: all(self._gathered_objects(bool(flag))), self.machines == 1,
                                  2 * timeout_s + 1, environ)
 
     def _run(self, what: str, *args, guarded: bool = True, **kwargs) -> None:
@@ -123,13 +128,85 @@ def _free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
-def _mpi_rendezvous() -> str:
-    """tcp://host:port chosen by rank 0 (MASTER_ADDR if set, else its own IP) and broadcast with mpi4py."""
+def _mpi_rendezvous(world_size: int):
+    """The torch.distributed store of an mpirun launch: rank 0 starts it (on every interface) and broadcasts, with
+    mpi4py, its port and the addresses it may be reached at (MASTER_ADDR when set; else its host name's addresses,
+    then every interface's, loopback last); every other rank connects to the first of them that answers. So a host
+    name that does not resolve (or resolves to a loopback address other machines cannot use) does not break the
+    rendezvous. Where the host name does not resolve and GLOO_SOCKET_IFNAME is unset, gloo is pointed at the
+    interface this rank reaches the store through (it would fall back to loopback, unreachable from elsewhere)."""
+    import torch.distributed as dist
     MPI = mpi()
     comm = MPI.COMM_WORLD
-    addr = None
-    if comm.Get_rank() == 0:
-        host = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
-        port = int(os.environ.get("MASTER_PORT", 0)) or _free_port()
-        addr = f"tcp://{host}:{port}"
-    return comm.bcast(addr, root=0)
+    rank, store, found = comm.Get_rank(), None, None
+    if rank == 0:
+        port = int(os.environ.get("MASTER_PORT", 0))
+        store = dist.TCPStore("0.0.0.0", port, world_size, is_master=True, timeout=PROCESS_GROUP_TIMEOUT,
+                              wait_for_workers=False)
+        found = ([os.environ["MASTER_ADDR"]] if os.environ.get("MASTER_ADDR") else host_addresses(), store.port)
+    candidates, port = comm.bcast(found, root=0)
+    local, host = None, None
+    for host in candidates:
+        try:
+            with socket.create_connection((host, port), timeout=RENDEZVOUS_PROBE_S) as s:
+                local = s.getsockname()[0]
+            break
+        except OSError:
+            continue
+    reached = comm.allgather(host if local is not None else None)
+    if None in reached:
+        raise PmxError(f"rank {reached.index(None)} cannot reach rank 0's rendezvous at any of {candidates} "
+                       f"(port {port}); set MASTER_ADDR to an address of rank 0's machine that every machine reaches")
+    if local is not None and "GLOO_SOCKET_IFNAME" not in os.environ and not _resolves(socket.gethostname()):
+        ifname = interface_of(local)
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    return store if store is not None else dist.TCPStore(host, port, world_size, is_master=False,
+                                                         timeout=PROCESS_GROUP_TIMEOUT)
+
+
+RENDEZVOUS_PROBE_S = 3.0  # how long a rank tries each of rank 0's addresses
+
+
+def _resolves(name: str) -> bool:
+    try:
+        socket.gethostbyname(name)
+        return True
+    except OSError:
+        return False
+
+
+def _interfaces() -> dict[str, str]:
+    """{IPv4 address: interface name} of this machine (Linux: SIOCGIFADDR on each interface); {} elsewhere."""
+    try:
+        import fcntl
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError):
+        return {}
+    out = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address
+                continue
+            out.setdefault(socket.inet_ntoa(packed[20:24]), name)
+    return out
+
+
+def host_addresses() -> list[str]:
+    """This machine's IPv4 addresses, most likely reachable from other machines first: its host name's (when it
+    resolves), then every interface's; loopback addresses last."""
+    found = []
+    try:
+        found += socket.gethostbyname_ex(socket.gethostname())[2]
+    except OSError:
+        pass
+    found += list(_interfaces())
+    ordered = sorted(dict.fromkeys(found), key=lambda a: a.startswith("127."))  # stable: loopback last
+    return ordered or ["127.0.0.1"]
+
+
+def interface_of(address: str) -> Optional[str]:
+    """The name of this machine's interface holding IPv4 `address`, or None."""
+    return _interfaces().get(address)

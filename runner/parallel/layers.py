@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.kernels.quant_linear import CPU_KERNEL_MAX_ROWS, make_linear, packed_args
+from runner.kernels.quant_linear import CPU_KERNEL_MAX_ROWS, QuantWeight, make_linear, packed_args, quant_embedding
 
 
 class ColumnParallelLinear(nn.Module):
@@ -54,15 +54,28 @@ class RowParallelLinear(nn.Module):
 
 
 class ParallelEmbedding(nn.Module):
-    """Embedding cut by hidden columns (as ppl.pmx): look up the local columns, all-gather, drop padding."""
+    """Embedding cut by hidden columns (as ppl.pmx): look up the local columns, all-gather, drop padding. A weight-only
+    quantised embedding (a QuantWeight: int8 rows with a scale each, int4 rows with a scale per group of columns) is
+    dequantised to `dtype` as its rows are gathered, by `quant_rows` (a kernel set's quant_embedding, signature of
+    runner.kernels.quant_linear.quant_embedding, the spec used where it is None)."""
 
-    def __init__(self, weight: torch.Tensor, hidden_dim: int, comm):
+    def __init__(self, weight, hidden_dim: int, comm, dtype: torch.dtype = torch.float32, quant_rows=None):
         super().__init__()
-        self.register_buffer("weight", weight, persistent=False)
-        self.hidden_dim, self.comm = hidden_dim, comm
+        if isinstance(weight, QuantWeight):
+            self.weight, self.quant_rows = weight, quant_rows or quant_embedding
+        else:
+            self.register_buffer("weight", weight, persistent=False)
+        self.hidden_dim, self.comm, self.dtype = hidden_dim, comm, dtype
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of rows `ids`."""
+        w = self.weight
+        if not isinstance(w, QuantWeight):
+            return F.embedding(ids, w)
+        return self.quant_rows(ids, w.qweight, w.scale, w.scheme.method, w.scheme.group_size, self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.comm.all_gather(F.embedding(ids, self.weight), dim=-1)
+        x = self.comm.all_gather(self.lookup(ids), dim=-1)
         return x[..., : self.hidden_dim].contiguous() if x.shape[-1] != self.hidden_dim else x
 
 

@@ -9,7 +9,7 @@ import torch
 
 from runner.parallel.communicator import Communicator
 from runner.parallel.launch import LaunchEnv, mpi
-from runner.parallel.shm import SharedMemory
+from runner.parallel.shm import SharedMemory, machine_id
 from runner.parallel.watchdog import Watchdog
 
 
@@ -44,8 +44,10 @@ class MpiComm(Communicator):
         self.rank, self.world_size = env.rank, env.world_size
         self._dog = Watchdog(timeout_s)
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
-        one_machine = local.Get_size() == self.world_size
+        self.machines = len(set(self._comm.allgather(machine_id())))
+        one_machine = local.Get_size() == self.world_size and self.machines == 1  # MPI's node and ours agree
         local.Free()
+        self.transport = f"MPI ({' '.join(MPI.Get_library_version().splitlines()[0].split(',')[0].split())})"
         self.shm = SharedMemory.open(self.rank, self.world_size, lambda obj: self._comm.bcast(obj, root=0),
                                      lambda flag: self._comm.allreduce(bool(flag), op=MPI.LAND), one_machine,
                                      2 * timeout_s + 1, environ)

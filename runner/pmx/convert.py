@@ -26,6 +26,7 @@ from runner.pmx.schema import pmx_tensors
 from runner.pmx.shard import full_shape, merge_tensor, shard_shape, sharded_params, split_tensor, unsharded_params
 from runner.pmx.store import (DTYPE_NAMES, _numel, SafetensorsReader, SafetensorsWriter, atomic_output_dir,
                               check_apart, copy_tokenizer_files, dtype_name)
+from runner.pmx.stored import Scratch, Stored, as_tensor
 
 Plan = Sequence[tuple[str, torch.dtype, tuple]]  # (name, dtype, full unsplit shape), in file order
 ST_METADATA = {"format": "pt"}
@@ -53,7 +54,7 @@ def write_pmx(out_dir: Path, params: PmxParams, plan: Plan, fetch: Callable[[str
             for w, part in zip(writers, split_tensor(sp, name, t)):
                 w.write(name, part)
             fingerprint.add(name, t)
-            bar.update(t.numel() * t.element_size())
+            bar.update(_numel(shape) * torch.empty((), dtype=dt).element_size())
             del t
         for w in writers:
             w.patch_metadata(FINGERPRINT, fingerprint.hexdigest())
@@ -128,6 +129,7 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
                        f"{' ...' if len(extra) > 8 else ''} ({len(extra)} in all); refusing to drop them silently")
 
     last: dict = {}  # the HF tensor read last: a fused one (q/k/v, gate/up) gives its parts one after the other
+    scratch = Scratch()
 
     def read(hf: str) -> torch.Tensor:
         if hf not in last:
@@ -135,14 +137,21 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
             last[hf] = ckpt.get(hf)
         return last[hf]
 
-    def fetch(name: str) -> torch.Tensor:
+    def fetch(name: str) -> torch.Tensor | Stored:
+        """Tensor `name` as written: left in its file where it needs no change, else computed in reused memory."""
         src, hf = sources[name]
-        t = torch.stack([ckpt.get(stored(n)) for n in src.stacked]) if src.stacked else read(hf)
+        if src.stacked:
+            return torch.stack([ckpt.get(stored(n)) for n in src.stacked]).to(target)
         if src.take is not None:
-            t = src.take(t)
+            t = src.take(read(hf))
+        else:
+            t = ckpt.stored(hf)
+            if not src.rotary_heads and t.dtype == target:
+                return t
+            t = as_tensor(t)
         if src.rotary_heads:
-            t = unpermute_rotary(t, src.rotary_heads)
-        return t.to(target)
+            t = unpermute_rotary(t, src.rotary_heads, out=scratch.take("rotary", t.dtype, t.shape))
+        return t if t.dtype == target else scratch.take("cast", target, t.shape).copy_(t)
 
     plan = [(s.pmx_name, target, s.shape) for s, _ in sources.values()]
     extras = family.tokenizer_extras(Path(input_dir), params)
@@ -213,8 +222,12 @@ class PmxModel:
                                f"{list(shard_shape(p, name, full))} for a {p.num_shards}-way shard")
         return full
 
+    def merged(self, name: str) -> Stored:
+        """Unsplit tensor `name` left in the shard files (runner/pmx/stored.py); replicas checked equal."""
+        return merge_tensor(self.params, name, [rd.stored(name) for rd in self.readers])
+
     def get_merged(self, name: str) -> torch.Tensor:
-        return merge_tensor(self.params, name, [rd.get(name) for rd in self.readers])
+        return self.merged(name).tensor()
 
 
 def reshard(input_dir: str, output_dir: str, num_shards: int, overwrite: bool = False,
@@ -227,7 +240,7 @@ def reshard(input_dir: str, output_dir: str, num_shards: int, overwrite: bool = 
                        f"num_shards={p.num_shards} (pmx_params.json)")
     sharded_params(unsharded_params(p), num_shards)
     plan = _read_plan(model, input_dir)
-    return _write_dir(Path(input_dir), output_dir, overwrite, p, plan, model.get_merged, num_shards,
+    return _write_dir(Path(input_dir), output_dir, overwrite, p, plan, model.merged, num_shards,
                       "merging" if num_shards == 1 else "splitting", progress)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from runner.errors import PmxError
 from runner.pmx.params import PmxParams
+from runner.pmx.stored import Stored
 
 RANK, NUM_SHARDS, FINGERPRINT = "pmx_rank", "pmx_num_shards", "pmx_fingerprint"
 PLACEHOLDER = "0" * 32  # written first, replaced once every tensor has been seen
@@ -38,16 +39,20 @@ class Fingerprint:
         d = params.replace(num_shards=1, kv_replication=1, padded_dims={}).to_dict()
         self._h = hashlib.blake2b(json.dumps(d, sort_keys=True).encode(), digest_size=16)
 
-    def add(self, name: str, t: torch.Tensor) -> None:
+    def add(self, name: str, t: torch.Tensor | Stored) -> None:
+        """Adds full tensor `t` (in memory, or left in its file: then only the sampled bytes are read)."""
         self._h.update(f"{name}|{t.dtype}|{list(t.shape)}".encode())
-        raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-        n = raw.numel()
+        if isinstance(t, Stored):
+            n, read = t.nbytes, t.read
+        else:
+            raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+            n, read = raw.numel(), lambda at, k: raw[at:at + k].numpy().tobytes()
         if n <= SAMPLES * SAMPLE_BYTES:
-            self._h.update(raw.numpy().tobytes())
+            self._h.update(read(0, n))
             return
         for k in range(SAMPLES):
             at = (n - SAMPLE_BYTES) * k // (SAMPLES - 1)
-            self._h.update(raw[at:at + SAMPLE_BYTES].numpy().tobytes())
+            self._h.update(read(at, SAMPLE_BYTES))
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()

@@ -16,6 +16,7 @@ import torch
 
 from runner.errors import PmxError
 from runner.pmx.store import SafetensorsReader
+from runner.pmx.stored import Stored
 
 LAYOUTS = (  # (index file, single file)
     ("model.safetensors.index.json", "model.safetensors"),
@@ -128,3 +129,8 @@ class HFCheckpoint:
 
     def get(self, name: str) -> torch.Tensor:
         return self._file(self._where[name]).get(name)
+
+    def stored(self, name: str) -> torch.Tensor | Stored:
+        """Tensor `name` left in its safetensors file (runner/pmx/stored.py); a `.bin` file's tensor as it is."""
+        f = self._file(self._where[name])
+        return f.stored(name) if isinstance(f, SafetensorsReader) else f.get(name)

@@ -16,8 +16,13 @@ Names follow ppl.pmx's weight-only-quantised (woqu) layers: a quantised `X.weigh
 `X.qweight` (int8 [.., N, K], or uint8 [.., N, K/2] for int4: the bytes of ppl.pmx's int32 column
 packing `ModelQuantUtils.pack(direction="column")` read little-endian) and `X.scale` (float32 [.., N]
 for int8, [.., N, K/group_size] for int4); a bias stays `X.bias`. There is no zero point (symmetric).
-Quantised: the linear weights of attention (wq wk wv wo), the MLP (w1 w2 w3) and MoE experts, and
-`output` when asked; the embeddings, norms and the MoE router stay float.
+Quantised: the linear weights of attention (wq wk wv wo), the MLP (w1 w2 w3) and MoE experts; `output` and
+the token embedding `tok_embeddings` [V, D] unless turned off (`quantize_output`, `quantize_embedding`), the
+embedding as a weight of V rows over D input columns: a row's scale (int8) or its groups of hidden columns
+(int4), dequantised as its rows are gathered. Norms and the MoE router stay float.
+
+Format history: `quantize_embedding` came later; a `quantization` without it (or without `quantize_output`) is a
+model whose embedding (output) is float, and reads as it did.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Optional
 import torch
 
 from runner.errors import PmxError
+from runner.pmx.stored import as_tensor
 
 METHODS = ("int8", "int4")
 QUANTIZABLE = re.compile(r"layers\.\d+\.(attention\.(wq|wk|wv|wo)|feed_forward\.(w1|w2|w3))")
@@ -39,9 +45,10 @@ INT4_SCALE_SEARCH = tuple(round(0.6 + 0.025 * i, 3) for i in range(23))  # 0.6 .
 
 @dataclass(frozen=True)
 class QuantScheme:
-    method: str                   # "int8" (per output channel) or "int4" (groups along the input dim)
-    group_size: int = 0           # int4: columns per scale; 0 for int8
-    quantize_output: bool = False  # the lm head `output.weight` too
+    method: str                     # "int8" (per output channel) or "int4" (groups along the input dim)
+    group_size: int = 0             # int4: columns per scale; 0 for int8
+    quantize_output: bool = True    # the lm head `output.weight` too
+    quantize_embedding: bool = True  # the token embedding `tok_embeddings.weight` too
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -54,11 +61,12 @@ class QuantScheme:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "pmx_params quantization") -> "QuantScheme":
-        known = {"method", "group_size", "quantize_output"}
+        """The scheme a pmx_params.json records; a flag it does not record is off (written before it existed)."""
+        known = {"method", "group_size", "quantize_output", "quantize_embedding"}
         if not isinstance(d, dict) or set(d) - known or "method" not in d:
             raise PmxError(f"{source}: expected an object with 'method' and optionally 'group_size', "
-                           f"'quantize_output'; got {d!r}")
-        return cls(**d)
+                           f"'quantize_output', 'quantize_embedding'; got {d!r}")
+        return cls(**{"quantize_output": False, "quantize_embedding": False, **d})
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,7 +74,8 @@ class QuantScheme:
     def quantizes(self, name: str) -> bool:
         """Whether float tensor `name` (a `.weight`) is stored quantised under this scheme."""
         base, _, leaf = name.rpartition(".")
-        return leaf == "weight" and (bool(QUANTIZABLE.fullmatch(base)) or (self.quantize_output and base == "output"))
+        return leaf == "weight" and (bool(QUANTIZABLE.fullmatch(base)) or (self.quantize_output and base == "output")
+                                     or (self.quantize_embedding and base == "tok_embeddings"))
 
     def qshape(self, shape: tuple) -> tuple:
         """Shape of `qweight` for a float weight of `shape` [.., N, K]."""
@@ -191,21 +200,25 @@ def is_quant_tensor(name: str) -> bool:
     return name.endswith(".qweight") or name.endswith(".scale")
 
 
-def scheme_from_flags(quantize: Optional[str], group_size: int = 128, quantize_output: bool = False
-                      ) -> Optional[QuantScheme]:
-    """The scheme the command-line flags ask for (None: keep float), with errors naming the flag."""
+def scheme_from_flags(quantize: Optional[str], group_size: int = 128, quantize_output: Optional[bool] = None,
+                      quantize_embedding: Optional[bool] = None) -> Optional[QuantScheme]:
+    """The scheme the command-line flags ask for (None: keep float), with errors naming the flag. The output and
+    the embedding are quantised unless their flag says False."""
     if quantize in (None, "", "none"):
-        if quantize_output:
-            raise PmxError("--quantize_output needs --quantize int8 or int4")
+        for flag, value in (("--quantize_output", quantize_output), ("--quantize_embedding", quantize_embedding)):
+            if value:
+                raise PmxError(f"{flag} needs --quantize int8 or int4")
         return None
     if quantize not in METHODS:
         raise PmxError(f"--quantize must be int8 or int4, got {quantize!r}")
     if quantize == "int4" and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2
                                or group_size % 2):
         raise PmxError(f"--group_size must be a positive even integer, got {group_size!r}")
-    if not isinstance(quantize_output, bool):
-        raise PmxError(f"--quantize_output must be True or False, got {quantize_output!r}")
-    return QuantScheme(quantize, group_size if quantize == "int4" else 0, quantize_output)
+    for flag, value in (("--quantize_output", quantize_output), ("--quantize_embedding", quantize_embedding)):
+        if value is not None and not isinstance(value, bool):
+            raise PmxError(f"{flag} must be True or False, got {value!r}")
+    return QuantScheme(quantize, group_size if quantize == "int4" else 0, quantize_output is not False,
+                       quantize_embedding is not False)
 
 
 def quantizing_fetch(scheme: QuantScheme, plan, fetch):
@@ -225,7 +238,7 @@ def quantizing_fetch(scheme: QuantScheme, plan, fetch):
     def fetch_q(name: str) -> torch.Tensor:
         base, _, leaf = name.rpartition(".")
         if leaf == "qweight":
-            q, pending[base] = quantize(fetch(f"{base}.weight"), scheme)
+            q, pending[base] = quantize(as_tensor(fetch(f"{base}.weight")), scheme)
             return q
         if leaf == "scale" and base in pending:
             return pending.pop(base)

@@ -18,8 +18,9 @@ Axes count from the end, so MoE experts stacked as [E, out, in] are cut like a d
 A weight-only quantised weight (runner/pmx/quant.py) is cut like its float weight: `qweight` on the
 same axis (in bytes, two int4 columns each, along the input dim), `scale` with its rows. An int8 scale is
 one per output row, so it is cut with the rows of a column-parallel weight and replicated beside a
-row-parallel one (wo, w2), whose scales cover the full row. int4 groups run along the input dim: a
-row-parallel cut must fall on group boundaries, and a split that would cut a group is refused.
+row-parallel one (wo, w2) or the embedding (cut by hidden columns), whose scales cover the full row. int4
+groups run along the input dim: a row-parallel (or embedding) cut must fall on group boundaries, and a split
+that would cut a group is refused.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from runner.errors import PmxError
 from runner.pmx.params import PmxParams
 from runner.pmx.quant import scheme_of
 from runner.pmx.schema import pmx_tensors
+from runner.pmx.stored import Stored
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ def _check_groups(p: PmxParams, sharded: PmxParams) -> None:
     pmx_tensors(p)  # refuses an input dim that is not a multiple of group_size, naming the tensor
     per_rank = {"layers.*.attention.wo": p.num_heads * p.head_dim // n,
                 "layers.*.feed_forward.w2": sharded.padded("intermediate_dim") // n}
+    if scheme.quantize_embedding:  # cut by hidden columns
+        per_rank["tok_embeddings"] = sharded.padded("hidden_dim") // n
     for tensor, cols in per_rank.items():
         if cols % scheme.group_size:
             raise PmxError(f"num_shards={n} cannot be honoured: it would cut the int4 groups of tensor {tensor!r} "
@@ -152,48 +156,67 @@ def full_shape(p: PmxParams, name: str, part: tuple) -> tuple:
     return _reshape(p, name, part, part=False)
 
 
-def split_tensor(p: PmxParams, name: str, t: torch.Tensor) -> list[torch.Tensor]:
-    """Cuts full tensor `t` into `p.num_shards` parts (views where possible)."""
+def _windows(p: PmxParams, name: str, shape: tuple) -> tuple[int, list[tuple[int, int]]]:
+    """The axis `name` is cut along and each rank's (start, length) on it, in the full tensor of `shape`; a window
+    past the end of the axis is zero padding."""
     cut, n = _cut(p, name), p.num_shards
-    if cut.kind == "replicate" or n == 1:
-        return [t] * n
-    ax = cut.axis % t.dim()
+    ax = cut.axis % len(shape)
     if cut.kind == "dim":
-        size, padded = getattr(p, cut.dim) // cut.unit, p.padded(cut.dim) // cut.unit
-        if padded != size:
-            pad_shape = list(t.shape)
-            pad_shape[ax] = padded - size
-            t = torch.cat([t, t.new_zeros(pad_shape)], dim=ax)
-        return list(t.chunk(n, dim=ax))
+        per = p.padded(cut.dim) // cut.unit // n
+        return ax, [(r * per, per) for r in range(n)]
     if cut.kind == "q_heads" or p.kv_replication == 1:
-        return list(t.chunk(n, dim=ax))
-    heads = t.chunk(p.num_kv_heads, dim=ax)  # kv_heads with replication: rank r holds KV head r // replication
-    return [heads[r // p.kv_replication] for r in range(n)]
+        per = shape[ax] // n
+        return ax, [(r * per, per) for r in range(n)]
+    per = shape[ax] // p.num_kv_heads  # kv_heads with replication: rank r holds KV head r // replication
+    return ax, [((r // p.kv_replication) * per, per) for r in range(n)]
 
 
-def merge_tensor(p: PmxParams, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    """Puts the `p.num_shards` parts of `name` back together; replicas must agree bit for bit."""
+def split_tensor(p: PmxParams, name: str, t: torch.Tensor | Stored) -> list:
+    """Cuts full tensor `t` into `p.num_shards` parts: views of a tensor (a padded one is copied once), or Stored
+    parts of a Stored tensor (its file ranges, nothing read)."""
+    if _cut(p, name).kind == "replicate" or p.num_shards == 1:
+        return [t] * p.num_shards
+    ax, windows = _windows(p, name, tuple(t.shape))
+    if isinstance(t, Stored):
+        return [t.narrow(ax, start, length) for start, length in windows]
+    end = max(start + length for start, length in windows)
+    if end > t.shape[ax]:
+        pad_shape = list(t.shape)
+        pad_shape[ax] = end - t.shape[ax]
+        t = torch.cat([t, t.new_zeros(pad_shape)], dim=ax)
+    return [t.narrow(ax, start, length) for start, length in windows]
+
+
+def merge_tensor(p: PmxParams, name: str, parts: list) -> torch.Tensor | Stored:
+    """Puts the `p.num_shards` parts of `name` back together (tensors, or Stored parts: then a Stored tensor, its
+    file ranges); replicas must agree bit for bit."""
     cut, n = _cut(p, name), p.num_shards
     if cut.kind == "replicate" or n == 1:
         _check_replicas(name, parts, range(n))
         return parts[0]
-    ax = cut.axis % parts[0].dim()
+    ax = cut.axis % len(parts[0].shape)
     if cut.kind == "kv_heads" and p.kv_replication > 1:
         rep = p.kv_replication
         for k in range(p.num_kv_heads):
             _check_replicas(name, parts, range(k * rep, (k + 1) * rep))
         parts = parts[::rep]
-    t = torch.cat(parts, dim=ax)
+    t = Stored.cat(parts, ax) if isinstance(parts[0], Stored) else torch.cat(parts, dim=ax)
     if cut.kind == "dim" and t.shape[ax] != getattr(p, cut.dim) // cut.unit:
         t = t.narrow(ax, 0, getattr(p, cut.dim) // cut.unit)
     return t
 
 
-def _check_replicas(name: str, parts: list[torch.Tensor], ranks) -> None:
+def _same(a, b) -> bool:
+    if isinstance(a, Stored):
+        return a.same_bytes(b)
+    return torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
+                       b.view(torch.uint8) if b.dtype.is_floating_point else b)
+
+
+def _check_replicas(name: str, parts: list, ranks) -> None:
     ranks = list(ranks)
     ref = parts[ranks[0]]
     for r in ranks[1:]:
-        if not torch.equal(ref.view(torch.uint8) if ref.dtype.is_floating_point else ref,
-                           parts[r].view(torch.uint8) if parts[r].dtype.is_floating_point else parts[r]):
+        if not _same(ref, parts[r]):
             raise PmxError(f"tensor {name!r}: shard {r} differs from shard {ranks[0]}, but they must hold the same "
                            f"replicated values")

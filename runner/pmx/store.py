@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 import torch
 
 from runner.errors import PmxError
+from runner.pmx.stored import Stored, tensor_views, write_ranges, write_views
 
 ST_DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -57,12 +58,11 @@ class SafetensorsWriter:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
         self._header = blob
-        self._f = open(self.path, "wb")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
-            self._f.write(struct.pack("<Q", len(blob)))
-            self._f.write(blob)
+            write_views(self._fd, [memoryview(struct.pack("<Q", len(blob))), memoryview(blob)])
         except BaseException:
-            self._f.close()
+            os.close(self._fd)
             raise
         self._next = 0
 
@@ -76,29 +76,36 @@ class SafetensorsWriter:
         if len(new) != len(old):
             raise AssertionError(f"{self.path}: metadata {key!r} must keep its length {len(old)}")
         self._header = self._header[:at] + new + self._header[at + len(new):]
-        pos = self._f.tell()
-        self._f.seek(8 + at)
-        self._f.write(new)
-        self._f.seek(pos)
+        if os.pwrite(self._fd, new, 8 + at) != len(new):
+            raise OSError(f"{self.path}: short write of its header")
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor | Stored) -> None:
+        """Appends tensor `name`, the next of the plan: a Stored tensor by kernel copy (runner/pmx/stored.py), a
+        tensor from its memory (a column cut or a permutation of rows by writev of its rows, with no copy)."""
         want_name, dtype, shape = self.plan[self._next]
         if name != want_name or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
             raise AssertionError(f"{self.path}: writing {name} {tensor.dtype} {tuple(tensor.shape)}, "
                                  f"planned {want_name} {dtype} {tuple(shape)}")
-        t = tensor.detach().contiguous().cpu()
-        if t.numel():
-            self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        if isinstance(tensor, Stored):
+            write_ranges(self._fd, tensor.ranges)
+        else:
+            t = tensor.detach().cpu()
+            views = tensor_views(t)
+            if views is None:
+                t = t.contiguous()
+                views = tensor_views(t)
+            write_views(self._fd, views)
+            del views
         self._next += 1
 
     def close(self) -> None:
         if self._next != len(self.plan):
             missing = [n for n, _, _ in self.plan[self._next:]]
             raise AssertionError(f"{self.path}: closed with {len(missing)} planned tensors unwritten ({missing[:3]} ...)")
-        self._f.close()
+        os.close(self._fd)
 
     def abort(self) -> None:
-        self._f.close()
+        os.close(self._fd)
 
 
 def _numel(shape) -> int:
@@ -176,6 +183,12 @@ class SafetensorsReader:
         if name not in self._header:
             raise PmxError(f"{self.path}: has no tensor {name!r}")
         return self._header[name]
+
+    def stored(self, name: str) -> Stored:
+        """Tensor `name` left in the file (runner/pmx/stored.py): moved by the kernel, read only where needed."""
+        e = self._entry(name)
+        return Stored.of_file(self.path, self._data_start + e["data_offsets"][0], TORCH_DTYPES[e["dtype"]],
+                              e["shape"])
 
     def get(self, name: str) -> torch.Tensor:
         e = self._entry(name)
