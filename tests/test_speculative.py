@@ -159,3 +159,63 @@ def test_speculation_on_two_ranks_keeps_the_one_rank_text(stories, tmp_path, lau
         rc, out, err, _ = run_job(cmd, tmp_path, {"OMP_NUM_THREADS": "1", **env}, timeout=180)
         assert rc == 0, err
         assert out == want, (flags, out, want)
+
+
+def test_llm_speculation_keeps_every_token(stories):
+    """Through the offline API (the server's engine): a verification step that ends a completion (its length, or
+    a stop among the accepted guesses) still delivers every token before the end, so the outputs are those
+    without speculation, whatever max_tokens is."""
+    from runner.serve.llm import LLM
+    from runner.serve.params import SamplingParams
+    prompts = ["The cat sat on the mat. The cat sat on the mat. The cat",
+               "Lily and Tom went to the park. They played with a red ball. " * 2]
+    runs = {}
+    for spec in ("off", "ngram"):
+        with LLM(str(stories / "pmx"), speculative=spec) as llm:
+            runs[spec] = [[(c.token_ids, c.finish_reason) for o in llm.generate(prompts, SamplingParams(
+                temperature=0, max_tokens=m, ignore_eos=ignore)) for c in o.outputs]
+                for m in (3, 7, 13, 40) for ignore in (True, False)]
+            if spec == "ngram":
+                assert llm.engine.core.accepted >= 20
+    assert runs["ngram"] == runs["off"]
+    assert all(len(ids) == m for (ids, _), m in zip([r[0] for r in runs["off"][0::2]], (3, 7, 13, 40)))
+
+
+def test_sampled_speculation_keeps_the_target_distribution(stories):
+    """At temperature 2 with top_k 20, on a prompt whose n-gram guesses are right about 60% of the time: the first
+    token (no guess) and the second after the likeliest first (guessed, verified by rejection sampling) have the
+    frequencies of the target's distribution, computed from its top-20 logprobs (within 4 standard errors; taking
+    every guess would give the guess ~100%)."""
+    import collections
+    import math
+
+    from runner.serve.llm import LLM
+    from runner.serve.params import SamplingParams
+    T, N = 2.0, 1600
+    with LLM(str(stories / "pmx"), speculative="ngram") as llm:
+        ids = llm.tokenizer.encode("The cat sat on the mat. The cat sat on the mat. The cat sat on the")
+
+        def target(prompt):  # the top-20 tokens' probabilities at temperature T, as top_k=20 samples them
+            lp = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=20))[0].outputs[0]
+            top = {i: v.logprob / T for i, v in lp.logprobs[0].items()}
+            z = sum(math.exp(v) for v in top.values())
+            return {i: math.exp(v) / z for i, v in top.items()}
+
+        p1 = target(ids)
+        a = max(p1, key=p1.get)
+        p2 = target(ids + [a])
+        before = llm.engine.core.accepted, llm.engine.core.proposed
+        outs = llm.generate([ids] * (N // 50), [SamplingParams(n=50, temperature=T, top_k=20, seed=1000 * i,
+                                                               max_tokens=3, ignore_eos=True) for i in range(N // 50)])
+        accepted, proposed = llm.engine.core.accepted - before[0], llm.engine.core.proposed - before[1]
+    toks = [c.token_ids for o in outs for c in o.outputs]
+    assert all(len(t) == 3 for t in toks)
+    assert proposed > N // 4 and 20 < accepted < proposed, (accepted, proposed)  # guessed, not always right
+    guess = max(p2, key=p2.get)
+    assert 0.4 < p2[guess] < 0.85, p2[guess]
+    for p, got in ((p1, [t[0] for t in toks]), (p2, [t[1] for t in toks if t[0] == a])):
+        n, count = len(got), collections.Counter(got)
+        assert n > 150
+        for tok in sorted(p, key=p.get, reverse=True)[:6]:
+            se = math.sqrt(p[tok] * (1 - p[tok]) / n)
+            assert abs(count[tok] / n - p[tok]) <= 4 * se + 0.005, (tok, count[tok] / n, p[tok], n)

@@ -36,11 +36,14 @@ CPU_CACHE_MEMORY_FRACTION = 0.25  # default KV budget on CPU: at most this share
 @dataclass
 class Output:
     """What one step gave one sequence: its new token (None for a scored prompt) and the logits it came from: rows
-    `rows` of the step's logits (indexed only when asked for: a torch call per sequence and step costs)."""
+    `rows` of the step's logits (indexed only when asked for: a torch call per sequence and step costs). A step
+    that verified guesses gives a sequence several, in order: `finish` is the sequence's finish reason at this
+    token (None where it goes on past it; the sequence's own finish_reason is that of its last)."""
     seq: Sequence
     token: Optional[int]
     step_logits: torch.Tensor
     rows: object                 # an int, or a slice of a scored prompt's chunk
+    finish: Optional[str] = None
 
     @property
     def logits(self) -> torch.Tensor:
@@ -235,7 +238,7 @@ class EngineCore:
                         s.finish_reason = "stop"
                     elif base + j + 1 >= s.max_len:
                         s.finish_reason = "length"
-                    out.append(Output(s, x, logits, r0 + j))
+                    out.append(Output(s, x, logits, r0 + j, s.finish_reason))
                     if s.finish_reason is not None:
                         self.scheduler.remove(s)
                         break
@@ -253,7 +256,7 @@ class EngineCore:
                 s.finish_reason = "length"
         if s.finish_reason is not None:
             self.scheduler.remove(s)
-        out.append(Output(s, t, logits, row))
+        out.append(Output(s, t, logits, row, s.finish_reason))
 
     # -- whole runs ----------------------------------------------------------------------------------------------
     def start_run(self, needs: Seq[int], dumper: Optional[TensorDumper] = None) -> None:
@@ -294,8 +297,8 @@ class EngineCore:
                     started.update(o.seq.seq_id for o in outs)
                     stats["prefill_steps"] = len(times)
             if progress is not None:
-                done += sum(o.seq.finish_reason is not None for o in outs)
-                progress(sum(o.token is not None and o.seq.finish_reason != "stop" for o in outs), done)
+                done += sum(o.finish is not None for o in outs)
+                progress(sum(o.token is not None and o.finish != "stop" for o in outs), done)
         if stats is not None:
             stats["steps"] = self.steps
         self.dumper = None

@@ -351,7 +351,7 @@ class LLMEngine:
                 self.metrics.observe(itl=[now - ch.last_token_at])
             self.metrics.inc("generation_tokens_total")
         ch.last_token_at = now
-        if seq.finish_reason == "stop":  # a stop id or EOS: not part of the completion
+        if o.finish == "stop":  # a stop id or EOS: not part of the completion
             ch.finish_reason, ch.stop_reason = "stop", (token if token in p.stop_token_ids else None)
             return self._finish(seq)
         ch.token_ids.append(token)
@@ -365,7 +365,7 @@ class LLMEngine:
         ch.text += new
         if p.stop and new:
             self._match_stop(ch, len(new))
-        if ch.finish_reason is None and seq.finish_reason == "length":
+        if ch.finish_reason is None and o.finish == "length":
             ch.finish_reason = "length"
         if ch.finish_reason is not None:
             return self._finish(seq)
