@@ -18,6 +18,7 @@ from runner.errors import PmxError
 from runner.onnx.export import export
 from runner.onnx.opmx import DB, OPMX, PPL_STANDARD_OPS
 from runner.pmx.convert import convert, quantize_model, reshard
+from runner.pmx.params import PmxParams
 from runner.pmx.quant import QuantScheme
 
 PY = sys.executable
@@ -126,23 +127,13 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("arch,opts,quant", VARIANTS, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(VARIANTS)])
-def test_onnxruntime_step_matches_the_engine(make_hf, tmp_path, arch, opts, quant):
+def onnxruntime_against_the_engine(pmx: Path, onnx_dir: Path, cfg: EngineConfig, b: StepLengths,
+                                   standard: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict, dict]:
+    """(onnxruntime's logits, the engine's, the caches each left) of step `b` of `pmx` over one random cache: the opmx
+    export at `onnx_dir` through runner.onnx.ort, or the standard-ops one in a stock session."""
     from runner.onnx.ort import OpmxSession
-    src, _ = make_hf(arch)
-    pmx = tmp_path / "pmx"
-    convert(str(src), str(pmx), progress=False)
-    if quant is not None:
-        quantize_model(str(pmx), str(tmp_path / "q"), quant, progress=False)
-        pmx = tmp_path / "q"
-    cfg = EngineConfig(**opts)
-    export(str(pmx), str(tmp_path / "onnx"), progress=False, engine=cfg)
-    check_slices(tmp_path / "onnx", 1)
     sess = open_session(str(pmx), cfg)
     m = sess.model
-    caches = [[128], [256], [0, 384]] if cfg.paged else [0, 40, 90]
-    # a mixed step: one sequence decodes, one continues its prompt, one starts
-    b = StepLengths([3, 5, 6, 7, 8, 9, 10, 11, 12], [1, 3, 5], [7, 4, 0], caches, 1)
     t = step_inputs(b, sess.stepper.mask(b), m.dtype)
     kv, scale = m.new_cache(512)
     torch.manual_seed(0)
@@ -154,14 +145,122 @@ def test_onnxruntime_step_matches_the_engine(make_hf, tmp_path, arch, opts, quan
     ours = dict(t, kv_cache=kv.clone(), kv_scale=None if scale is None else scale.clone())
     want = sess.stepper.forward(**ours)
     feeds = dict(t, kv_cache=kv.clone(), **({} if scale is None else {"kv_scale": scale.clone()}))
-    got = OpmxSession(tmp_path / "onnx" / "model_slice_0", sess.comm).run(feeds)["logits"]
-    tol = 2e-3 if quant is not None and quant.method == "int4" and cfg.kernels != "reference" else 1e-5
-    assert (got - want).abs().max() <= tol * want.abs().max(), (got - want).abs().max()
-    if scale is None:
-        assert torch.allclose(feeds["kv_cache"], ours["kv_cache"], rtol=1e-5, atol=1e-5 * kv.abs().max())
+    if standard:
+        import onnxruntime as ort
+        s = ort.InferenceSession(str(onnx_dir / "model_slice_0" / "model.onnx"), providers=["CPUExecutionProvider"])
+        names = {i.name for i in s.get_inputs()}
+        got, kv_out = s.run(["logits", "kv_cache_out"], {k: v.numpy() for k, v in feeds.items() if k in names})
+        got, feeds["kv_cache"] = torch.from_numpy(got), torch.from_numpy(kv_out)
     else:
-        assert (feeds["kv_cache"].int() - ours["kv_cache"].int()).abs().max() <= 1
-    assert not torch.equal(feeds["kv_cache"], kv)  # written in place
+        got = OpmxSession(onnx_dir / "model_slice_0", sess.comm).run(feeds)["logits"]
+    assert not torch.equal(feeds["kv_cache"], kv)  # written (in place, for opmx)
+    return got, want, feeds, ours
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def assert_caches_agree(got: dict, want: dict) -> None:
+    if got["kv_cache"].dtype != torch.int8:
+        assert torch.allclose(got["kv_cache"], want["kv_cache"], rtol=1e-5, atol=1e-5 * want["kv_cache"].abs().max())
+    else:
+        assert (got["kv_cache"].int() - want["kv_cache"].int()).abs().max() <= 1
+
+
+# a mixed step: one sequence decodes, one continues its prompt, one starts
+MIXED = StepLengths([3, 5, 6, 7, 8, 9, 10, 11, 12], [1, 3, 5], [7, 4, 0], [0, 40, 90], 1)
+
+
+@pytest.mark.parametrize("arch,opts,quant", VARIANTS, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(VARIANTS)])
+def test_onnxruntime_step_matches_the_engine(make_hf, tmp_path, arch, opts, quant):
+    src, _ = make_hf(arch)
+    pmx = tmp_path / "pmx"
+    convert(str(src), str(pmx), progress=False)
+    if quant is not None:
+        quantize_model(str(pmx), str(tmp_path / "q"), quant, progress=False)
+        pmx = tmp_path / "q"
+    cfg = EngineConfig(**opts)
+    export(str(pmx), str(tmp_path / "onnx"), progress=False, engine=cfg)
+    check_slices(tmp_path / "onnx", 1)
+    b = MIXED if not cfg.paged else StepLengths(MIXED.tokens, MIXED.seqlens, MIXED.start, [[128], [256], [0, 384]], 1)
+    got, want, feeds, ours = onnxruntime_against_the_engine(pmx, tmp_path / "onnx", cfg, b)
+    tol = 2e-3 if quant is not None and quant.method == "int4" and cfg.kernels != "reference" else 1e-5
+    assert rel(got, want) <= tol, rel(got, want)
+    assert_caches_agree(feeds, ours)
+
+
+# --- the seed's families (tests/seed_families.py), in process at TP=1 ----------------------------------------------
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """families(name) -> PMX dir of the seed family variant `name`, written and converted once per module."""
+    import seed_families as sf
+    base, made = tmp_path_factory.mktemp("families"), {}
+
+    def get(name):
+        if name not in made:
+            sf.build(name, base / name / "hf")
+            convert(str(base / name / "hf"), str(base / name / "pmx"), progress=False)
+            made[name] = base / name / "pmx"
+        return made[name]
+    return get
+
+
+# positions past Qwen's logn length (8) and its head: a step whose histories reach position 20
+LONG = StepLengths([3, 5, 6, 7, 8, 9, 10, 11, 12], [1, 3, 5], [20, 9, 0], [0, 40, 90], 1)
+FAMILIES = [  # (variant, engine flags, weights): each feature through both attention paths and some cache flags
+    ("chatglm3", dict(cache_layout=3, cache_mode=1), None),                   # partial rotary, MQA, qkv biases
+    ("chatglm2_mha", dict(fused_kvcache=False, friendly_gqa=True), None),
+    ("internlm", dict(fused_qkv=False), None),                                 # biases on q, k, v and o
+    ("internlm", dict(kernels="reference"), QuantScheme("int4", 16)),          # the quantised embedding, int4
+    ("internlm2", dict(quantized_cache=True, cache_layout=1), None),
+    ("baichuan2_7b", {}, None),
+    ("baichuan_7b", dict(cache_layout=2), None),
+    ("baichuan2_13b", dict(fused_kvcache=False, cache_mode=1), None),          # ALiBi, 6 heads
+    ("baichuan_13b", dict(quantized_cache=True), QuantScheme("int8", 0)),      # ALiBi; the quantised embedding, int8
+    ("qwen", {}, None),
+    ("qwen_logn", dict(cache_layout=1), None),                                 # logn scaling past position 8
+    ("qwen_logn", dict(fused_kvcache=False), None),
+]
+
+
+@pytest.mark.parametrize("name,opts,quant", FAMILIES, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(FAMILIES)])
+def test_families_export_and_run_as_the_engine(families, tmp_path, name, opts, quant):
+    """Each seed family variant: the opmx export's step in onnxruntime within 1e-5 of the engine's (logits and
+    cache), and the standard-ops export's within 1e-4 in a stock session; the position attributes as ppl.pmx's."""
+    pmx = families(name)
+    if quant is not None:
+        quantize_model(str(pmx), str(tmp_path / "q"), quant, progress=False)
+        pmx = tmp_path / "q"
+    p = PmxParams.load(pmx)
+    cfg = EngineConfig(**opts)
+    export(str(pmx), str(tmp_path / "onnx"), progress=False, engine=cfg)
+    check_slices(tmp_path / "onnx", 1)
+    nodes = {nd.op_type: {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute}
+             for nd in onnx.load(str(tmp_path / "onnx" / "model_slice_0" / "model.onnx")).graph.node}
+    attn = nodes["MultiHeadCacheAttention" if cfg.fused_kvcache else "MultiHeadAttention"]
+    alibi = p.position_embedding == "alibi"
+    assert ("RotaryPositionEmbedding" in nodes) != alibi
+    assert (attn["is_alibi"], attn["alibi_num_heads"], attn["logn_scaling"]) == \
+        (int(alibi), p.num_heads if alibi else 0, p.logn_scaling or 0)
+    if not alibi:
+        assert nodes["RotaryPositionEmbedding"]["rotary_dim"] == (p.head_dim // 2 if name.startswith("chatglm") else 0)
+    b = LONG if not cfg.paged else StepLengths(LONG.tokens, LONG.seqlens, LONG.start, [[128], [256], [0, 384]], 1)
+    got, want, feeds, ours = onnxruntime_against_the_engine(pmx, tmp_path / "onnx", cfg, b)
+    assert rel(got, want) <= 1e-5, rel(got, want)
+    assert_caches_agree(feeds, ours)
+    if quant is not None:  # the embedding initializer: the engine's rows, dequantised as it gathers them
+        emb = next(t for t in onnx.load(str(tmp_path / "onnx" / "model_slice_0" / "model.onnx")).graph.initializer
+                   if t.name == "tok_embeddings.weight")
+        sess = open_session(str(pmx), EngineConfig())
+        assert torch.equal(torch.from_numpy(onnx.numpy_helper.to_array(emb).copy()),
+                           sess.model.tok_embeddings.lookup(torch.arange(p.vocab_size)))
+    if not cfg.quantized_cache and cfg.cache_layout == 0 and not cfg.paged:
+        export(str(pmx), str(tmp_path / "std"), opset="standard", progress=False)
+        got, want, feeds, ours = onnxruntime_against_the_engine(pmx, tmp_path / "std", EngineConfig(), b,
+                                                                standard=True)
+        assert rel(got, want) <= 1e-4, rel(got, want)
+        assert_caches_agree(feeds, ours)
 
 
 def test_external_data_and_refusals(make_hf, tmp_path):
