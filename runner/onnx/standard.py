@@ -15,8 +15,8 @@ Supported: the float KV cache in layout 0 and offset mode (cache_mode 0), static
 llama3, yarn), a partial rotary (the first rotary_dim dims of each head, ChatGLM's), ALiBi (the slope x distance term
 added to the scores, Baichuan-13B's), logn scaling of the queries (Qwen's: log(p + 1) / log(L) past position L,
 computed in float64 in the graph), GQA, biases, q/k norms, the sliding window, float and weight-only quantised
-checkpoints (the weights and the embedding dequantised into the graph). Refused in one line: more than one rank, an int8 cache, other cache layouts or modes,
-dynamic NTK rope, MoE, and an explicit attn_mask (auto_causal false).
+checkpoints (the weights and the embedding dequantised into the graph). Refused in one line: more than one rank, an
+int8 cache, other cache layouts or modes, dynamic NTK rope, MoE, and an explicit attn_mask (auto_causal false).
 """
 
 from __future__ import annotations
