@@ -79,9 +79,9 @@ def test_export_at_tp_1_2_4_passes_the_checker_with_ppl_pmx_ops_only(real, tmp_p
                 "RotaryPositionEmbedding", "MultiHeadCacheAttention", "Reshape"} <= ops
 
 
-def dump_and_replay(real, tmp_path, n: int, flags: list):
-    name = "stories260k"
-    ckpt = real[name] / ("pmx" if n == 1 else f"pmx_{n}")
+def dump_and_replay(ckpt: Path, tmp_path, n: int, flags: list):
+    """Export `ckpt` on n ranks, dump steps 0-2 of a Demo.py run, replay steps 0 (prefill) and 1 (decode) with
+    benchmark.sh through the export: every rank's logits within 1e-5 relative of the dump, its cache checked."""
     rc, _, err, _ = export_job(tmp_path, n, ckpt, tmp_path / "onnx", *flags)
     assert rc == 0, err[-2000:]
     demo = [PY, ROOT / "scripts" / "Demo.py", "--ckpt_dir", ckpt, "--prompt", "Once upon a time", "--max_gen_len", 6,
@@ -109,7 +109,7 @@ def dump_and_replay(real, tmp_path, n: int, flags: list):
 @pytest.mark.parametrize("n,flags", [(1, []), (2, ["--quantized_cache", "true", "--cache_mode", "1", "--cache_layout", "3"]),
                                      (4, ["--cache_layout", "2"])])
 def test_benchmark_sh_replays_dumped_prefill_and_decode_in_onnxruntime(real, tmp_path, n, flags):
-    dump_and_replay(real, tmp_path, n, flags)
+    dump_and_replay(real["stories260k"] / ("pmx" if n == 1 else f"pmx_{n}"), tmp_path, n, flags)
 
 
 # --- every family and flag, in one process: onnxruntime's logits and cache against the engine's -----------------
@@ -261,6 +261,20 @@ def test_families_export_and_run_as_the_engine(families, tmp_path, name, opts, q
                                                                 standard=True)
         assert rel(got, want) <= 1e-4, rel(got, want)
         assert_caches_agree(feeds, ours)
+
+
+def test_alibi_family_at_tp2_int8_replays_through_benchmark_sh(families, tmp_path):
+    """Baichuan-13B (ALiBi, 6 heads: 3 a rank, slopes of a head count that is not a power of two) with int8 weights and
+    its int8 embedding, split in 2: each rank's heads take their own slopes (alibi_head_offset), and the dumped prefill
+    and decode steps replay in onnxruntime within 1e-5 through mpirun -np 2 benchmark.sh."""
+    quantize_model(str(families("baichuan_13b")), str(tmp_path / "q"), QuantScheme("int8", 0), progress=False)
+    reshard(str(tmp_path / "q"), str(tmp_path / "q2"), 2, progress=False)
+    dump_and_replay(tmp_path / "q2", tmp_path, 2, ["--quantized_cache", "true", "--cache_layout", "3"])
+    for r in (0, 1):
+        attn = next(nd for nd in onnx.load(str(tmp_path / "onnx" / f"model_slice_{r}" / "model.onnx")).graph.node
+                    if nd.op_type == "MultiHeadCacheAttention")
+        got = {a.name: onnx.helper.get_attribute_value(a) for a in attn.attribute}
+        assert (got["is_alibi"], got["num_heads"], got["alibi_num_heads"], got["alibi_head_offset"]) == (1, 3, 6, 3 * r)
 
 
 def test_external_data_and_refusals(make_hf, tmp_path):
