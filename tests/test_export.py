@@ -208,6 +208,7 @@ def families(tmp_path_factory):
 
 # positions past Qwen's logn length (8) and its head: a step whose histories reach position 20
 LONG = StepLengths([3, 5, 6, 7, 8, 9, 10, 11, 12], [1, 3, 5], [20, 9, 0], [0, 40, 90], 1)
+OURS = ("sliding_window", "alibi_num_heads", "alibi_head_offset", "logn_scaling", "rope_scaling")  # not ppl.pmx's
 FAMILIES = [  # (variant, engine flags, weights): each feature through both attention paths and some cache flags
     ("chatglm3", dict(cache_layout=3, cache_mode=1), None),                   # partial rotary, MQA, qkv biases
     ("chatglm2_mha", dict(fused_kvcache=False, friendly_gqa=True), None),
@@ -249,6 +250,15 @@ def test_families_export_and_run_as_the_engine(families, tmp_path, name, opts, q
     got, want, feeds, ours = onnxruntime_against_the_engine(pmx, tmp_path / "onnx", cfg, b)
     assert rel(got, want) <= 1e-5, rel(got, want)
     assert_caches_agree(feeds, ours)
+    if name == "qwen":  # a graph without this project's attributes (ppl.pmx's own): read as their neutral values
+        m = onnx.load(str(tmp_path / "onnx" / "model_slice_0" / "model.onnx"))
+        for nd in m.graph.node:
+            keep = [a for a in nd.attribute if a.name not in OURS]
+            del nd.attribute[:]
+            nd.attribute.extend(keep)
+        (tmp_path / "ppl" / "model_slice_0").mkdir(parents=True)
+        onnx.save(m, str(tmp_path / "ppl" / "model_slice_0" / "model.onnx"))
+        assert torch.equal(onnxruntime_against_the_engine(pmx, tmp_path / "ppl", cfg, b)[0], got)
     if quant is not None:  # the embedding initializer: the engine's rows, dequantised as it gathers them
         emb = next(t for t in onnx.load(str(tmp_path / "onnx" / "model_slice_0" / "model.onnx")).graph.initializer
                    if t.name == "tok_embeddings.weight")
