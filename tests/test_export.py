@@ -265,12 +265,10 @@ def test_families_export_and_run_as_the_engine(families, tmp_path, name, opts, q
         sess = open_session(str(pmx), EngineConfig())
         assert torch.equal(torch.from_numpy(onnx.numpy_helper.to_array(emb).copy()),
                            sess.model.tok_embeddings.lookup(torch.arange(p.vocab_size)))
-    if not cfg.quantized_cache and cfg.cache_layout == 0 and not cfg.paged:
-        export(str(pmx), str(tmp_path / "std"), opset="standard", progress=False)
-        got, want, feeds, ours = onnxruntime_against_the_engine(pmx, tmp_path / "std", EngineConfig(), b,
-                                                                standard=True)
-        assert rel(got, want) <= 1e-4, rel(got, want)
-        assert_caches_agree(feeds, ours)
+    export(str(pmx), str(tmp_path / "std"), opset="standard", progress=False)   # (float cache, layout 0, offsets)
+    got, want, feeds, ours = onnxruntime_against_the_engine(pmx, tmp_path / "std", EngineConfig(), LONG, standard=True)
+    assert rel(got, want) <= 1e-4, rel(got, want)
+    assert_caches_agree(feeds, ours)
 
 
 def test_alibi_family_at_tp2_int8_replays_through_benchmark_sh(families, tmp_path):
