@@ -18,6 +18,7 @@ from runner.errors import PmxError
 from runner.onnx.export import export
 from runner.onnx.opmx import DB, OPMX, PPL_STANDARD_OPS
 from runner.pmx.convert import convert, quantize_model, reshard
+from runner.pmx.params import PmxParams
 from runner.pmx.quant import QuantScheme
 
 PY = sys.executable
@@ -78,9 +79,9 @@ def test_export_at_tp_1_2_4_passes_the_checker_with_ppl_pmx_ops_only(real, tmp_p
                 "RotaryPositionEmbedding", "MultiHeadCacheAttention", "Reshape"} <= ops
 
 
-def dump_and_replay(real, tmp_path, n: int, flags: list):
-    name = "stories260k"
-    ckpt = real[name] / ("pmx" if n == 1 else f"pmx_{n}")
+def dump_and_replay(ckpt: Path, tmp_path, n: int, flags: list):
+    """Export `ckpt` on n ranks, dump steps 0-2 of a Demo.py run, replay steps 0 (prefill) and 1 (decode) with
+    benchmark.sh through the export: every rank's logits within 1e-5 relative of the dump, its cache checked."""
     rc, _, err, _ = export_job(tmp_path, n, ckpt, tmp_path / "onnx", *flags)
     assert rc == 0, err[-2000:]
     demo = [PY, ROOT / "scripts" / "Demo.py", "--ckpt_dir", ckpt, "--prompt", "Once upon a time", "--max_gen_len", 6,
@@ -108,7 +109,7 @@ def dump_and_replay(real, tmp_path, n: int, flags: list):
 @pytest.mark.parametrize("n,flags", [(1, []), (2, ["--quantized_cache", "true", "--cache_mode", "1", "--cache_layout", "3"]),
                                      (4, ["--cache_layout", "2"])])
 def test_benchmark_sh_replays_dumped_prefill_and_decode_in_onnxruntime(real, tmp_path, n, flags):
-    dump_and_replay(real, tmp_path, n, flags)
+    dump_and_replay(real["stories260k"] / ("pmx" if n == 1 else f"pmx_{n}"), tmp_path, n, flags)
 
 
 # --- every family and flag, in one process: onnxruntime's logits and cache against the engine's -----------------
@@ -126,23 +127,13 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("arch,opts,quant", VARIANTS, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(VARIANTS)])
-def test_onnxruntime_step_matches_the_engine(make_hf, tmp_path, arch, opts, quant):
+def onnxruntime_against_the_engine(pmx: Path, onnx_dir: Path, cfg: EngineConfig, b: StepLengths,
+                                   standard: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict, dict]:
+    """(onnxruntime's logits, the engine's, the caches each left) of step `b` of `pmx` over one random cache: the opmx
+    export at `onnx_dir` through runner.onnx.ort, or the standard-ops one in a stock session."""
     from runner.onnx.ort import OpmxSession
-    src, _ = make_hf(arch)
-    pmx = tmp_path / "pmx"
-    convert(str(src), str(pmx), progress=False)
-    if quant is not None:
-        quantize_model(str(pmx), str(tmp_path / "q"), quant, progress=False)
-        pmx = tmp_path / "q"
-    cfg = EngineConfig(**opts)
-    export(str(pmx), str(tmp_path / "onnx"), progress=False, engine=cfg)
-    check_slices(tmp_path / "onnx", 1)
     sess = open_session(str(pmx), cfg)
     m = sess.model
-    caches = [[128], [256], [0, 384]] if cfg.paged else [0, 40, 90]
-    # a mixed step: one sequence decodes, one continues its prompt, one starts
-    b = StepLengths([3, 5, 6, 7, 8, 9, 10, 11, 12], [1, 3, 5], [7, 4, 0], caches, 1)
     t = step_inputs(b, sess.stepper.mask(b), m.dtype)
     kv, scale = m.new_cache(512)
     torch.manual_seed(0)
@@ -154,14 +145,144 @@ def test_onnxruntime_step_matches_the_engine(make_hf, tmp_path, arch, opts, quan
     ours = dict(t, kv_cache=kv.clone(), kv_scale=None if scale is None else scale.clone())
     want = sess.stepper.forward(**ours)
     feeds = dict(t, kv_cache=kv.clone(), **({} if scale is None else {"kv_scale": scale.clone()}))
-    got = OpmxSession(tmp_path / "onnx" / "model_slice_0", sess.comm).run(feeds)["logits"]
-    tol = 2e-3 if quant is not None and quant.method == "int4" and cfg.kernels != "reference" else 1e-5
-    assert (got - want).abs().max() <= tol * want.abs().max(), (got - want).abs().max()
-    if scale is None:
-        assert torch.allclose(feeds["kv_cache"], ours["kv_cache"], rtol=1e-5, atol=1e-5 * kv.abs().max())
+    if standard:
+        import onnxruntime as ort
+        s = ort.InferenceSession(str(onnx_dir / "model_slice_0" / "model.onnx"), providers=["CPUExecutionProvider"])
+        names = {i.name for i in s.get_inputs()}
+        got, kv_out = s.run(["logits", "kv_cache_out"], {k: v.numpy() for k, v in feeds.items() if k in names})
+        got, feeds["kv_cache"] = torch.from_numpy(got), torch.from_numpy(kv_out)
     else:
-        assert (feeds["kv_cache"].int() - ours["kv_cache"].int()).abs().max() <= 1
-    assert not torch.equal(feeds["kv_cache"], kv)  # written in place
+        got = OpmxSession(onnx_dir / "model_slice_0", sess.comm).run(feeds)["logits"]
+    assert not torch.equal(feeds["kv_cache"], kv)  # written (in place, for opmx)
+    return got, want, feeds, ours
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def assert_caches_agree(got: dict, want: dict) -> None:
+    if got["kv_cache"].dtype != torch.int8:
+        assert torch.allclose(got["kv_cache"], want["kv_cache"], rtol=1e-5, atol=1e-5 * want["kv_cache"].abs().max())
+    else:
+        assert (got["kv_cache"].int() - want["kv_cache"].int()).abs().max() <= 1
+
+
+# a mixed step: one sequence decodes, one continues its prompt, one starts
+MIXED = StepLengths([3, 5, 6, 7, 8, 9, 10, 11, 12], [1, 3, 5], [7, 4, 0], [0, 40, 90], 1)
+
+
+@pytest.mark.parametrize("arch,opts,quant", VARIANTS, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(VARIANTS)])
+def test_onnxruntime_step_matches_the_engine(make_hf, tmp_path, arch, opts, quant):
+    src, _ = make_hf(arch)
+    pmx = tmp_path / "pmx"
+    convert(str(src), str(pmx), progress=False)
+    if quant is not None:
+        quantize_model(str(pmx), str(tmp_path / "q"), quant, progress=False)
+        pmx = tmp_path / "q"
+    cfg = EngineConfig(**opts)
+    export(str(pmx), str(tmp_path / "onnx"), progress=False, engine=cfg)
+    check_slices(tmp_path / "onnx", 1)
+    b = MIXED if not cfg.paged else StepLengths(MIXED.tokens, MIXED.seqlens, MIXED.start, [[128], [256], [0, 384]], 1)
+    got, want, feeds, ours = onnxruntime_against_the_engine(pmx, tmp_path / "onnx", cfg, b)
+    tol = 2e-3 if quant is not None and quant.method == "int4" and cfg.kernels != "reference" else 1e-5
+    assert rel(got, want) <= tol, rel(got, want)
+    assert_caches_agree(feeds, ours)
+
+
+# --- the seed's families (tests/seed_families.py), in process at TP=1 ----------------------------------------------
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """families(name) -> PMX dir of the seed family variant `name`, written and converted once per module."""
+    import seed_families as sf
+    base, made = tmp_path_factory.mktemp("families"), {}
+
+    def get(name):
+        if name not in made:
+            sf.build(name, base / name / "hf")
+            convert(str(base / name / "hf"), str(base / name / "pmx"), progress=False)
+            made[name] = base / name / "pmx"
+        return made[name]
+    return get
+
+
+# positions past Qwen's logn length (8) and its head: a step whose histories reach position 20
+LONG = StepLengths([3, 5, 6, 7, 8, 9, 10, 11, 12], [1, 3, 5], [20, 9, 0], [0, 40, 90], 1)
+OURS = ("sliding_window", "alibi_num_heads", "alibi_head_offset", "logn_scaling", "rope_scaling")  # not ppl.pmx's
+FAMILIES = [  # (variant, engine flags, weights): each feature through both attention paths and some cache flags
+    ("chatglm3", dict(cache_layout=3, cache_mode=1), None),                   # partial rotary, MQA, qkv biases
+    ("chatglm2_mha", dict(fused_kvcache=False, friendly_gqa=True), None),
+    ("internlm", dict(fused_qkv=False), None),                                 # biases on q, k, v and o
+    ("internlm", dict(kernels="reference"), QuantScheme("int4", 16)),          # the quantised embedding, int4
+    ("internlm2", dict(quantized_cache=True, cache_layout=1), None),
+    ("baichuan2_7b", {}, None),
+    ("baichuan_7b", dict(cache_layout=2), None),
+    ("baichuan2_13b", dict(fused_kvcache=False, cache_mode=1), None),          # ALiBi, 6 heads
+    ("baichuan_13b", dict(quantized_cache=True), QuantScheme("int8", 0)),      # ALiBi; the quantised embedding, int8
+    ("qwen", {}, None),
+    ("qwen_logn", dict(cache_layout=1), None),                                 # logn scaling past position 8
+    ("qwen_logn", dict(fused_kvcache=False), None),
+]
+
+
+@pytest.mark.parametrize("name,opts,quant", FAMILIES, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(FAMILIES)])
+def test_families_export_and_run_as_the_engine(families, tmp_path, name, opts, quant):
+    """Each seed family variant: the opmx export's step in onnxruntime within 1e-5 of the engine's (logits and
+    cache), and the standard-ops export's within 1e-4 in a stock session; the position attributes as ppl.pmx's."""
+    pmx = families(name)
+    if quant is not None:
+        quantize_model(str(pmx), str(tmp_path / "q"), quant, progress=False)
+        pmx = tmp_path / "q"
+    p = PmxParams.load(pmx)
+    cfg = EngineConfig(**opts)
+    export(str(pmx), str(tmp_path / "onnx"), progress=False, engine=cfg)
+    check_slices(tmp_path / "onnx", 1)
+    nodes = {nd.op_type: {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute}
+             for nd in onnx.load(str(tmp_path / "onnx" / "model_slice_0" / "model.onnx")).graph.node}
+    attn = nodes["MultiHeadCacheAttention" if cfg.fused_kvcache else "MultiHeadAttention"]
+    alibi = p.position_embedding == "alibi"
+    assert ("RotaryPositionEmbedding" in nodes) != alibi
+    assert (attn["is_alibi"], attn["alibi_num_heads"], attn["logn_scaling"]) == \
+        (int(alibi), p.num_heads if alibi else 0, p.logn_scaling or 0)
+    if not alibi:
+        assert nodes["RotaryPositionEmbedding"]["rotary_dim"] == (p.head_dim // 2 if name.startswith("chatglm") else 0)
+    b = LONG if not cfg.paged else StepLengths(LONG.tokens, LONG.seqlens, LONG.start, [[128], [256], [0, 384]], 1)
+    got, want, feeds, ours = onnxruntime_against_the_engine(pmx, tmp_path / "onnx", cfg, b)
+    assert rel(got, want) <= 1e-5, rel(got, want)
+    assert_caches_agree(feeds, ours)
+    if name == "qwen":  # a graph without this project's attributes (ppl.pmx's own): read as their neutral values
+        m = onnx.load(str(tmp_path / "onnx" / "model_slice_0" / "model.onnx"))
+        for nd in m.graph.node:
+            keep = [a for a in nd.attribute if a.name not in OURS]
+            del nd.attribute[:]
+            nd.attribute.extend(keep)
+        (tmp_path / "ppl" / "model_slice_0").mkdir(parents=True)
+        onnx.save(m, str(tmp_path / "ppl" / "model_slice_0" / "model.onnx"))
+        assert torch.equal(onnxruntime_against_the_engine(pmx, tmp_path / "ppl", cfg, b)[0], got)
+    if quant is not None:  # the embedding initializer: the engine's rows, dequantised as it gathers them
+        emb = next(t for t in onnx.load(str(tmp_path / "onnx" / "model_slice_0" / "model.onnx")).graph.initializer
+                   if t.name == "tok_embeddings.weight")
+        sess = open_session(str(pmx), EngineConfig())
+        assert torch.equal(torch.from_numpy(onnx.numpy_helper.to_array(emb).copy()),
+                           sess.model.tok_embeddings.lookup(torch.arange(p.vocab_size)))
+    export(str(pmx), str(tmp_path / "std"), opset="standard", progress=False)   # (float cache, layout 0, offsets)
+    got, want, feeds, ours = onnxruntime_against_the_engine(pmx, tmp_path / "std", EngineConfig(), LONG, standard=True)
+    assert rel(got, want) <= 1e-4, rel(got, want)
+    assert_caches_agree(feeds, ours)
+
+
+def test_alibi_family_at_tp2_int8_replays_through_benchmark_sh(families, tmp_path):
+    """Baichuan-13B (ALiBi, 6 heads: 3 a rank, slopes of a head count that is not a power of two) with int8 weights and
+    its int8 embedding, split in 2: each rank's heads take their own slopes (alibi_head_offset), and the dumped prefill
+    and decode steps replay in onnxruntime within 1e-5 through mpirun -np 2 benchmark.sh."""
+    quantize_model(str(families("baichuan_13b")), str(tmp_path / "q"), QuantScheme("int8", 0), progress=False)
+    reshard(str(tmp_path / "q"), str(tmp_path / "q2"), 2, progress=False)
+    dump_and_replay(tmp_path / "q2", tmp_path, 2, ["--quantized_cache", "true", "--cache_layout", "3"])
+    for r in (0, 1):
+        attn = next(nd for nd in onnx.load(str(tmp_path / "onnx" / f"model_slice_{r}" / "model.onnx")).graph.node
+                    if nd.op_type == "MultiHeadCacheAttention")
+        got = {a.name: onnx.helper.get_attribute_value(a) for a in attn.attribute}
+        assert (got["is_alibi"], got["num_heads"], got["alibi_num_heads"], got["alibi_head_offset"]) == (1, 3, 6, 3 * r)
 
 
 def test_external_data_and_refusals(make_hf, tmp_path):

@@ -81,11 +81,11 @@ def _check_export_path(export_path: str, ckpt_dir: str, overwrite: bool) -> Path
     return out
 
 
-def _build(p: PmxParams, weights: dict, c: EngineConfig, dtype: torch.dtype, opset: str):
+def _build(p: PmxParams, weights: dict, c: EngineConfig, dtype: torch.dtype, opset: str, rank: int):
     if opset == "standard":
         from runner.onnx.standard import StandardExport
         return StandardExport(p, weights, c, dtype).build().model("pmx-runner standard-ops export")
-    return OpmxExport(p, weights, c, dtype).build().model("pmx-runner opmx export (ppl.pmx operators)")
+    return OpmxExport(p, weights, c, dtype, rank).build().model("pmx-runner opmx export (ppl.pmx operators)")
 
 
 def _shared_tmp(out: Path, comm, rank: int) -> Path:
@@ -153,7 +153,7 @@ def export(ckpt_dir: CkptDir, export_path: str, tokenizer_path: TokenizerPath = 
         tmp = _shared_tmp(out, comm, env.rank)
         error = None
         try:
-            model = _build(params, weights, replace(engine, dtype=dtype_name(dtype)), dtype, opset)
+            model = _build(params, weights, replace(engine, dtype=dtype_name(dtype)), dtype, opset, env.rank)
             del weights
             slice_dir = tmp / SLICE_DIR.format(env.rank)
             slice_dir.mkdir()

@@ -9,11 +9,23 @@ all-reduces); the KV cache is written in place by the attention operators, not a
 named as ppl.pmx's modules name them (`layers.0.attention.wqkv.weight`, ...).
 
 The graph is built from the params, the engine flags and the rank's shard, making the choices
-runner/engine/model.py makes from the same params (biases, GQA, q/k norms, rope scaling, the sliding window,
-weight-only quantised linears). What ppl.pmx's operators cannot say is added as attributes of ours, with neutral
-defaults, beside ppl.pmx's: `sliding_window` on the attention operators and `rope_scaling` (the HF dict as JSON)
-on RotaryPositionEmbedding for the llama3 and yarn rope types. A mixture-of-experts model is refused (ppl.pmx's
-Moe* operators are not implemented here).
+runner/engine/model.py makes from the same params (biases, GQA, q/k norms, rope scaling, partial rotary, ALiBi, logn
+scaling, the sliding window, weight-only quantised linears). Positions as ppl.pmx's model_zoo writes them: a partial
+rotary (ChatGLM2/3) is RotaryPositionEmbedding's `rotary_dim` (the first dims of each head, interleaved pairs; 0:
+the whole head); ALiBi (Baichuan-13B) is no RotaryPositionEmbedding and `is_alibi` 1 on the attention operators.
+A quantised token embedding (`quantize_embedding`) is dequantised into a float initializer, as the engine dequantises
+the rows it gathers (ppl.pmx's ParallelEmbedding has no quantised form).
+
+What ppl.pmx's operators cannot say is added as attributes of ours, with neutral defaults, beside ppl.pmx's (pplnn
+would ignore them, so a model that needs one runs right only here):
+- `sliding_window` on the attention operators;
+- `rope_scaling` (the HF dict as JSON) on RotaryPositionEmbedding for the llama3 and yarn rope types;
+- `alibi_num_heads` and `alibi_head_offset` on the attention operators: whose slopes a rank's heads take. ppl.pmx
+  derives the slopes from the operator's `num_heads`, the rank's head count, which is right at TP=1 only; this rank's
+  heads are heads offset .. offset + num_heads - 1 of a model of alibi_num_heads (0: num_heads, ppl.pmx's reading);
+- `logn_scaling` on the attention operators (Qwen's use_logn_attn, ppl.pmx's Qwen export leaves it out): L > 0
+  scales the query at position p by log(p + 1) / log(L) where p + 1 > L (0: off).
+A mixture-of-experts model is refused (ppl.pmx's Moe* operators are not implemented here).
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ from runner.errors import PmxError
 from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP, cache_shape, rope_type
 from runner.onnx.graph import Graph
 from runner.pmx.params import PmxParams
-from runner.pmx.quant import QuantScheme, scheme_of
+from runner.pmx.quant import QuantScheme, dequantize, scheme_of
 
 OPMX, DB = "opmx", "opmx.dynamic_batching"
 OPSET = 11                       # ppl.pmx exports with opset 11
@@ -74,11 +86,12 @@ def _woqu_weight(q: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
 
 class OpmxExport:
-    """Builds one rank's graph. `w` is the rank's shard (runner.engine.model.load_shard), consumed as it is placed."""
+    """Builds rank `rank`'s graph. `w` is the rank's shard (runner.engine.model.load_shard), consumed as it is
+    placed."""
 
-    def __init__(self, p: PmxParams, w: dict, config: EngineConfig, dtype: torch.dtype):
+    def __init__(self, p: PmxParams, w: dict, config: EngineConfig, dtype: torch.dtype, rank: int = 0):
         exportable(p)
-        self.p, self.w, self.c, self.dtype = p, w, config, dtype
+        self.p, self.w, self.c, self.dtype, self.rank = p, w, config, dtype, rank
         self.r = RankShape.of(p)
         self.scheme = scheme_of(p)
         self.g = Graph(f"pmx_rank", {"": OPSET, OPMX: 1, DB: 1})
@@ -117,6 +130,14 @@ class OpmxExport:
             inputs = [x, ws] + ([b] if b else [])
         return self.g.op(kind, inputs, [out or self.g.fresh(onnx_name)], domain=OPMX, **attrs)[0]
 
+    def _embedding_weight(self) -> torch.Tensor:
+        """The rank's embedding columns as a float tensor: a quantised embedding dequantised whole, element for
+        element what the engine's row lookup (runner.kernels.quant_linear.quant_embedding) computes."""
+        if self.scheme is not None and "tok_embeddings.qweight" in self.w:
+            return dequantize(self.w.pop("tok_embeddings.qweight"), self.w.pop("tok_embeddings.scale"),
+                              self.scheme.method, self.dtype)
+        return self._pop("tok_embeddings.weight")
+
     # -- the graph -------------------------------------------------------------------------------------------------
     def inputs(self) -> dict:
         p, c, r, g = self.p, self.c, self.r, self.g
@@ -149,15 +170,21 @@ class OpmxExport:
         kind = rope_type(p.rope_scaling)
         factor = float((p.rope_scaling or {}).get("factor") or 1.0)
         extra = json.dumps(p.rope_scaling, sort_keys=True) if kind in ("llama3", "yarn") else ""
-        return dict(rotary_dim=0, theta=float(p.rope_theta), bypass_key=0,
-                    max_position_embeddings=p.max_position_embeddings, scaling_type=ROPE_TYPES[kind],
+        return dict(rotary_dim=0 if p.rotary_dims == p.head_dim else p.rotary_dims, theta=float(p.rope_theta),
+                    bypass_key=0, max_position_embeddings=p.max_position_embeddings, scaling_type=ROPE_TYPES[kind],
                     scaling_factor=factor, rope_scaling=extra)
+
+    def attention_attrs(self) -> dict:
+        """The attention operators' position attributes: ppl.pmx's is_alibi, and ours (see the module docstring)."""
+        p, alibi = self.p, self.p.position_embedding == "alibi"
+        return dict(is_alibi=int(alibi), alibi_num_heads=p.num_heads if alibi else 0,
+                    alibi_head_offset=self.rank * self.r.heads if alibi else 0, logn_scaling=p.logn_scaling or 0)
 
     def build(self):
         p, c, r, g = self.p, self.c, self.r, self.g
         self.inputs()
         D, hd = p.hidden_dim, r.head_dim
-        h = g.op("ParallelEmbedding", ["token_ids", g.weight("tok_embeddings.weight", self._pop("tok_embeddings.weight"))],
+        h = g.op("ParallelEmbedding", ["token_ids", g.weight("tok_embeddings.weight", self._embedding_weight())],
                  ["embedding"], domain=OPMX, num_embeddings=p.vocab_size, embedding_dims=D, padding_idx=-1,
                  max_norm=0.0, norm_type=2.0)[0]
         skip = None
@@ -214,10 +241,11 @@ class OpmxExport:
                      axis=-1, eps=float(p.norm_eps), skip_term=0)[0]
             k = g.op("RMSNorm", [k, g.weight(f"{a}.k_norm.weight", self._pop(f"{a}.k_norm.weight"))], 1, domain=OPMX,
                      axis=-1, eps=float(p.norm_eps), skip_term=0)[0]
-        q, k = g.op("RotaryPositionEmbedding", [q, k, "seqstarts", "start_pos", "max_seqlen"], 2, domain=DB,
-                    **self.rope_attrs())
+        if p.position_embedding == "rotary":   # (ALiBi: positions enter the attention's scores)
+            q, k = g.op("RotaryPositionEmbedding", [q, k, "seqstarts", "start_pos", "max_seqlen"], 2, domain=DB,
+                        **self.rope_attrs())
         window = int(p.sliding_window or 0)
-        heads = dict(num_heads=H, head_dim=hd, is_causal=int(c.auto_causal), is_alibi=0)
+        heads = dict(num_heads=H, head_dim=hd, is_causal=int(c.auto_causal), **self.attention_attrs())
         if c.fused_kvcache:
             scale = "kv_scale" if c.quantized_cache else g.const("empty_scale", [], np.float32)
             out = g.op("MultiHeadCacheAttention", [q, k, v, "seqstarts", "kvstarts", "cachestarts", "start_pos",

@@ -11,8 +11,9 @@ What onnxruntime-extensions' Python operators cannot do, and what is done about 
   session binds the caller's cache tensors for the duration of a run (:meth:`OpmxSession.run`), and the cache
   operators write those (after checking them against the input they were given), as pplnn writes its input buffer;
 - an operator has one input count and no optional inputs: before the session is made, a copy of the graph in
-  memory gets empty tensors for the inputs ppl.pmx leaves out (a bias, the first SkipRMSNorm's skip) and a second
-  output for an RMSNorm without skip; the file is not changed;
+  memory gets empty tensors for the inputs ppl.pmx leaves out (a bias, the first SkipRMSNorm's skip), a second
+  output for an RMSNorm without skip, and the neutral value of each attribute a node leaves out (0, 0.0, "": a graph
+  written without this project's attributes); the file is not changed;
 - no float16: kv_scale (float16) reaches the operators through a Cast to float32 (they write the bound float16 scale);
   a float16 or bfloat16 export is refused (it runs in pplnn, not here).
 The operators are registered once per process (onnxruntime-extensions keeps one registry per process); a run looks
@@ -42,6 +43,9 @@ _RUNNING: contextvars.ContextVar = contextvars.ContextVar("opmx_session")
 
 # op -> (input kinds, output count, {attr: type}); kinds: f float32, i int64, c cache (float32 / int8), w woqu weight
 _I, _F, _S = "int", "float", "str"
+# this project's attributes of the attention operators beside ppl.pmx's (runner.onnx.opmx); absent: 0 (off)
+POSITION_ATTRS = dict(sliding_window=_I, alibi_num_heads=_I, alibi_head_offset=_I, logn_scaling=_I)
+ATTR_DEFAULTS = {_I: 0, _F: 0.0, _S: ""}
 OPS = {
     (OPMX, "ParallelEmbedding"): ("if", 1, dict(num_embeddings=_I, embedding_dims=_I, padding_idx=_I, max_norm=_F,
                                                 norm_type=_F)),
@@ -62,11 +66,11 @@ OPS = {
                                                        scaling_factor=_F, rope_scaling=_S)),
     (DB, "MultiHeadCacheAttention"): ("fffiiiiiiicff", 1, dict(
         num_heads=_I, head_dim=_I, is_causal=_I, is_alibi=_I, num_kv_heads=_I, num_layer=_I, layer_idx=_I,
-        quant_bit=_I, quant_group=_I, cache_mode=_I, cache_layout=_I, page_size=_I, sliding_window=_I)),
+        quant_bit=_I, quant_group=_I, cache_mode=_I, cache_layout=_I, page_size=_I, **POSITION_ATTRS)),
     (DB, "KeyValueCache"): ("ffiiiiiicf", 2, dict(num_layer=_I, layer_idx=_I, quant_bit=_I, quant_group=_I,
                                                   num_repeat=_I, cache_mode=_I, cache_layout=_I, page_size=_I)),
     (DB, "MultiHeadAttention"): ("fffiiiiif", 1, dict(num_heads=_I, head_dim=_I, is_causal=_I, is_alibi=_I,
-                                                      num_kv_heads=_I, sliding_window=_I)),
+                                                      num_kv_heads=_I, **POSITION_ATTRS)),
 }
 KIND_DTYPES = {"f": ("float32",), "i": ("int64",), "c": ("float32", "int8"), "w": ("int8", "int16", "int32", "uint8")}
 NP_TO_ONNX = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "int8": TensorProto.INT8,
@@ -158,14 +162,17 @@ def _rotary(head_dim: int, theta: float, scaling: str, max_pos: int) -> ref.Rota
 def rotary_position_embedding(q, k, seqstarts, start_pos, max_seqlen, theta=10000.0, bypass_key=0,
                               max_position_embeddings=2048, scaling_type="", scaling_factor=1.0, rope_scaling="",
                               rotary_dim=0, **_):
+    """ppl.pmx's rotary: interleaved pairs of the first `rotary_dim` dims of each head (0: all), the frequencies those
+    dims' (the rest pass through)."""
     q, k = _t(q), _t(k)
     if not rope_scaling and scaling_type:
         rope_scaling = json.dumps({"rope_type": scaling_type, "factor": scaling_factor}, sort_keys=True)
-    if rotary_dim not in (0, q.shape[-1]):
-        raise RuntimeError(f"RotaryPositionEmbedding: rotary_dim {rotary_dim} of head_dim {q.shape[-1]} is not "
-                           f"supported")
+    dims = int(rotary_dim) or q.shape[-1]
+    if not (0 < dims <= q.shape[-1] and dims % 2 == 0):
+        raise RuntimeError(f"RotaryPositionEmbedding: rotary_dim {rotary_dim} is not an even number in "
+                           f"[0, head_dim {q.shape[-1]}]")
     pos, _ = _positions(_t(seqstarts), _t(start_pos))
-    cos, sin = _rotary(q.shape[-1], float(theta), rope_scaling, int(max_position_embeddings)).cos_sin(pos)
+    cos, sin = _rotary(dims, float(theta), rope_scaling, int(max_position_embeddings)).cos_sin(pos)
     return ref.apply_rotary(q, cos, sin).numpy(), (k if bypass_key else ref.apply_rotary(k, cos, sin)).numpy()
 
 
@@ -180,11 +187,29 @@ def _cache_history(k, v, seqstarts, kvstarts, cachestarts, start_pos, cache_in, 
     return ref.kv_load(cache, scale, layout, layer, ref.token_slots(cs, hpos, hseq, mode, page), dtype)
 
 
-def _attend(q, kh, vh, seqstarts, kvstarts, attn_mask, window):
+def _alibi(attrs: dict) -> Optional[torch.Tensor]:
+    """The slopes [num_heads] of this rank's heads where is_alibi: heads alibi_head_offset.. of a model of
+    alibi_num_heads (0: the operator's num_heads, ppl.pmx's reading), as runner.engine.model takes them."""
+    if not attrs.get("is_alibi"):
+        return None
+    H, off = int(attrs["num_heads"]), int(attrs.get("alibi_head_offset", 0))
+    total = int(attrs.get("alibi_num_heads", 0)) or H
+    if off + H > total:
+        raise RuntimeError(f"alibi heads {off}..{off + H - 1} are not heads of a model of {total}")
+    return torch.tensor(ref.alibi_slopes(total), dtype=torch.float32)[off: off + H]
+
+
+def _attend(q, kh, vh, seqstarts, kvstarts, attn_mask, attrs: dict):
+    """Attention of the packed queries q [T, H, D] over their histories, with the position attributes of `attrs`:
+    ALiBi slopes, the logn scaling of the queries (as the engine's plan.q_scale), the sliding window."""
     seqstarts, kvstarts = _t(seqstarts), _t(kvstarts)
     start = (kvstarts[1:] - kvstarts[:-1]) - (seqstarts[1:] - seqstarts[:-1])   # each sequence's history length
     mask = _t(attn_mask) if attn_mask.size else None
-    return ref.attention_packed(q, kh, vh, seqstarts, kvstarts, start, mask, window or None).numpy()
+    logn = int(attrs.get("logn_scaling", 0))
+    if logn:
+        q = q * ref.logn_scale(_positions(seqstarts, start)[0], logn)[:, None, None].to(q.dtype)
+    return ref.attention_packed(q, kh, vh, seqstarts, kvstarts, start, mask, attrs.get("sliding_window", 0) or None,
+                                _alibi(attrs)).numpy()
 
 
 def multi_head_cache_attention(*inputs, **attrs):
@@ -193,7 +218,7 @@ def multi_head_cache_attention(*inputs, **attrs):
     q, k, v, seqstarts, kvstarts, cachestarts, start_pos, _, _, _, cache, scale, attn_mask = inputs
     q = _t(q)
     kh, vh = _cache_history(k, v, seqstarts, kvstarts, cachestarts, start_pos, cache, scale, attrs, q.dtype)
-    return _attend(q, kh, vh, seqstarts, kvstarts, attn_mask, attrs.get("sliding_window", 0))
+    return _attend(q, kh, vh, seqstarts, kvstarts, attn_mask, attrs)
 
 
 def key_value_cache(k, v, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen, cache, scale, **attrs):
@@ -206,7 +231,7 @@ def key_value_cache(k, v, seqstarts, kvstarts, cachestarts, start_pos, max_seqle
 
 def multi_head_attention(q, keys, values, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen, attn_mask,
                          **attrs):
-    return _attend(_t(q), _t(keys), _t(values), seqstarts, kvstarts, attn_mask, attrs.get("sliding_window", 0))
+    return _attend(_t(q), _t(keys), _t(values), seqstarts, kvstarts, attn_mask, attrs)
 
 
 IMPLS = {"ParallelEmbedding": parallel_embedding, "ColumnParallelLinear": column_parallel_linear,
@@ -273,7 +298,10 @@ def adapt(model: onnx.ModelProto) -> onnx.ModelProto:
         spec = OPS.get((node.domain, node.op_type))
         if spec is None:
             continue
-        kinds, nout, _ = spec
+        kinds, nout, attr_types = spec
+        have = {a.name for a in node.attribute}
+        node.attribute.extend(helper.make_attribute(a, ATTR_DEFAULTS[t]) for a, t in attr_types.items()
+                              if a not in have)
         for j, name in enumerate(node.input):
             if name == "kv_scale":
                 if scale32 is None:

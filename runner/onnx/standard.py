@@ -12,9 +12,11 @@ Softmax. (onnxruntime 1.32's opset-23 RMSNormalization / RotaryEmbedding / Atten
 the decomposition keeps the model runnable by older runtimes and is what the tests measure.)
 
 Supported: the float KV cache in layout 0 and offset mode (cache_mode 0), static rope kinds (default, linear,
-llama3, yarn), GQA, biases, q/k norms, the sliding window, float and weight-only quantised checkpoints (the weights
-dequantised into the graph). Refused in one line: more than one rank, an int8 cache, other cache layouts or modes,
-dynamic NTK rope, MoE, and an explicit attn_mask (auto_causal false).
+llama3, yarn), a partial rotary (the first rotary_dim dims of each head, ChatGLM's), ALiBi (the slope x distance term
+added to the scores, Baichuan-13B's), logn scaling of the queries (Qwen's: log(p + 1) / log(L) past position L,
+computed in float64 in the graph), GQA, biases, q/k norms, the sliding window, float and weight-only quantised
+checkpoints (the weights and the embedding dequantised into the graph). Refused in one line: more than one rank, an
+int8 cache, other cache layouts or modes, dynamic NTK rope, MoE, and an explicit attn_mask (auto_causal false).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from onnx import TensorProto
 
 from runner.config import EngineConfig
 from runner.errors import PmxError
-from runner.kernels.reference import Rotary, cache_shape, rope_type
+from runner.kernels.reference import Rotary, alibi_slopes, cache_shape, rope_type
 from runner.onnx.graph import Graph
 from runner.pmx.params import PmxParams
 from runner.pmx.quant import dequantize, scheme_of
@@ -70,14 +72,35 @@ class StandardExport:
         return g.op("Mul", [y, g.weight(name, weight.float())], [out] if out else 1)[0]
 
     def _rotate(self, x: str, cos: str, sin: str, heads: int) -> str:
-        g, hd = self.g, self.p.head_dim
-        pairs = g.op("Reshape", [x, g.const("pairs", [0, heads, hd // 2, 2])])[0]      # (T, h, hd/2, 2)
+        """Interleaved pairs of the first R = rotary_dims dims of each head rotated; the other hd - R pass."""
+        g, hd, R = self.g, self.p.head_dim, self.p.rotary_dims
+        rot, rest = (x, None) if R == hd else g.op("Split", [x, g.const("parts", [R, hd - R])], 2, axis=2)
+        pairs = g.op("Reshape", [rot, g.const("pairs", [0, heads, R // 2, 2])])[0]      # (T, h, R/2, 2)
         a, b = g.op("Split", [pairs, g.const("halves", [1, 1])], 2, axis=3)
-        a, b = (g.op("Squeeze", [t, g.const("ax", [3])])[0] for t in (a, b))            # (T, h, hd/2)
+        a, b = (g.op("Squeeze", [t, g.const("ax", [3])])[0] for t in (a, b))            # (T, h, R/2)
         ra = g.op("Sub", [g.op("Mul", [a, cos])[0], g.op("Mul", [b, sin])[0]])[0]
         rb = g.op("Add", [g.op("Mul", [a, sin])[0], g.op("Mul", [b, cos])[0]])[0]
         both = [g.op("Unsqueeze", [t, g.const("ax", [3])])[0] for t in (ra, rb)]
-        return g.op("Reshape", [g.op("Concat", both, axis=3)[0], g.const("heads", [0, heads, hd])])[0]
+        out = g.op("Reshape", [g.op("Concat", both, axis=3)[0], g.const("heads", [0, heads, R])])[0]
+        return out if rest is None else g.op("Concat", [out, rest], axis=2)[0]         # (T, h, hd)
+
+    def _logn(self, pos: str) -> str:
+        """Qwen's logn factor of each query (T, 1, 1): log(p + 1) / log(L) where p + 1 > L, else 1, in float64 as
+        runner.kernels.reference.logn_scale computes it."""
+        g, L = self.g, self.p.logn_scaling
+        n = g.op("Add", [pos, g.const("one", 1)])[0]
+        f = g.op("Div", [g.op("Log", [g.op("Cast", [n], to=TensorProto.DOUBLE)[0]])[0],
+                         g.const("logL", math.log(L), np.float64)])[0]
+        f = g.op("Where", [g.op("Greater", [n, g.const("L", L)])[0], f, g.const("one", 1.0, np.float64)])[0]
+        return g.op("Unsqueeze", [g.op("Cast", [f], to=TensorProto.FLOAT)[0], g.const("ax", [1, 2])])[0]
+
+    def _alibi(self, pcol: str, jj: str) -> str:
+        """ALiBi's term of the scores (T, KV, G, N): slope_h x (j - position), heads h = kv G + g."""
+        g, p = self.g, self.p
+        rel = g.op("Cast", [g.op("Sub", [jj, pcol])[0]], to=TensorProto.FLOAT)[0]               # (T, N)
+        rel = g.op("Unsqueeze", [rel, g.const("ax", [1, 2])])[0]                                 # (T, 1, 1, N)
+        slopes = np.asarray(alibi_slopes(p.num_heads), np.float32).reshape(1, p.num_kv_heads, -1, 1)
+        return g.op("Mul", [g.const("slopes", slopes, np.float32), rel])[0]
 
     def build(self) -> Graph:
         p, c, g = self.p, self.c, self.g
@@ -101,11 +124,12 @@ class StandardExport:
                            g.op("Sub", [t, g.op("Gather", ["seqstarts", seq], axis=0)[0]])[0]])[0]
         base = g.op("Gather", ["cachestarts", seq], axis=0)[0]                                   # (T,)
         slot = g.op("Unsqueeze", [g.op("Add", [base, pos])[0], g.const("ax", [1])])[0]          # (T, 1)
-        rot = Rotary(hd, p.rope_theta, p.rope_scaling, p.max_position_embeddings, torch.device("cpu"))
-        cos = g.op("Unsqueeze", [g.op("Gather", [g.weight("rope_cos", rot.cos_table), pos], axis=0)[0],
-                                 g.const("ax", [1])])[0]                                         # (T, 1, hd/2)
-        sin = g.op("Unsqueeze", [g.op("Gather", [g.weight("rope_sin", rot.sin_table), pos], axis=0)[0],
-                                 g.const("ax", [1])])[0]
+        cos = sin = None
+        if p.position_embedding == "rotary":
+            rot = Rotary(p.rotary_dims, p.rope_theta, p.rope_scaling, p.max_position_embeddings, torch.device("cpu"))
+            cos, sin = (g.op("Unsqueeze", [g.op("Gather", [g.weight(f"rope_{n}", table), pos], axis=0)[0],
+                                           g.const("ax", [1])])[0]                               # (T, 1, R/2)
+                        for n, table in (("cos", rot.cos_table), ("sin", rot.sin_table)))
         # attention's view of the histories: rows cachestarts[b] + j, j < max_kvlen, seen where j <= pos (window)
         maxt = g.op("Gather", [g.op("Shape", ["kv_cache"])[0], g.const("zero", 0)], axis=0)[0]
         j = g.op("Range", [g.const("zero", 0), g.op("Squeeze", ["max_kvlen", g.const("ax", [0])])[0],
@@ -118,9 +142,11 @@ class StandardExport:
         if p.sliding_window:
             seen = g.op("And", [seen, g.op("Greater", [jj, g.op("Sub", [pcol, g.const("w", p.sliding_window)])[0]])[0]])[0]
         seen = g.op("Unsqueeze", [seen, g.const("ax", [1, 2])])[0]                              # (T, 1, 1, N)
+        alibi = self._alibi(pcol, jj) if p.position_embedding == "alibi" else None
+        logn = self._logn(pos) if p.logn_scaling else None
         cache = "kv_cache"
-        h = g.op("Gather", [g.weight("tok_embeddings.weight", self.w.pop("tok_embeddings.weight").float()),
-                            "token_ids"], axis=0)[0]
+        h = g.op("Gather", [g.weight("tok_embeddings.weight", self._weight("tok_embeddings.weight")), "token_ids"],
+                 axis=0)[0]
         ffn = None
         for i in range(L):
             a, m = f"layers.{i}.attention", f"layers.{i}.feed_forward"
@@ -133,7 +159,10 @@ class StandardExport:
             if p.qk_norm:
                 q = self._norm(q, self.w.pop(f"{a}.q_norm.weight"), f"{a}.q_norm.weight")
                 k = self._norm(k, self.w.pop(f"{a}.k_norm.weight"), f"{a}.k_norm.weight")
-            q, k = self._rotate(q, cos, sin, H), self._rotate(k, cos, sin, KV)
+            if cos is not None:
+                q, k = self._rotate(q, cos, sin, H), self._rotate(k, cos, sin, KV)
+            if logn is not None:
+                q = g.op("Mul", [q, logn])[0]
             for which, val in ((0, k), (1, v)):   # cache[slot, i, which] = k / v
                 idx = g.op("Concat", [slot, g.op("Add", [g.op("Mul", [slot, g.const("zero", [[0]])])[0],
                                                          g.const("li", [[i]])])[0],
@@ -146,6 +175,8 @@ class StandardExport:
             qg = g.op("Reshape", [q, g.const("groups", [0, KV, H // KV, hd])])[0]               # (T, KV, G, hd)
             kt = g.op("Transpose", [kh], perm=[0, 2, 3, 1])[0]                                   # (T, KV, hd, N)
             s = g.op("Mul", [g.op("MatMul", [qg, kt])[0], g.const("scale", 1 / math.sqrt(hd), np.float32)])[0]
+            if alibi is not None:
+                s = g.op("Add", [s, alibi])[0]
             s = g.op("Where", [seen, s, g.const("ninf", -np.inf, np.float32)])[0]
             pr = g.op("Softmax", [s], axis=-1)[0]                                                # (T, KV, G, N)
             o = g.op("MatMul", [pr, g.op("Transpose", [vh], perm=[0, 2, 1, 3])[0]])[0]           # (T, KV, G, hd)
