@@ -273,8 +273,9 @@ class LLMEngine:
         """Runs one step; returns the completions' new text and tokens."""
         outs = self.core.step()
         now = time.monotonic()
-        deltas = [d for d in (self._accept(o, now) for o in outs  # (a stop string may end a choice mid-step)
-                              if o.seq.state.finish_reason is None) if d is not None]
+        last = {o.seq.seq_id: i for i, o in enumerate(outs)}  # a sequence's finish is its step's last output's
+        deltas = [d for d in (self._accept(o, now, last[o.seq.seq_id] == i) for i, o in enumerate(outs)
+                              if o.seq.state.finish_reason is None) if d is not None]  # (a stop string ends early)
         if self.metrics is not None:
             s = self.core.scheduler
             self._count(preemptions_total=s.preemptions, prefix_cache_queries_total=s.cache.queries,
@@ -306,8 +307,11 @@ class LLMEngine:
     def heartbeat(self) -> None:
         self.channel.send({"k": "idle"})
 
-    def _accept(self, o: Output, now: float) -> Optional[Delta]:
+    def _accept(self, o: Output, now: float, last: bool = True) -> Optional[Delta]:
+        """One output token into its choice; `last`: the step's last output of the sequence, the only one its
+        finish reason applies to (a speculative step gives a sequence several tokens, then finishes it)."""
         seq, token = o.seq, o.token
+        finish = seq.finish_reason if last else None
         ch: _Choice = seq.state
         p = ch.request.params
         if self.metrics is not None:
@@ -317,7 +321,7 @@ class LLMEngine:
                 self.metrics.observe(itl=[now - ch.last_token_at])
             self.metrics.inc("generation_tokens_total")
         ch.last_token_at = now
-        if seq.finish_reason == "stop":  # a stop id or EOS: not part of the completion
+        if finish == "stop":  # a stop id or EOS: not part of the completion
             ch.finish_reason, ch.stop_reason = "stop", (token if token in p.stop_token_ids else None)
             return self._finish(seq)
         ch.token_ids.append(token)
@@ -331,7 +335,7 @@ class LLMEngine:
         ch.text += new
         if p.stop and new:
             self._match_stop(ch, len(new))
-        if ch.finish_reason is None and seq.finish_reason == "length":
+        if ch.finish_reason is None and finish == "length":
             ch.finish_reason = "length"
         if ch.finish_reason is not None:
             return self._finish(seq)
