@@ -309,7 +309,8 @@ class LLMEngine:
 
     def _accept(self, o: Output, now: float, last: bool = True) -> Optional[Delta]:
         """One output token into its choice; `last`: the step's last output of the sequence, the only one its
-        finish reason applies to (a speculative step gives a sequence several tokens, then finishes it)."""
+        finish reason applies to and the one that hands on the step's text (a speculative step gives a sequence
+        several tokens, then may finish it)."""
         seq, token = o.seq, o.token
         finish = seq.finish_reason if last else None
         ch: _Choice = seq.state
@@ -339,7 +340,7 @@ class LLMEngine:
             ch.finish_reason = "length"
         if ch.finish_reason is not None:
             return self._finish(seq)
-        return self._delta(ch)
+        return self._delta(ch) if last else None  # one delta a choice and step (a stream chunk holds it whole)
 
     @staticmethod
     def _match_stop(ch: _Choice, new_len: int) -> None:
