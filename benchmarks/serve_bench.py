@@ -352,7 +352,8 @@ def part_agree(setup: dict, tokens: int, seed: int) -> dict:
 
 
 def part_sweep(setup: dict, systems: list, levels: list, rounds: int, input_len: int, output_len: int,
-               seed: int) -> dict:
+               seed: int, save=lambda runs: None) -> dict:
+    """The closed-loop sweep; save(runs) after every measurement (a long sweep cut short keeps what it has)."""
     top = max(levels)
     kv = top * (input_len + output_len + 16) + 2048
     specs = {s: ("llama.cpp", llama_flags(top, kv)) if s == "llama.cpp" else (s, pmx_flags(top, kv))
@@ -372,8 +373,9 @@ def part_sweep(setup: dict, systems: list, levels: list, rounds: int, input_len:
                         closed_loop(up[name].url, prompts[c], output_len, c)))
                     row = {"system": name, "concurrency": c, "round": r + 1, **summarize(run), **load}
                     runs.append(row)
-                    print(f"sweep round {r + 1}/{rounds} C={c} {name}: {row['out_tok_s']:.1f} tok/s, TTFT p50 "
-                          f"{row['ttft_p50_ms']:.0f} ms, ITL p50/p99 {row['itl_p50_ms']:.1f}/{row['itl_p99_ms']:.1f} "
+                    save(runs)
+                    print(f"sweep round {r + 1}/{rounds} C={c} {name}: {row['out_tok_s']:.1f} tok/s, TTFT p50/p99 "
+                          f"{row['ttft_p50_ms']:.0f}/{row['ttft_p99_ms']:.0f} ms, ITL p50/p99 {row['itl_p50_ms']:.1f}/{row['itl_p99_ms']:.1f} "
                           f"ms (load {load['loadavg_1m']:.1f}, others {load['other_cores']:.2f} cores)",
                           file=sys.stderr, flush=True)
     return {"runs": runs, "levels": levels, "systems": [s for s in systems if s not in setup["skipped"]],
@@ -489,14 +491,18 @@ def part_spec(setup: dict, rounds: int, output_len: int, prompts_n: int, seed: i
         res["prompts"] = prompts
         asyncio.run(_sequential(urls, prompts[:1], 16))  # warm-up
         for r in range(rounds):
-            before = metrics(urls["pmx1-spec"])
+            before = {n: metrics(u) for n, u in urls.items()}
             got = asyncio.run(_sequential(urls, prompts, output_len, r))
-            after = metrics(urls["pmx1-spec"])
-            draft = after.get("spec_decode_draft_tokens_total", 0) - before.get("spec_decode_draft_tokens_total", 0)
-            acc = after.get("spec_decode_accepted_tokens_total", 0) - \
-                before.get("spec_decode_accepted_tokens_total", 0)
+            after = {n: metrics(u) for n, u in urls.items()}
+            delta = {n: {k: v - before[n].get(k, 0) for k, v in after[n].items()} for n in urls}
+            draft = delta["pmx1-spec"].get("spec_decode_draft_tokens_total", 0)
+            acc = delta["pmx1-spec"].get("spec_decode_accepted_tokens_total", 0)
+            # one request at a time, so a server's steps took its requests' time: the mean step (verify or decode)
+            steps = {n: delta[n].get("steps_total", 0) for n in urls}
             rec = {"round": r + 1, "loadavg_1m": os.getloadavg()[0], "draft_tokens": draft, "accepted_tokens": acc,
-                   "steps": after.get("steps_total", 0) - before.get("steps_total", 0),
+                   "steps": steps, "step_ms": {n: 1e3 * sum(x["e2e"] for x in got[n]) / max(steps[n], 1)
+                                               for n in urls},
+                   "tokens_per_step": {n: sum(x["tokens"] for x in got[n]) / max(steps[n], 1) for n in urls},
                    "tok_s": {n: [x["tokens"] / x["e2e"] for x in v] for n, v in got.items()},
                    "decode_tok_s": {n: [(x["tokens"] - 1) / (x["e2e"] - x["ttft"]) for x in v] for n, v in got.items()},
                    "tokens_per_chunk": {n: [x["tokens"] / x["chunks"] for x in v] for n, v in got.items()},
@@ -508,6 +514,8 @@ def part_spec(setup: dict, rounds: int, output_len: int, prompts_n: int, seed: i
         res["tokens_equal"] = [greedy_tokens(urls["pmx1"], p, output_len) == greedy_tokens(urls["pmx1-spec"], p,
                                                                                             output_len)
                                for p in prompts]
+    if len(res["rounds"]):
+        res["steps_offline"] = spec_step_costs(setup, res["prompts"], output_len, rounds)
     return res
 
 
@@ -528,6 +536,38 @@ def spec_prompts(url: str, n: int, output_len: int) -> list:
     return out
 
 
+def spec_step_costs(setup: dict, prompts: list, output_len: int, rounds: int) -> dict:
+    """The engine's steps on the spec prompts, offline in this process (no server, no HTTP): what a decode step
+    costs as the one-call C++ step (the default), as the eager step (--fused_decode false, the path a verify step
+    of several tokens a sequence takes) and what the steps of --speculative ngram cost, and the tokens each gives."""
+    import torch
+    from runner import LLM
+    from runner.engine.sampler import SamplingParams as CoreParams
+    torch.set_num_threads(setup["threads"])
+    pmx, out = str(_pmx_model(1, setup["a"])), {}
+    for name, opts in (("decode, one-call C++ step", {}), ("decode, eager step", {"fused_decode": False}),
+                       ("ngram speculation", {"speculative": "ngram", "num_speculative_tokens": 4,
+                                              "prompt_lookup_max": 4, "prompt_lookup_min": 1})):
+        with LLM(pmx, max_batch=4, kv_cache_tokens=8192, **opts) as llm:
+            core, ids = llm.engine.core, [llm.tokenizer.encode(p) for p in prompts]
+            core.generate(ids[:1], 8, CoreParams(temperature=0))  # warm-up
+            times, tokens, steps = [], 0, 0
+            for _ in range(rounds):
+                for p in ids:
+                    stats, t0 = {}, time.perf_counter()
+                    got = core.generate([p], output_len, CoreParams(temperature=0), stats=stats)
+                    times.append(time.perf_counter() - t0)
+                    tokens, steps = tokens + len(got[0]), steps + stats["steps"]
+                    out.setdefault(name, {}).setdefault("step_s", []).extend(stats["step_seconds"])
+        rec = out[name]
+        rec.update(tokens=tokens, steps=steps, seconds=sum(times), tok_s=tokens / sum(times),
+                   step_ms_median=1e3 * statistics.median(rec["step_s"]), step_ms_mean=1e3 * sum(rec.pop("step_s")) /
+                   steps, tokens_per_step=tokens / steps)
+        print(f"spec steps, {name}: {rec['tok_s']:.0f} tok/s, {rec['tokens_per_step']:.2f} tokens a step, step "
+              f"median {rec['step_ms_median']:.3f} ms, mean {rec['step_ms_mean']:.3f} ms", file=sys.stderr, flush=True)
+    return out
+
+
 def spec_table(sp: dict) -> str:
     if not sp["rounds"]:
         return "(not run)\n"
@@ -536,15 +576,23 @@ def spec_table(sp: dict) -> str:
     ratios = [b / a for a, b in zip(off, on)]
     draft = sum(r["draft_tokens"] for r in sp["rounds"])
     acc = sum(r["accepted_tokens"] for r in sp["rounds"])
-    return ("| system | output tok/s per request | decode tok/s | tokens per chunk |\n|---|---|---|---|\n" +
+    return ("| system | output tok/s per request | decode tok/s | tokens per chunk | engine steps | mean step (ms) "
+            "| tokens per step |\n|---|---|---|---|---|---|---|\n" +
             "".join(f"| {n} | {spread([x for r in sp['rounds'] for x in r['tok_s'][n]], '{:.1f}')} | "
                     f"{spread([x for r in sp['rounds'] for x in r['decode_tok_s'][n]], '{:.1f}')} | "
-                    f"{spread([x for r in sp['rounds'] for x in r['tokens_per_chunk'][n]], '{:.2f}')} |\n"
+                    f"{spread([x for r in sp['rounds'] for x in r['tokens_per_chunk'][n]], '{:.2f}')} | "
+                    f"{sum(r['steps'][n] for r in sp['rounds']):.0f} | "
+                    f"{spread([r['step_ms'][n] for r in sp['rounds']], '{:.2f}')} | "
+                    f"{spread([r['tokens_per_step'][n] for r in sp['rounds']], '{:.2f}')} |\n"
                     for n in ("pmx1", "pmx1-spec")) +
             f"\nspeculation on / off, per request: median {statistics.median(ratios):.2f}x (range "
             f"{min(ratios):.2f}-{max(ratios):.2f}); acceptance {acc:.0f} / {draft:.0f} drafted = "
             f"{acc / max(draft, 1):.2f}; outputs identical: texts {all(x for r in sp['rounds'] for x in r['texts_equal'])}"
-            f", tokens {all(sp.get('tokens_equal', [False]))}\n")
+            f", tokens {all(sp.get('tokens_equal', [False]))}\n" +
+            ("\nOffline (the engine in this process, no server): \n\n| steps | tok/s | tokens per step | step median (ms) "
+             "| step mean (ms) |\n|---|---|---|---|---|\n" + "".join(
+                 f"| {n} | {v['tok_s']:.0f} | {v['tokens_per_step']:.2f} | {v['step_ms_median']:.3f} | "
+                 f"{v['step_ms_mean']:.3f} |\n" for n, v in sp.get("steps_offline", {}).items())))
 
 
 # -- commands ------------------------------------------------------------------------------------------------------
@@ -579,7 +627,8 @@ def run(parts: str = "agree,sweep,prefix,spec", model: str = "base", systems: st
                 f"{n}: first {v['agree_first']} of {agree_tokens} tokens" for n, v in
                 report["agree"]["llama.cpp"].items()))
         elif part == "sweep":
-            report["sweep"] = part_sweep(setup, sysl, levels, rounds, input_len, output_len, seed)
+            report["sweep"] = part_sweep(setup, sysl, levels, rounds, input_len, output_len, seed, lambda runs: (
+                path.write_text(json.dumps({**report, "sweep_partial": runs}, indent=1))))
             tables.append(sweep_table(report["sweep"]))
         elif part == "prefix":
             report["prefix"] = part_prefix(setup, prefix_len, questions, prefix_output_len, rounds, seed)
