@@ -67,9 +67,9 @@ the llama-cpp-python sdist (pinned below) and is built once into ~/.cache/pmx-ru
 
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d SDIST && tar xzf SDIST/*.tar.gz
     cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-        -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-        -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF
-    cmake --build build --target llama-bench llama-batched-bench -j2
+        -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+        -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+    cmake --build build --target llama-bench llama-batched-bench -j2   # (serve_bench.py: llama-server)
 
 The GGUF is made by the sdist's convert_hf_to_gguf.py --outtype f32 (its gguf-py on PYTHONPATH) from a
 copy of the checkpoint (weights linked) that holds a small sentencepiece tokenizer.model: the converter
@@ -302,8 +302,12 @@ def _llama_cpp_source() -> Path:
     return src
 
 
-def _llama_cpp_bin(src: Path, given: str | None, extra: tuple = ()) -> Path:
-    tools = ("llama-bench", "llama-batched-bench", *extra)
+BENCH_TOOLS = ("llama-bench", "llama-batched-bench")
+
+
+def _llama_cpp_bin(src: Path, given: str | None, tools: tuple = BENCH_TOOLS) -> Path:
+    """The bin directory of a llama.cpp build holding `tools` (`given`, or CACHE/llama.cpp/build, built there once
+    with the server configured too, so benchmarks/serve_bench.py's llama-server comes from the same build)."""
     if given:
         for d in (Path(given), Path(given) / "bin"):
             if all((d / t).is_file() for t in tools):
@@ -316,8 +320,8 @@ def _llama_cpp_bin(src: Path, given: str | None, extra: tuple = ()) -> Path:
         log = CACHE / "llama.cpp" / "build.log"
         print(f"building llama.cpp once into {build} (about 15 min on 2 cores; log {log})", file=sys.stderr)
         flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                 "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
-                 "-DLLAMA_USE_PREBUILT_UI=OFF"]
+                 "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_APP=OFF",
+                 "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
         with open(log, "w") as f:
             for cmd in (["cmake", "-S", src / "vendor" / "llama.cpp", "-B", build, *flags],
                         ["cmake", "--build", build, "--target", *tools, "-j", str(os.cpu_count() or 2)]):
@@ -338,10 +342,10 @@ def _sentencepiece_model(path: Path) -> None:
     path.write_bytes(buf.getvalue())
 
 
-def _llama_cpp_model(a: dict, quant: str | None = None) -> tuple[Path, Path]:
-    """(llama.cpp's bin dir, the GGUF): built, converted and quantised once, then cached."""
+def _llama_cpp_model(a: dict, quant: str | None = None, tools: tuple = BENCH_TOOLS) -> tuple[Path, Path]:
+    """(llama.cpp's bin dir holding `tools`, the GGUF): built, converted and quantised once, then cached."""
     src = _llama_cpp_source()
-    bindir = _llama_cpp_bin(src, a["llama_cpp"], ("llama-quantize",) if quant else ())
+    bindir = _llama_cpp_bin(src, a["llama_cpp"], tools + (("llama-quantize",) if quant else ()))
     gguf = a["work"] / "model-f32.gguf"
     if not gguf.exists():
         copy = a["work"] / "gguf-src"

@@ -182,8 +182,12 @@ def test_speculation_and_prefix_caching_keep_the_reference(srv):
     assert first == again and srv.metric("prefix_cache_hits_total") - hits >= 2
     assert srv.metric("prefix_cache_tokens_saved_total") == 128 * srv.metric("prefix_cache_hits_total")
     story = "The cat sat on the mat. " * 6
-    c.completions.create(model=srv.model, prompt=story, max_tokens=60, temperature=0)
+    whole = c.completions.create(model=srv.model, prompt=story, max_tokens=60, temperature=0).choices[0].text
     assert srv.metric("spec_decode_accepted_tokens_total") > 0
+    chunks = [ch.choices for ch in c.completions.create(model=srv.model, prompt=story, max_tokens=60, temperature=0,
+                                                         stream=True) if ch.choices]
+    assert all(len(x) == 1 for x in chunks) and len(chunks) < 60  # a step's accepted guesses in one chunk
+    assert "".join(x[0].text for x in chunks) == whole
 
 
 @pytest.mark.parametrize("launcher", ["mpich", "torchrun"])

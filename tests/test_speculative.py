@@ -77,6 +77,23 @@ def test_greedy_speculation_gives_the_same_tokens(stories, options):
     assert alone.generate([cat], 64, stats=stats) == want[2:3] and stats["steps"] < 0.8 * 64  # several tokens a step
 
 
+def test_served_speculation_keeps_every_token_of_the_last_step(stories):
+    """The serving engine (LLM): a step that accepts guesses and then ends the sequence (its length, or a stop id
+    among the accepted guesses) gives the completion all of that step's tokens, as without speculation."""
+    from runner import LLM, SamplingParams
+    prompts = ["The cat sat on the mat. The cat sat on the mat. The cat", "Tom had a red ball", "Once upon a time"]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (37, 61, 140)]
+    params.append(SamplingParams(max_tokens=100, temperature=0, stop_token_ids=[426]))  # "."
+
+    def run(**spec):
+        with LLM(str(stories / "pmx"), max_batch=4, kv_cache_tokens=2048, **spec) as llm:
+            return [(o.token_ids, o.finish_reason) for sp in params for r in llm.generate(prompts, sp)
+                    for o in r.outputs]
+    want, got = run(), run(speculative="ngram")
+    assert [len(t) for t, f in want[:9]] == [37] * 3 + [61] * 3 + [140] * 3
+    assert got == want
+
+
 def test_speculation_flags_are_checked():
     with pytest.raises(PmxError, match="--speculative must be one of off, ngram"):
         from runner.config import EngineConfig

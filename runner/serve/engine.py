@@ -306,9 +306,10 @@ class LLMEngine:
         """Runs one step; returns the completions' new text and tokens."""
         outs = self.core.step()
         now = time.monotonic()
-        deltas = [d for d in (self._score(o) if o.seq.all_logits else self._accept(o, now) for o in outs
-                              if o.seq.all_logits or o.seq.state.finish_reason is None)  # (a stop string may end a
-                  if d is not None]                                                    # choice mid-step)
+        last = {o.seq.seq_id: i for i, o in enumerate(outs)}  # a sequence's step's last output hands on its text
+        deltas = [d for d in (self._score(o) if o.seq.all_logits else self._accept(o, now, last[o.seq.seq_id] == i)
+                              for i, o in enumerate(outs) if o.seq.all_logits or o.seq.state.finish_reason is None)
+                  if d is not None]  # (a stop string may end a choice mid-step)
         if self.metrics is not None:
             s = self.core.scheduler
             self._count(preemptions_total=s.preemptions, prefix_cache_queries_total=s.cache.queries,
@@ -340,7 +341,10 @@ class LLMEngine:
     def heartbeat(self) -> None:
         self.channel.send({"k": "idle"})
 
-    def _accept(self, o: Output, now: float) -> Optional[Delta]:
+    def _accept(self, o: Output, now: float, last: bool = True) -> Optional[Delta]:
+        """One output token into its choice (o.finish: the sequence's finish reason at this token); `last`: the
+        step's last output of the sequence, the one that hands on the step's text (a speculative step gives a
+        sequence several tokens, then may finish it)."""
         seq, token = o.seq, o.token
         ch: _Choice = seq.state
         p = ch.request.params
@@ -369,7 +373,7 @@ class LLMEngine:
             ch.finish_reason = "length"
         if ch.finish_reason is not None:
             return self._finish(seq)
-        return self._delta(ch)
+        return self._delta(ch) if last else None  # one delta a choice and step (a stream chunk holds it whole)
 
     def _score(self, o: Output) -> Optional[Delta]:
         """A chunk of a request's scored prompt (prompt_logprobs): row r of its logits predicts the token after
