@@ -103,4 +103,4 @@ def test_every_readme_command_block_runs_as_written(tmp_path):
         for line in servers:
             serve_with_clients(line, clients, clone, out_dir)
             servers_run += 1
-    assert servers_run == 3
+    assert servers_run == 4
