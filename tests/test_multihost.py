@@ -71,13 +71,14 @@ def free_port() -> int:
 
 
 class TorchrunNodes:
-    """torchrun --nnodes 2, one agent (one rank) in each host's namespace, meeting at 127.0.0.1."""
+    """torchrun --nnodes 2 (as scripts/torchrun.sh runs it: no /tmp/torchelastic_* left), one agent (one rank) in each
+    host's namespace, meeting at 127.0.0.1."""
 
     def __init__(self, out_dir: Path, *cmd):
         port = free_port()
         self.jobs = []
         for node, host in enumerate(HOSTS):
-            agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--nproc_per_node", 1, "--node_rank",
+            agent = [sys.executable, "-m", "runner.parallel.torchrun", "--nnodes", 2, "--nproc_per_node", 1, "--node_rank",
                      node, "--rdzv_endpoint", f"127.0.0.1:{port}", *cmd]
             self.jobs.append(Job([FAKE_HOST, host, shlex.join(map(str, agent))], out_dir))
 
