@@ -805,7 +805,8 @@ def quant_ends(shape: str = "gqa", quant: str = "int8", pairs: int = 12, tokens:
     load0 = os.getloadavg()[0]
     rates, ratios = _alternate({"float_ends": jobs["float_ends"], "default": jobs["default"]}, chosen, pairs)
     print(f"shape {shape} {quant}, {pairs} pairs, {threads} threads, load {load0:.1f} -> {os.getloadavg()[0]:.1f}; "
-          f"files: default {sizes['default'] / 1e6:.1f} MB, output + embedding float {sizes['float_ends'] / 1e6:.1f} MB")
+          f"files: default {sizes['default'] / 1e6:.1f} MB, output + embedding float "
+          f"{sizes['float_ends'] / 1e6:.1f} MB")
     _summary(rates, ratios, "float_ends", "default")
 
 

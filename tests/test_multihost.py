@@ -78,8 +78,8 @@ class TorchrunNodes:
         port = free_port()
         self.jobs = []
         for node, host in enumerate(HOSTS):
-            agent = [sys.executable, "-m", "runner.parallel.torchrun", "--nnodes", 2, "--nproc_per_node", 1, "--node_rank",
-                     node, "--rdzv_endpoint", f"127.0.0.1:{port}", *cmd]
+            agent = [sys.executable, "-m", "runner.parallel.torchrun", "--nnodes", 2, "--nproc_per_node", 1,
+                     "--node_rank", node, "--rdzv_endpoint", f"127.0.0.1:{port}", *cmd]
             self.jobs.append(Job([FAKE_HOST, host, shlex.join(map(str, agent))], out_dir))
 
     def __enter__(self) -> "TorchrunNodes":
