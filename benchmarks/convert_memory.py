@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Peak memory and speed of streaming conversion, split and merge on a generated ~2 GB checkpoint, against `cp -r`.
+"""Peak memory and speed of streaming conversion, split and merge on a generated ~1.5 GB checkpoint, against `cp -r`.
 
-Writes a random-weight Llama-shaped HF checkpoint (bf16, two safetensors files + index) tensor by
-tensor, then times `convert`, `split` and `merge`, each in its own process so that its peak RSS
+Writes a random-weight Llama-shaped HF checkpoint (bf16, 12 layers of dim 2048: 1.50 GB) with the project's
+random-model writer, tensor by tensor, then times `convert`, `split` and `merge`, each in its own process so that its peak RSS
 (VmHWM) is its own, and `cp -r` of the same input directory just before it (both after a `sync`, so that
 neither pays for the other's dirty pages; inputs are in the page cache). Each pair runs `--repeats` times; the
 medians are printed: the process's wall time, the step's own time inside it (without the ~1 s of Python and
 torch start-up), cp's time and their ratio. Targets: peak RSS <= 2 x largest tensor + 400 MB, the step
 within 2 x cp.
 
-    python benchmarks/convert_memory.py [--workdir /tmp/pmx-bench] [--layers 16] [--repeats 5] [--keep]
+    python benchmarks/convert_memory.py [--workdir /tmp/pmx-bench] [--layers 12] [--repeats 5] [--keep]
+"""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +26,8 @@ from pathlib import Path
 import fire
 import torch
 
-from runner.pmx.store import SafetensorsWriter
+from runner.pmx.random_model import make_random_model
+from runner.pmx.store import SafetensorsReader
 
 STEP = """
 import sys, time
@@ -41,35 +44,15 @@ print(time.perf_counter() - t0, next(int(l.split()[1]) * 1024 for l in open("/pr
 """
 
 
-def make_checkpoint(d: Path, layers: int, dim: int, inter: int, vocab: int) -> tuple[int, int]:
-    """Writes the checkpoint; returns (total bytes, largest tensor bytes)."""
-    d.mkdir(parents=True, exist_ok=True)
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=dim, intermediate_size=inter,
-               num_hidden_layers=layers, num_attention_heads=dim // 128, num_key_value_heads=dim // 128,
-               vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
-               torch_dtype="bfloat16", tie_word_embeddings=False, hidden_act="silu")
-    (d / "config.json").write_text(json.dumps(cfg))
-    shapes = {"model.embed_tokens.weight": (vocab, dim)}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        shapes.update({f"{p}.input_layernorm.weight": (dim,), f"{p}.post_attention_layernorm.weight": (dim,),
-                       **{f"{p}.self_attn.{x}_proj.weight": (dim, dim) for x in "qkvo"},
-                       f"{p}.mlp.gate_proj.weight": (inter, dim), f"{p}.mlp.up_proj.weight": (inter, dim),
-                       f"{p}.mlp.down_proj.weight": (dim, inter)})
-    shapes.update({"model.norm.weight": (dim,), "lm_head.weight": (vocab, dim)})
-    names = list(shapes)
-    files = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-             "model-00002-of-00002.safetensors": names[len(names) // 2:]}
-    g = torch.Generator().manual_seed(0)
-    for fname, keys in files.items():
-        w = SafetensorsWriter(d / fname, [(k, torch.bfloat16, shapes[k]) for k in keys], {"format": "pt"})
-        for k in keys:
-            w.write(k, (torch.randn(shapes[k], generator=g) * 0.02).bfloat16())
-        w.close()
-    (d / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {k: f for f, ks in files.items() for k in ks}}))
-    nbytes = {k: 2 * torch.Size(s).numel() for k, s in shapes.items()}
-    return sum(nbytes.values()), max(nbytes.values())
+def make_checkpoint(d: Path, layers: int, dim: int, inter: int, vocab: int, heads: int, kv_heads: int
+                    ) -> tuple[int, int]:
+    """Writes the checkpoint with the project's random-model writer (`python -m runner make_random_model`, bf16, one
+    model.safetensors); returns (total tensor bytes, largest tensor bytes)."""
+    make_random_model(str(d), hidden_dim=dim, intermediate_dim=inter, num_layers=layers, num_heads=heads,
+                      num_kv_heads=kv_heads, vocab_size=vocab, dtype="bfloat16")
+    r = SafetensorsReader(d / "model.safetensors")
+    nbytes = [r.nbytes(k) for k in r.keys()]
+    return sum(nbytes), max(nbytes)
 
 
 def timed(args) -> tuple[float, str]:
@@ -80,12 +63,12 @@ def timed(args) -> tuple[float, str]:
     return time.perf_counter() - t0, out
 
 
-def main(workdir: str = "/tmp/pmx-bench", layers: int = 16, dim: int = 2048, inter: int = 5632, vocab: int = 32000,
-         shards: int = 2, repeats: int = 5, keep: bool = False) -> None:
+def main(workdir: str = "/tmp/pmx-bench", layers: int = 12, dim: int = 2048, inter: int = 5632, vocab: int = 32000,
+         heads: int = 16, kv_heads: int = 16, shards: int = 2, repeats: int = 5, keep: bool = False) -> None:
     work = Path(workdir)
     shutil.rmtree(work, ignore_errors=True)
     t0 = time.perf_counter()
-    total, largest = make_checkpoint(work / "hf", layers, dim, inter, vocab)
+    total, largest = make_checkpoint(work / "hf", layers, dim, inter, vocab, heads, kv_heads)
     print(f"generated {total / 1e9:.2f} GB checkpoint in {time.perf_counter() - t0:.1f}s; "
           f"largest tensor {largest / 1e6:.0f} MB; medians of {repeats} runs", flush=True)
     limit = 2 * largest + 400e6

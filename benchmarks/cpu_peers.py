@@ -27,6 +27,10 @@ load average at start and end. About 2 minutes a round for base on 2 cores, plus
     python benchmarks/cpu_peers.py tp_paired [--shape gqa|base] [--pairs 12] [--quant int8|int4]
     python benchmarks/cpu_peers.py versions --base BEFORE_TREE [--shape gqa|base|all] [--tp 1,2] [--quant none,int8]
         [--pairs 12] [--metrics decode_b1,decode_b16,prefill_512,mixed] [--json_path out/versions_SHAPE.json]
+    python benchmarks/cpu_peers.py quant_ends [--shape gqa|base] [--quant int8|int4] [--pairs 12]
+
+`quant_ends` pairs the same way pmx-runner TP=1 on the default int8 / int4 model (output and embedding quantised)
+against one whose output and embedding stay float (`--quantize_output False --quantize_embedding False`).
 
 `paired` measures batch-1 decode (or a 512-token prefill) of pmx-runner TP=1 and one peer in alternating slices of
 a few seconds and reports the median of the per-pair ratios: on a box whose memory bandwidth swings between rounds, this
@@ -773,6 +777,43 @@ def tp_paired(shape: str = "gqa", pairs: int = 12, tokens: int = 64, threads: in
     _summary(rates, ratios, "TP1", "TP2")
 
 
+def quant_ends(shape: str = "gqa", quant: str = "int8", pairs: int = 12, tokens: int = 64, threads: int = 2,
+               metrics: str = "decode_b1", engine_options="{}", workdir: str = str(CACHE / "peers")) -> None:
+    """pmx-runner TP=1 on two quantisations of the same weights, in alternating slices: the default (the output
+    and the embedding quantised too) against `--quantize_output False --quantize_embedding False` (both float, the
+    default before issue 29). Prints the per-pair default / float-ends ratios and both models' file bytes.
+
+        python benchmarks/cpu_peers.py quant_ends [--shape gqa|base] [--quant int8|int4] [--pairs 12]
+            [--metrics decode_b1,decode_b16,prefill_512]
+    """
+    from runner.pmx.convert import convert
+    from runner.pmx.quant import scheme_from_flags
+    from runner.pmx.random_model import make_random_model
+    chosen = metrics.split(",") if isinstance(metrics, str) else list(metrics)
+    if shape not in SHAPES or quant not in ("int8", "int4") or not chosen or set(chosen) - set(METRICS):
+        raise SystemExit(f"quant_ends: --shape base|gqa, --quant int8|int4, --metrics some of {','.join(METRICS)}")
+    work = Path(workdir).expanduser() / shape
+    if not (work / "hf" / "config.json").exists():
+        make_random_model(str(work / "hf"), **SHAPES[shape], overwrite=True)
+    models = {"default": _pmx_model(1, dict(work=work, hf=work / "hf"), quant)}
+    float_ends = work / f"pmx1-{quant}-float-ends"
+    scheme = scheme_from_flags(quant, quantize_output=False, quantize_embedding=False)
+    params = float_ends / "pmx_params.json"
+    if not params.exists() or json.loads(params.read_text()).get("quantization") != scheme.to_dict():
+        convert(str(work / "hf"), str(float_ends), overwrite=True, progress=False, quant=scheme)
+    models["float_ends"] = float_ends
+    sizes = {n: sum(f.stat().st_size for f in m.glob("model.*.safetensors")) for n, m in models.items()}
+    head = [sys.executable, SELF, "job_worker", "pmx"]
+    jobs = {n: (head + [m, "--tokens", tokens, "--engine_options", json.dumps(_engine_options(engine_options))],
+                threads) for n, m in models.items()}
+    load0 = os.getloadavg()[0]
+    rates, ratios = _alternate({"float_ends": jobs["float_ends"], "default": jobs["default"]}, chosen, pairs)
+    print(f"shape {shape} {quant}, {pairs} pairs, {threads} threads, load {load0:.1f} -> {os.getloadavg()[0]:.1f}; "
+          f"files: default {sizes['default'] / 1e6:.1f} MB, output + embedding float "
+          f"{sizes['float_ends'] / 1e6:.1f} MB")
+    _summary(rates, ratios, "float_ends", "default")
+
+
 VERSION_POINTS = METRICS + ("mixed",)
 
 
@@ -993,5 +1034,5 @@ def _cpu_name() -> str:
 
 if __name__ == "__main__":
     commands = {"main": main, "worker": worker, "paired": paired, "job_worker": job_worker, "tp_paired": tp_paired,
-                "versions": versions}
+                "versions": versions, "quant_ends": quant_ends}
     fire.Fire(commands if len(sys.argv) > 1 and sys.argv[1] in set(commands) - {"main"} else main)

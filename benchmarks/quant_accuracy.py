@@ -6,7 +6,8 @@ file (sliding window), logits SNR against the float model and greedy agreement, 
 
 Each model is converted to PMX once (float32) and quantised with `quantize_model`: int8 per output channel, int4
 with the group sizes given per model (the largest that divide its input dims are listed; stories260k's
-intermediate 172 only takes 2 or 4). Logits SNR: 10 log10(sum fp32^2 / sum (q - fp32)^2) over every position of
+intermediate 172 only takes 2 or 4); each with the default (output and embedding quantised too) and with both kept
+float (`--quantize_output False --quantize_embedding False`, the default before). Logits SNR: 10 log10(sum fp32^2 / sum (q - fp32)^2) over every position of
 the text's first window. Greedy: how many of 40 greedy tokens after "Once upon a time" equal the fp32 model's.
 Prints a markdown table.
 """
@@ -28,8 +29,12 @@ from runner.pmx.convert import convert, quantize_model
 from runner.pmx.quant import QuantScheme
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = {"stories260k": [QuantScheme("int8"), QuantScheme("int4", 4)],
-          "tinystories-656k": [QuantScheme("int8"), QuantScheme("int4", 32), QuantScheme("int4", 128)]}
+FLOAT_ENDS = dict(quantize_output=False, quantize_embedding=False)  # the default before issue 29: both kept float
+MODELS = {"stories260k": [QuantScheme("int8"), QuantScheme("int8", **FLOAT_ENDS), QuantScheme("int4", 4),
+                          QuantScheme("int4", 4, **FLOAT_ENDS)],
+          "tinystories-656k": [QuantScheme("int8"), QuantScheme("int8", **FLOAT_ENDS), QuantScheme("int4", 32),
+                               QuantScheme("int4", 32, **FLOAT_ENDS), QuantScheme("int4", 128),
+                               QuantScheme("int4", 128, **FLOAT_ENDS)]}
 
 
 def _engine(path: Path):
@@ -41,6 +46,12 @@ def all_logits(engine, ids: list) -> torch.Tensor:
     chunks = []
     engine.score([ids], lambda i, first, logits: chunks.append(logits))
     return torch.cat(chunks)
+
+
+def label_of(s: QuantScheme) -> str:
+    """int8, int4 g32; with what stays float named (the default quantises the output and the embedding too)."""
+    kept = [n for n, q in (("output", s.quantize_output), ("embedding", s.quantize_embedding)) if not q]
+    return s.method + (f" g{s.group_size}" if s.group_size else "") + (f", {' + '.join(kept)} float" if kept else "")
 
 
 def _agree(a: list, b: list) -> int:
@@ -66,9 +77,9 @@ def main(text_file: str = str(REPO / "tests" / "data" / "story.txt"), window: in
             ref_greedy = ref_model.generate([prompt], 40)[0]
             variants = [("fp32", None, fp)]
             for s in schemes:
-                out = Path(tmp) / f"{name}-{s.method}-{s.group_size}"
+                out = Path(tmp) / f"{name}-{s.method}-{s.group_size}-{s.quantize_output}-{s.quantize_embedding}"
                 quantize_model(str(fp), str(out), s, progress=False)
-                variants.append((s.method + (f" g{s.group_size}" if s.group_size else ""), s, out))
+                variants.append((label_of(s), s, out))
             for label, s, path in variants:
                 m = _engine(path)
                 res = evaluate(m, ids, window, stride)

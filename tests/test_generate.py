@@ -123,6 +123,20 @@ def test_eos_stops_and_frees(split_models):
     assert eng.scheduler.cache.used == 0 and not eng.has_work()
 
 
+def test_progress_counts_the_tokens_the_summary_counts(split_models):
+    """Demo's bar and its summary line agree (issue 29 item 7: 135 against 134): a sequence that ends on EOS counts
+    the tokens it returns, not the EOS; every sequence is counted done once."""
+    eng = stories_engine(split_models)
+    tok = Tokenizer(str(split_models[("stories260k", 1)] / "tokenizer.model"))
+    prompts = [tok.encode(t) for t in ("Once upon a time", "The cat", "Once upon a time")]
+    calls = []
+    out = eng.generate(prompts, 40, stop_ids=[REFERENCE["stories260k"][10]],
+                       progress=lambda new, done: calls.append((new, done)))
+    assert [len(o) for o in out][::2] == [10, 10] and len(out[1]) <= 40  # two end on the stop token, one maybe not
+    assert sum(new for new, _ in calls) == sum(len(o) for o in out), (calls, out)
+    assert calls[-1][1] == len(prompts) and [d for _, d in calls] == sorted(d for _, d in calls)
+
+
 def test_sampling_seeded_and_bounded():
     logits = torch.randn(4, 50)
     a = Sampler(SamplingParams(temperature=0.8, top_k=5, seed=3))(logits)

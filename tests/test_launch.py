@@ -72,3 +72,26 @@ def test_what_each_failure_reports():
     except KeyError as e:
         message, code, details = describe(e)
     assert message == "KeyError: 'k'" and code == 1 and "test_launch.py" in details
+
+
+def test_gloo_is_pointed_at_the_interface_towards_the_rendezvous_where_the_host_name_does_not_resolve(monkeypatch):
+    """Under torchrun on a machine whose host name does not resolve, gloo would bind to loopback, which the other
+    machines cannot reach: GLOO_SOCKET_IFNAME is set to the interface that routes to MASTER_ADDR, unless it is set
+    or the host name resolves."""
+    import socket
+
+    from runner.parallel import dist
+    loopback = dist.interface_of("127.0.0.1")
+    if loopback is None:
+        pytest.skip("this machine lists no interface holding 127.0.0.1")
+    monkeypatch.setattr(socket, "gethostname", lambda: "pmx-no-such-host.invalid")
+    environ = {}
+    dist._gloo_interface_towards("127.0.0.1", environ)
+    assert environ == {"GLOO_SOCKET_IFNAME": loopback}
+    environ = {"GLOO_SOCKET_IFNAME": "eth9"}
+    dist._gloo_interface_towards("127.0.0.1", environ)
+    assert environ == {"GLOO_SOCKET_IFNAME": "eth9"}  # the user's choice stands
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")
+    environ = {}
+    dist._gloo_interface_towards("127.0.0.1", environ)
+    assert environ == {}  # a host name that resolves: gloo finds its interface itself

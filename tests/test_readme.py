@@ -25,6 +25,7 @@ from jobs import ROOT, Job
 FENCE = re.compile(r"^```(bash|python)\n(.*?)^```", re.M | re.S)
 SERVER = re.compile(r"runner serve|Server\.py")
 NOT_RUN = "bash scripts/test.sh"
+CONTINUED = re.compile(r"\\\n\s*")
 BLOCK_TIMEOUT = 600
 
 
@@ -71,7 +72,9 @@ def run_block(lang: str, code: str, clone: Path, out_dir: Path, port: int = 8000
 
 def serve_with_clients(line: str, clients: list, clone: Path, out_dir: Path) -> None:
     port = free_port()
-    cmd = ["bash", "-c", f'cd "{clone}"\n. .venv/bin/activate\nexec {line.replace("--port 8000", f"--port {port}")}']
+    line = line.replace("--port 8000", f"--port {port}") if "--port 8000" in line else \
+        SERVER.sub(lambda m: f"{m.group(0)} --port {port}", line, count=1)  # the default port is 8000 too
+    cmd = ["bash", "-c", f'cd "{clone}"\n. .venv/bin/activate\nexec {line}']
     with Job(cmd, out_dir, {"PYTHONPATH": str(clone)}) as job:
         job.wait_for("serving ", BLOCK_TIMEOUT)
         for lang, code in clients:
@@ -97,10 +100,11 @@ def test_every_readme_command_block_runs_as_written(tmp_path):
     for lang, code in blocks:
         if is_client(lang, code):
             continue  # run against each server of the block before them
+        code = CONTINUED.sub(" ", code)  # a command continued over lines (`\\` at the end) is one line
         lines = [ln for ln in code.splitlines() if not ln.startswith(NOT_RUN)]
         servers = [ln for ln in lines if SERVER.search(ln)]
         run_block(lang, "\n".join(ln for ln in lines if ln not in servers), clone, out_dir)
         for line in servers:
             serve_with_clients(line, clients, clone, out_dir)
             servers_run += 1
-    assert servers_run == 4
+    assert servers_run == 5

@@ -43,6 +43,8 @@ class TorchComm(Communicator):
                 kwargs["store"] = _mpi_rendezvous(env.world_size)
             elif env.launcher == "single":  # one process asked for a process group (nccl / gloo at TP=1)
                 kwargs["init_method"] = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+            elif backend == "gloo":  # torchrun: MASTER_ADDR is the rendezvous host
+                _gloo_interface_towards(environ.get("MASTER_ADDR", ""), environ)
             dist.init_process_group(**kwargs)
         self._dog = Watchdog(timeout_s)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.10
@@ -163,6 +165,23 @@ def _mpi_rendezvous(world_size: int):
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
     return store if store is not None else dist.TCPStore(host, port, world_size, is_master=False,
                                                          timeout=PROCESS_GROUP_TIMEOUT)
+
+
+def _gloo_interface_towards(address: str, environ=os.environ) -> None:
+    """Where this machine's host name does not resolve, gloo falls back to the loopback interface, which other
+    machines cannot reach: point it (GLOO_SOCKET_IFNAME, unless set) at the interface that routes to `address`, the
+    rendezvous host (found with a UDP socket's connect, which sends nothing)."""
+    if not address or "GLOO_SOCKET_IFNAME" in environ or _resolves(socket.gethostname()):
+        return
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((address, 9))
+            local = s.getsockname()[0]
+    except OSError:
+        return
+    ifname = interface_of(local)
+    if ifname:
+        environ["GLOO_SOCKET_IFNAME"] = ifname
 
 
 RENDEZVOUS_PROBE_S = 3.0  # how long a rank tries each of rank 0's addresses
