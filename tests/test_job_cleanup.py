@@ -77,7 +77,9 @@ def test_torchrun_wrapper_is_quiet_and_leaves_no_log_directory(tmp_path, status)
     log_dirs = {f.parents[3] for f in files}  # LOG_DIR/RUN/attempt_0/RANK/error.json
     assert all(re.fullmatch(r"torchelastic_\w+", d.name) and not d.exists() for d in log_dirs), log_dirs
     if status:
-        assert err.strip().splitlines()[-1] == f"torchrun: {worker} failed on rank 0 (exit code {status})", err
+        last = err.strip().splitlines()[-1]  # (rank 1 may be stopped by the agent before it exits: said apart)
+        assert last in (f"torchrun: {worker} failed on rank 0 (exit code {status})" + tail for tail in
+                        ("", "; 1 other rank(s) stopped with it")), err
 
 
 def test_torchrun_wrapper_keeps_a_threads_setting(tmp_path):

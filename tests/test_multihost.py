@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -116,7 +117,8 @@ print(json.dumps(dict(rank=env.rank, host=socket.gethostname(), machine=machine_
 """)
     rc, out, err, _ = run_job(mpich(hostfile, sys.executable, probe), tmp_path, timeout=120)
     assert rc == 0, err[-3000:]
-    ranks = sorted((json.loads(ln) for ln in out.splitlines() if ln.startswith("{")), key=lambda r: r["rank"])
+    starts = [m.start() for m in re.finditer(r'\{"rank": ', out)]  # (the launcher may join the ranks' lines)
+    ranks = sorted((json.JSONDecoder().raw_decode(out, i)[0] for i in starts), key=lambda r: r["rank"])
     assert [r["host"] for r in ranks] == list(HOSTS)
     boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     assert [r["machine"] for r in ranks] == [f"{h}/{boot}" for h in HOSTS]  # same boot id, different host names

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from typing import Optional
@@ -36,8 +37,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"torchrun: stopped by {e.sigval.name}; its workers were stopped with it", file=sys.stderr, flush=True)
         return 1
     except ChildFailedError as e:
-        failed = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
-        print(f"torchrun: {e.name} failed on {failed}", file=sys.stderr, flush=True)
+        failures = sorted(e.failures.items())
+        own = [(r, f) for r, f in failures if f.exitcode != -signal.SIGTERM]  # not those the agent stopped after them
+        failed = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in (own or failures))
+        stopped = len(failures) - len(own) if own else 0
+        print(f"torchrun: {e.name} failed on {failed}" + (f"; {stopped} other rank(s) stopped with it" if stopped
+                                                           else ""), file=sys.stderr, flush=True)
         return 1
     finally:
         if log_dir is not None:
