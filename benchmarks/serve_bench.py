@@ -52,6 +52,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import statistics
@@ -151,7 +152,7 @@ def _pmx_url(text: str):
 def start_pmx(name: str, ranks: int, setup: dict, extra: tuple) -> Server:
     model = _pmx_model(ranks, setup["a"])
     cmd = [sys.executable, "-m", "runner", "serve", "--ckpt_dir", model, "--port", 0, "--served_model_name", "model",
-           *extra]
+           *extra, *setup.get("pmx_extra", ())]
     if ranks > 1:
         cmd = [REPO / "scripts" / "mpirun.sh", "-np", ranks, *cmd]
     env = {"OMP_NUM_THREADS": str(max(1, setup["threads"] // ranks)),
@@ -242,7 +243,9 @@ async def stream_request(client: httpx.AsyncClient, url: str, prompt, output_len
 async def closed_loop(url: str, prompts: list, output_len: int, concurrency: int) -> dict:
     """`concurrency` workers, each sending its next request as soon as its last one finished."""
     todo, results = list(enumerate(prompts)), [None] * len(prompts)
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    # a connection per request: llama-server (cpp-httplib) closes a kept-alive connection after a few requests, and a
+    # request sent on it as it closes fails; a loopback connect costs both servers the same ~0.1 ms
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=1800, limits=limits) as client:
         async def worker():
             while todo:
@@ -604,8 +607,9 @@ def run(parts: str = "agree,sweep,prefix,spec", model: str = "base", systems: st
         concurrency: str = "1,4,16,64", rounds: int = 3, input_len: int = 128, output_len: int = 128,
         prefix_len: int = 1500, questions: int = 8, prefix_output_len: int = 32, spec_output_len: int = 200,
         spec_prompts_n: int = 4, agree_tokens: int = 64, threads: int = 2, llama_cpp: str | None = None,
-        seed: int = 0, workdir: str = str(CACHE), json_path: str | None = None) -> None:
-    """Runs the parts asked for (see the module's docstring); prints their tables; writes the raw JSON."""
+        seed: int = 0, workdir: str = str(CACHE), json_path: str | None = None, pmx_extra: str = "") -> None:
+    """Runs the parts asked for (see the module's docstring); prints their tables; writes the raw JSON.
+    `pmx_extra`: flags added to every pmx-runner server (e.g. "--context_chunk_size 128")."""
     chosen = _csv(parts)
     known = ("agree", "sweep", "prefix", "spec")
     if not chosen or set(chosen) - set(known):
@@ -615,6 +619,7 @@ def run(parts: str = "agree,sweep,prefix,spec", model: str = "base", systems: st
         raise SystemExit(f"--systems: some of pmx1,pmx2,llama.cpp, got {systems!r}")
     levels = [int(c) for c in _csv(concurrency)]
     setup = make_setup(model, threads, workdir, llama_cpp)
+    setup["pmx_extra"] = tuple(shlex.split(pmx_extra))
     report = {"command": sys.argv[1:], "loadavg_start": os.getloadavg()}
     path = Path(json_path or REPO / "out" / f"serve_bench_{Path(model).name}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
