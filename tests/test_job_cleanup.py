@@ -57,7 +57,8 @@ def test_a_failed_mpich_job_leaves_no_shared_memory(tmp_path, how, launcher):
 
 TORCHRUN_WORKER = """
 import os, sys, torch
-print("error_file", os.environ["TORCHELASTIC_ERROR_FILE"], flush=True)
+sys.stdout.write("error_file " + os.environ["TORCHELASTIC_ERROR_FILE"] + "\\n")  # one write (the ranks share the pipe)
+sys.stdout.flush()
 sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "0" else 0)
 """
 
@@ -85,7 +86,8 @@ def test_torchrun_wrapper_is_quiet_and_leaves_no_log_directory(tmp_path, status)
 def test_torchrun_wrapper_keeps_a_threads_setting(tmp_path):
     """OMP_NUM_THREADS given by the user is left as it is (and honoured by the runner)."""
     worker = tmp_path / "worker.py"
-    worker.write_text("import os; print('omp', os.environ['OMP_NUM_THREADS'])")
+    worker.write_text("import os, sys; sys.stdout.write(f\"omp {os.environ['OMP_NUM_THREADS']}\\n\")")  # one write:
+    # the two workers share the pipe, unbuffered under torchrun (print's pieces would interleave)
     with Job([ROOT / "scripts" / "torchrun.sh", "--standalone", "--nproc_per_node", 2, worker], tmp_path,
              {"OMP_NUM_THREADS": "2"}) as job:
         assert job.wait(120) == 0, job.stderr
