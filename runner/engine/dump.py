@@ -128,6 +128,25 @@ def load_step(directory: str, step: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def load_rank_step(dump_dir: str, step: int, rank: int, world_size: int, what: str
+                   ) -> tuple[Path, Optional[dict], dict[str, torch.Tensor]]:
+    """(rank `rank`'s dump folder, its run's meta, its step `step` with every replay input and the logits), checked
+    against the `world_size` ranks started to replay it (`what`: the replay, named in the error)."""
+    rank_dir = Path(dump_dir) / f"rank_{rank}"
+    if not rank_dir.is_dir():
+        raise PmxError(f"{dump_dir}: has no rank_{rank} (dump with Demo.py --dump_tensor_path {dump_dir} on as "
+                       f"many ranks as {what})")
+    meta = load_meta(str(rank_dir))
+    if meta and meta.get("world_size", world_size) != world_size:
+        raise PmxError(f"{rank_dir / META_FILE}: the dump was made on {meta['world_size']} rank(s), but "
+                       f"{world_size} were started; replay it with -np {meta['world_size']}")
+    t = load_step(str(rank_dir), int(step))
+    missing = [n for n in STEP_INPUTS + ("logits",) if n not in t and n != "kv_scale"]
+    if missing:
+        raise PmxError(f"{rank_dir}: step {step} lacks {missing}")
+    return rank_dir, meta, t
+
+
 def load_meta(directory: str) -> Optional[dict]:
     """The run's engine.json written beside the step files, or None (e.g. a ppl.pmx dump)."""
     path = Path(directory) / META_FILE

@@ -27,7 +27,7 @@ import torch
 
 from runner.args import DumpDir, Fields, MinProfilingSeconds, Range, ReplayOutputDir, ReplayStep, Warmup
 from runner.config import EngineConfig
-from runner.engine.dump import META_FILE, STEP_INPUTS, load_meta, load_step, write_tensor
+from runner.engine.dump import STEP_INPUTS, load_rank_step, write_tensor
 from runner.engine.session import check_world_size, open_session
 from runner.errors import PmxError
 from runner.parallel.launch import detect
@@ -126,20 +126,9 @@ def replay(ckpt_dir: str, dump_dir: DumpDir, step: ReplayStep, output_dir: Repla
     """
     check_apart(Path(output_dir), {"--dump_dir": Path(dump_dir), "--ckpt_dir": Path(ckpt_dir)}, nested_ok=True)
     env = detect()
-    rank_dir = Path(dump_dir) / f"rank_{env.rank}"
-    if not rank_dir.is_dir():
-        raise PmxError(f"{dump_dir}: has no rank_{env.rank} (dump with Demo.py --dump_tensor_path {dump_dir} on as "
-                       f"many ranks as replay)")
+    rank_dir, meta, t = load_rank_step(dump_dir, step, env.rank, env.world_size, "replay")
     params = PmxParams.load(Path(ckpt_dir))
     check_world_size(ckpt_dir, params, env)
-    meta = load_meta(str(rank_dir))
-    if meta and meta.get("world_size", env.world_size) != env.world_size:
-        raise PmxError(f"{rank_dir / META_FILE}: the dump was made on {meta['world_size']} rank(s), but "
-                       f"{env.world_size} were started; replay it with -np {meta['world_size']}")
-    t = load_step(str(rank_dir), int(step))
-    missing = [n for n in STEP_INPUTS + ("logits",) if n not in t and n != "kv_scale"]
-    if missing:
-        raise PmxError(f"{rank_dir}: step {step} lacks {missing}")
     dumped = infer_options(params, env.world_size, t, meta, engine.cache_layout)
     dtype = engine.dtype if engine.dtype != "auto" else (meta["dtype"] if meta else (
         "auto" if t["kv_cache"].dtype == torch.int8 else dtype_name(t["kv_cache"].dtype)))

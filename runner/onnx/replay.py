@@ -21,7 +21,7 @@ import torch
 
 from runner.args import DumpDir, Fields, MinProfilingSeconds, Range, ReplayOutputDir, ReplayStep, Warmup
 from runner.config import EngineConfig
-from runner.engine.dump import META_FILE, STEP_INPUTS, dump_files, load_meta, load_step, write_tensor
+from runner.engine.dump import STEP_INPUTS, dump_files, load_rank_step, load_step, write_tensor
 from runner.engine.replay import Agreement
 from runner.errors import PmxError
 from runner.kernels.reference import cache_shape
@@ -94,18 +94,7 @@ def onnx_replay(export_path: str, dump_dir: DumpDir, step: ReplayStep, output_di
     if ep["num_shards"] != env.world_size:
         raise PmxError(f"{export_path}: was exported for {ep['num_shards']} rank(s) but {env.world_size} were started; "
                        f"launch -np {ep['num_shards']}")
-    rank_dir = Path(dump_dir) / f"rank_{env.rank}"
-    if not rank_dir.is_dir():
-        raise PmxError(f"{dump_dir}: has no rank_{env.rank} (dump with Demo.py --dump_tensor_path {dump_dir} on as "
-                       f"many ranks as the export)")
-    meta = load_meta(str(rank_dir))
-    if meta and meta.get("world_size", env.world_size) != env.world_size:
-        raise PmxError(f"{rank_dir / META_FILE}: the dump was made on {meta['world_size']} rank(s), but "
-                       f"{env.world_size} were started; replay it with -np {meta['world_size']}")
-    t = load_step(str(rank_dir), int(step))
-    missing = [n for n in STEP_INPUTS + ("logits",) if n not in t and n != "kv_scale"]
-    if missing:
-        raise PmxError(f"{rank_dir}: step {step} lacks {missing}")
+    rank_dir, meta, t = load_rank_step(dump_dir, step, env.rank, env.world_size, "the export")
     _check_dump(ep, env.world_size, t, rank_dir, export_path)
     after = load_step(str(rank_dir), int(step) + 1) if any(s == int(step) + 1 for s, _ in dump_files(rank_dir)) \
         else None
