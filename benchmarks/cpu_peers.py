@@ -847,7 +847,7 @@ def _own_model(tree: Path, label: str, n: int, a: dict, quant: str) -> Path:
     or default that changed between the trees: each job reads the files its version writes)."""
     pmx = a["work"] / f"pmx{n}-{quant}-{label}"
     subprocess.run([sys.executable, "-m", "runner", "convert", "--input_dir", a["hf"], "--output_dir", pmx,
-                    "--num_shards", n, "--quantize", quant, "--overwrite", "True", "--progress", "false"],
+                    "--num_shards", str(n), "--quantize", quant, "--overwrite", "True", "--progress", "false"],
                    check=True, cwd=tree, env={**os.environ, **_tree_env(tree, label)}, stdout=subprocess.DEVNULL)
     return pmx
 
