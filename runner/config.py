@@ -53,6 +53,8 @@ class EngineConfig:
     max_batch: PositiveInt = flag(256, "sequences in one step at most; the rest wait")
     context_chunking: bool = flag(True, "cut long prefills into chunks of --context_chunk_size tokens per step")
     context_chunk_size: PositiveInt = flag(512, "prefill tokens per step when --context_chunking")
+    decode_chunk_size: PositiveInt = flag(48, "prefill tokens per step while sequences decode, when "
+                                              "--context_chunking (a long chunk delays their next tokens)")
     max_num_batched_tokens: Optional[PositiveInt] = flag(None, "tokens in one step at most, decoding ones included "
                                                                "(vLLM's; at least --max_batch)")
     speculative: Annotated[str, OneOf("off", "ngram", "draft")] = flag(
@@ -98,6 +100,11 @@ class EngineConfig:
     def prefill_chunk(self) -> Optional[int]:
         """Prefill tokens per step at most (None: no limit)."""
         return self.context_chunk_size if self.context_chunking else None
+
+    @property
+    def decode_chunk(self) -> Optional[int]:
+        """Prefill tokens per step at most while sequences decode (None: no limit)."""
+        return min(self.decode_chunk_size, self.context_chunk_size) if self.context_chunking else None
 
     def check_model(self, head_dim: int) -> None:
         """What the model must allow for these settings."""

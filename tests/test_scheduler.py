@@ -71,6 +71,44 @@ def test_prefill_chunk_leaves_decoding_sequences_their_token():
     assert seen[:4] == [[(0, 3), (1, 13)], [(0, 1), (1, 16)], [(0, 1), (1, 16)], [(0, 1), (1, 5)]]
 
 
+def test_decode_chunk_keeps_steps_small_while_sequences_decode():
+    """A prompt that arrives while others decode is prefilled `decode_chunk` tokens a step (their next tokens wait
+    for no long chunk); alone, it takes whole `prefill_chunk`s."""
+    sched = Scheduler(OffsetCache(1000), max_batch=4, prefill_chunk=64, decode_chunk=8)
+    seqs = [Sequence(0, [1] * 100, 100, 110), Sequence(1, [1] * 30, 30, 40, arrival=1)]
+    seen = []
+    simulate(sched, seqs, lambda b: seen.append([(s.seq_id, n) for s, n in b.items]))
+    assert seen[:4] == [[(0, 64)], [(0, 36), (1, 28)], [(0, 1), (1, 2)], [(0, 1), (1, 1)]]
+    sched = Scheduler(OffsetCache(1000), max_batch=4, prefill_chunk=64, decode_chunk=8)
+    seqs = [Sequence(0, [1] * 3, 3, 40), Sequence(1, [1] * 30, 30, 40, arrival=1)]
+    seen = []
+    simulate(sched, seqs, lambda b: seen.append([(s.seq_id, n) for s, n in b.items]))
+    assert seen[:5] == [[(0, 3), (1, 30)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]]
+    sched = Scheduler(OffsetCache(1000), max_batch=4, prefill_chunk=64, decode_chunk=8)
+    seqs = [Sequence(0, [1] * 3, 3, 40), Sequence(1, [1] * 30, 30, 40, arrival=1)]
+    sched.add(seqs[0])
+    sched.advance(sched.schedule())
+    seqs[0].tokens.append(7)
+    sched.add(seqs[1])
+    assert [(s.seq_id, n) for s, n in sched.schedule().items] == [(0, 1), (1, 8)]
+
+
+def test_verifying_sequences_take_their_guesses_beside_the_decoding_ones():
+    """A sequence with speculative guesses is scheduled with them, outside the prefill chunk's budget."""
+    sched = Scheduler(OffsetCache(1000), max_batch=4, prefill_chunk=6, decode_chunk=2)
+    a, b, c = Sequence(0, [1] * 3, 3, 40), Sequence(1, [1] * 3, 3, 40, arrival=1), Sequence(2, [1] * 9, 9, 40,
+                                                                                             arrival=2)
+    for s in (a, b):
+        sched.add(s)
+    sched.advance(sched.schedule())
+    a.tokens.append(7)
+    b.tokens += [7, 8, 9, 10]
+    b.proposal = [8, 9, 10]
+    sched.add(c)
+    batch = sched.schedule()
+    assert [(s.seq_id, n) for s, n in batch.items] == [(0, 1), (1, 4), (2, 2)] and batch.num_decoding == 1
+
+
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "offset"])
 def test_a_cache_too_small_for_all_runs_everything_in_turn(paged):
     """More work than the cache holds at once: paged preempts the latest arrivals (their tokens prefilled again

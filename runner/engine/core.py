@@ -101,7 +101,8 @@ class EngineCore:
             self.cache = None  # (the old cache goes before the new one is made)
             self.cache = self.stepper.cache(*self.model.new_cache(rows))
         alloc = PagedCache(rows, c.enable_prefix_caching) if c.paged else OffsetCache(rows)
-        self.scheduler = Scheduler(alloc, c.max_batch, c.max_num_batched_tokens, c.prefill_chunk)
+        self.scheduler = Scheduler(alloc, c.max_batch, c.max_num_batched_tokens, c.prefill_chunk,
+                                   c.decode_chunk)
         if self.proposer is not None:
             self.proposer.reserve(rows)
 
@@ -155,10 +156,14 @@ class EngineCore:
         items, starts = batch.items, self.scheduler.cache.starts
         wide = tuple(s.all_logits or bool(s.proposal) for s, _ in items) if any(
             s.all_logits or s.proposal for s, _ in items) else ()
+        rowwise = bool(proposing) and all(n == 1 + len(s.proposal) and s.computed > 0 and not s.all_logits
+                                          for s, n in items)  # decoding, or verifying all its guesses
         b = StepLengths([t for s, n in items for t in s.tokens[s.computed:s.computed + n]], [n for _, n in items],
-                        [s.computed for s, _ in items], [starts(s) for s, _ in items], batch.num_decoding, wide)
+                        [s.computed for s, _ in items], [starts(s) for s, _ in items], batch.num_decoding, wide,
+                        rowwise)
         n, self.steps = self.steps, self.steps + 1
         if self.dumper is not None and self.dumper.wants(n):
+            b = replace(b, rowwise=False)  # (planned as ppl.pmx's inputs say it, as benchmark.sh replays it)
             mask = self.stepper.mask(b)
             self.dumper.dump(n, {**step_inputs(b, mask, self.model.dtype), "kv_cache": self.cache.data,
                                  "kv_scale": self.cache.scale})

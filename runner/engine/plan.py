@@ -96,13 +96,25 @@ CacheOf = Union[int, Sequence[int]]        # a sequence's offset (mode 0) or its
 class StepLengths:
     """One step's batch as Python ints: sequence b has seqlens[b] new tokens from position start[b], its cache at
     caches[b]; the first num_decoding decode one token each; all_rows[b]: every row's logits (scoring), not just
-    the last one's."""
+    the last one's. `rowwise`: every sequence decodes (speculative decoding verifies its guesses), so that the step
+    is that of one decoding row per new token, each row at its own position over its sequence's cache (the rows'
+    keys and values are all stored before any row attends: row j sees rows before it): what the decode step's
+    kernels run (:meth:`rows`)."""
     tokens: list
     seqlens: list
     start: list
     caches: list
     num_decoding: int
     all_rows: tuple = ()
+    rowwise: bool = False
+
+    def rows(self) -> tuple[list, list]:
+        """(positions, cache starts) of each new token as a decoding row of its own."""
+        start, caches = [], []
+        for p, n, c in zip(self.start, self.seqlens, self.caches):
+            start += range(p, p + n)
+            caches += [c] * n
+        return start, caches
 
 
 @dataclass(frozen=True)

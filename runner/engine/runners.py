@@ -172,9 +172,10 @@ class Stepper:
     def plan(self, b: StepLengths, attn_mask: Optional[torch.Tensor] = None, spec: Optional[PlanSpec] = None
              ) -> tuple[torch.Tensor, StepPlan]:
         """(token ids, plan) of a step; a decode step is written into the persistent decode inputs where the engine
-        reads histories in place (that plan holds until the next step of its size is planned)."""
-        if spec is None and self.decode_inputs is not None and b.num_decoding == len(b.seqlens):
-            got = self.decode_inputs.write(b.tokens, b.start, b.caches)
+        reads histories in place (that plan holds until the next step of its size is planned), as is a rowwise one
+        (speculative verification: a decoding row per new token, every row's logits)."""
+        if spec is None and self.decode_inputs is not None and (b.num_decoding == len(b.seqlens) or b.rowwise):
+            got = self.decode_inputs.write(b.tokens, *((b.start, b.caches) if not b.rowwise else b.rows()))
             if got is not None:
                 return got
         if attn_mask is None:

@@ -1,8 +1,10 @@
 """Continuous batching over a KV-cache allocator: what runs in each step.
 
-Each step takes every running sequence that decodes (one token each), then prefill chunks of running
-sequences, then waiting sequences in arrival order, while the batch (`max_batch`), the step's token budget
-(`max_step_tokens`, decoding tokens included; `prefill_chunk` prefill tokens) and the cache allow. The cache
+Each step takes every running sequence that decodes (one token each, or its guesses with it where speculative
+decoding guessed), then prefill chunks of running sequences, then waiting sequences in arrival order, while the
+batch (`max_batch`), the step's token budget (`max_step_tokens`, decoding tokens included; `prefill_chunk` prefill
+tokens, `decode_chunk` while any sequence decodes: a step that carries a long chunk delays every decoding sequence's
+next token by its whole length, so chunks are small while sequences decode) and the cache allow. The cache
 is one of two allocators, as ppl.pmx's cache modes: :class:`OffsetCache` reserves a sequence's whole region
 when it is admitted; :class:`PagedCache` hands out pages of PAGE_SIZE rows as it grows, and when a running
 sequence needs a page and none is free, the most recently arrived running sequence is preempted (its pages
@@ -52,6 +54,11 @@ class Sequence:
     @property
     def decoding(self) -> bool:
         return self.computed > 0 and self.pending == 1
+
+    @property
+    def verifying(self) -> bool:
+        """Decoding, with guesses of speculative decoding appended to verify in the same step."""
+        return bool(self.proposal) and self.computed > 0 and self.pending == 1 + len(self.proposal)
 
     @property
     def generated(self) -> list:
@@ -229,7 +236,7 @@ class StepBatch:
 
 class Scheduler:
     def __init__(self, cache, max_batch: int, max_step_tokens: Optional[int] = None,
-                 prefill_chunk: Optional[int] = None):
+                 prefill_chunk: Optional[int] = None, decode_chunk: Optional[int] = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_step_tokens is not None and max_step_tokens < max_batch:
@@ -237,6 +244,7 @@ class Scheduler:
                              f"so that every running sequence can decode in every step")
         self.cache, self.max_batch = cache, max_batch
         self.max_step_tokens, self.prefill_chunk = max_step_tokens, prefill_chunk
+        self.decode_chunk = decode_chunk
         self.waiting: list[Sequence] = []   # by arrival
         self.running: list[Sequence] = []   # by arrival
         self.preemptions = 0
@@ -277,12 +285,15 @@ class Scheduler:
                 step_budget += chosen.pop(victim.seq_id, 0)
             return True
 
-        for seq in [s for s in self.running if s.decoding]:
-            if seq in self.running and place(seq, 1):
-                chosen[seq.seq_id] = 1
-                step_budget -= 1
+        for seq in [s for s in self.running if s.decoding or s.verifying]:
+            n = 1 if seq.decoding else max(1, min(seq.pending, step_budget))  # (guesses past the budget: dropped)
+            if seq in self.running and place(seq, n):
+                chosen[seq.seq_id] = n
+                step_budget -= n
         prefill = big if self.prefill_chunk is None else self.prefill_chunk
-        for seq in [s for s in self.running if not s.decoding]:
+        if chosen and self.decode_chunk is not None:
+            prefill = min(prefill, self.decode_chunk)
+        for seq in [s for s in self.running if not (s.decoding or s.verifying)]:
             n = min(seq.pending, step_budget, prefill)
             if n <= 0:
                 break
