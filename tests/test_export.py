@@ -307,12 +307,59 @@ def test_external_data_and_refusals(make_hf, tmp_path):
         export(str(tmp_path / "pmx"), str(tmp_path / "afile"), progress=False)
     with pytest.raises(PmxError, match="exists and is not empty"):
         export(str(tmp_path / "pmx"), str(tmp_path / "ext"), progress=False)
-    src, _ = make_hf("mixtral")
-    convert(str(src), str(tmp_path / "moe"), progress=False)
-    with pytest.raises(PmxError, match="mixture-of-experts models .* cannot be exported"):
-        export(str(tmp_path / "moe"), str(tmp_path / "moe_onnx"), progress=False)
-    assert not (tmp_path / "moe_onnx").exists()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary left
+
+
+MOE_OPS = ("Linear", "MoeSelect", "MoeColumnParallelLinear", "MoeRowParallelLinear", "MoeReduce")
+
+
+def test_moe_exports_ppl_pmx_moe_ops_and_replays_at_tp_1_and_2(make_hf, tmp_path):
+    """Mixtral (4 experts, top 2, 2 layers): each layer's MLP is ppl.pmx's router Linear, MoeSelect,
+    MoeColumnParallelLinear (fused gate/up `wu`, or w1 and w3), SwiGLU / SiLU, MoeRowParallelLinear and MoeReduce with
+    ppl.pmx's attributes. TP=1: onnxruntime's mixed step within 1e-5 of the engine's (logits and cache). Split in 2:
+    the dumped prefill and decode replay through mpirun -np 2 benchmark.sh within 1e-5. Quantised experts are refused."""
+    from runner.pmx.random_model import _tokenizer_json
+    src, _ = make_hf("mixtral", vocab_size=300)
+    (src / "tokenizer.json").write_text(_tokenizer_json(300))
+    pmx = tmp_path / "pmx"
+    convert(str(src), str(pmx), progress=False)
+    p = PmxParams.load(pmx)
+    E, k, D, F = p.num_experts, p.num_experts_per_token, p.hidden_dim, p.intermediate_dim
+    for opts in ({}, dict(fused_ffn_glu=False, fused_kvcache=False, quantized_cache=True)):
+        cfg = EngineConfig(**opts)
+        out = tmp_path / f"onnx{len(opts)}"
+        export(str(pmx), str(out), progress=False, engine=cfg)
+        check_slices(out, 1)
+        m = onnx.load(str(out / "model_slice_0" / "model.onnx"))
+        nodes = [(nd.op_type, nd.domain, {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute})
+                 for nd in m.graph.node]
+        for op in MOE_OPS:
+            assert sum(t == op and d == OPMX for t, d, _ in nodes) == p.num_layers * (2 if op == "MoeColumnParallelLinear"
+                                                                                    and opts else 1), op
+        attrs = {t: a for t, _, a in nodes}
+        assert attrs["MoeSelect"] == dict(num_experts=E, num_experts_per_token=k)
+        assert attrs["MoeReduce"] == dict(num_experts_per_token=k)
+        assert attrs["MoeColumnParallelLinear"] == dict(num_experts=E, in_features=D, out_features=F * (1 if opts else 2),
+                                                        bias_term=0, gather_output=0)
+        assert attrs["MoeRowParallelLinear"] == dict(num_experts=E, in_features=F, out_features=D, bias_term=0,
+                                                     input_is_parallel=1)
+        shapes = {t.name: list(t.dims) for t in m.graph.initializer}
+        assert shapes["layers.0.feed_forward.gate.weight"] == [E, D] and shapes["layers.0.feed_forward.w2.weight"] == \
+            [E, D, F]
+        assert shapes.get("layers.0.feed_forward.wu.weight", shapes.get("layers.0.feed_forward.w1.weight")) == \
+            [E, F * (1 if opts else 2), D]
+        got, want, feeds, ours = onnxruntime_against_the_engine(pmx, out, cfg, MIXED)
+        assert rel(got, want) <= 1e-5, rel(got, want)
+        assert_caches_agree(feeds, ours)
+    reshard(str(pmx), str(tmp_path / "pmx_2"), 2, progress=False)
+    dump_and_replay(tmp_path / "pmx_2", tmp_path, 2, ["--quantized_cache", "true", "--cache_layout", "3"])
+    w2 = next(t for t in onnx.load(str(tmp_path / "onnx" / "model_slice_1" / "model.onnx")).graph.initializer
+              if t.name == "layers.1.feed_forward.wu.weight")
+    assert list(w2.dims) == [E, F, D]   # each expert's F/2 gate rows and F/2 up rows on each rank
+    quantize_model(str(pmx), str(tmp_path / "q"), QuantScheme("int8", 0), progress=False)
+    with pytest.raises(PmxError, match="mixture-of-experts model with int8 weights cannot be exported: ppl.pmx has no"):
+        export(str(tmp_path / "q"), str(tmp_path / "q_onnx"), progress=False)
+    assert not (tmp_path / "q_onnx").exists()
 
 
 def test_world_size_not_the_shard_count_is_one_line_and_writes_nothing(real, tmp_path):
