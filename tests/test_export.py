@@ -313,6 +313,25 @@ def test_external_data_and_refusals(make_hf, tmp_path):
 MOE_OPS = ("Linear", "MoeSelect", "MoeColumnParallelLinear", "MoeRowParallelLinear", "MoeReduce")
 
 
+def test_moe_select_and_reduce_follow_ppl_pmx_docs():
+    """MoeSelect's four outputs on a hand-made routing (ppl.pmx's docs/operators/MoeSelect.md), and MoeReduce
+    putting rows back: the k copies sorted stably by expert, expert_offset the prefix sums, softmax over the k
+    largest scores."""
+    import numpy as np
+    from runner.onnx.ort import moe_reduce, moe_select
+    x = np.arange(3 * 2, dtype=np.float32).reshape(3, 2)                    # tokens 0, 1, 2
+    scores = np.array([[0, 5, 1, 4], [3, 0, 6, 0], [9, 0, 0, 8]], dtype=np.float32)   # top 2: (1, 3) (2, 0) (0, 3)
+    xp, w, inv, off = moe_select(x, scores, num_experts=4, num_experts_per_token=2)
+    assert xp.shape == (3, 2, 2) and w.shape == inv.shape == (3, 2) and inv.dtype == off.dtype == np.int64
+    # sorted by expert, ties in token order: e0 <- t1, t2; e1 <- t0; e2 <- t1; e3 <- t0, t2
+    assert xp.reshape(-1, 2)[:, 0].tolist() == [2, 4, 0, 2, 0, 4] and off.tolist() == [0, 2, 3, 4, 6]
+    assert inv.tolist() == [[2, 4], [3, 0], [1, 5]]
+    assert np.allclose(w, torch.tensor([[5., 4], [6, 3], [9, 8]]).softmax(-1).numpy())
+    y = moe_reduce(xp.reshape(-1, 2) * np.arange(1, 7, dtype=np.float32)[:, None], w, inv)   # row i scaled by i + 1
+    want = [sum(w[t, j] * x[t] * (inv[t, j] + 1) for j in range(2)) for t in range(3)]
+    assert np.allclose(y, np.stack(want))
+
+
 def test_moe_exports_ppl_pmx_moe_ops_and_replays_at_tp_1_and_2(make_hf, tmp_path):
     """Mixtral (4 experts, top 2, 2 layers): each layer's MLP is ppl.pmx's router Linear, MoeSelect,
     MoeColumnParallelLinear (fused gate/up `wu`, or w1 and w3), SwiGLU / SiLU, MoeRowParallelLinear and MoeReduce with

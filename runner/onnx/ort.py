@@ -16,6 +16,8 @@ What onnxruntime-extensions' Python operators cannot do, and what is done about 
   written without this project's attributes); the file is not changed;
 - no float16: kv_scale (float16) reaches the operators through a Cast to float32 (they write the bound float16 scale);
   a float16 or bfloat16 export is refused (it runs in pplnn, not here).
+- an operator declares the type of each output (OPS): float32, but int64 for MoeSelect's invert_permutation and
+  expert_offset, as ppl.pmx's docs/operators/MoeSelect.md types them.
 The operators are registered once per process (onnxruntime-extensions keeps one registry per process); a run looks
 up the session that is running through a context variable, so sessions never share state.
 """
