@@ -336,7 +336,8 @@ def test_moe_exports_ppl_pmx_moe_ops_and_replays_at_tp_1_and_2(make_hf, tmp_path
     """Mixtral (4 experts, top 2, 2 layers): each layer's MLP is ppl.pmx's router Linear, MoeSelect,
     MoeColumnParallelLinear (fused gate/up `wu`, or w1 and w3), SwiGLU / SiLU, MoeRowParallelLinear and MoeReduce with
     ppl.pmx's attributes. TP=1: onnxruntime's mixed step within 1e-5 of the engine's (logits and cache). Split in 2:
-    the dumped prefill and decode replay through mpirun -np 2 benchmark.sh within 1e-5. Quantised experts are refused."""
+    the dumped prefill and decode replay through mpirun -np 2 benchmark.sh within 1e-5. Quantised experts are
+    refused."""
     from runner.pmx.random_model import _tokenizer_json
     src, _ = make_hf("mixtral", vocab_size=300)
     (src / "tokenizer.json").write_text(_tokenizer_json(300))
@@ -352,14 +353,15 @@ def test_moe_exports_ppl_pmx_moe_ops_and_replays_at_tp_1_and_2(make_hf, tmp_path
         m = onnx.load(str(out / "model_slice_0" / "model.onnx"))
         nodes = [(nd.op_type, nd.domain, {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute})
                  for nd in m.graph.node]
-        for op in MOE_OPS:
-            assert sum(t == op and d == OPMX for t, d, _ in nodes) == p.num_layers * (2 if op == "MoeColumnParallelLinear"
-                                                                                    and opts else 1), op
+        for op in MOE_OPS:   # (unfused: w1 and w3 two MoeColumnParallelLinear)
+            twice = op == "MoeColumnParallelLinear" and opts
+            assert sum(t == op and d == OPMX for t, d, _ in nodes) == p.num_layers * (2 if twice else 1), op
         attrs = {t: a for t, _, a in nodes}
         assert attrs["MoeSelect"] == dict(num_experts=E, num_experts_per_token=k)
         assert attrs["MoeReduce"] == dict(num_experts_per_token=k)
-        assert attrs["MoeColumnParallelLinear"] == dict(num_experts=E, in_features=D, out_features=F * (1 if opts else 2),
-                                                        bias_term=0, gather_output=0)
+        assert attrs["MoeColumnParallelLinear"] == dict(num_experts=E, in_features=D,
+                                                        out_features=F * (1 if opts else 2), bias_term=0,
+                                                        gather_output=0)
         assert attrs["MoeRowParallelLinear"] == dict(num_experts=E, in_features=F, out_features=D, bias_term=0,
                                                      input_is_parallel=1)
         shapes = {t.name: list(t.dims) for t in m.graph.initializer}

@@ -52,7 +52,8 @@ OPS = {
     (OPMX, "ParallelEmbedding"): ("if", "f", dict(num_embeddings=_I, embedding_dims=_I, padding_idx=_I, max_norm=_F,
                                                 norm_type=_F)),
     (OPMX, "ColumnParallelLinear"): ("fff", "f", dict(in_features=_I, out_features=_I, bias_term=_I, gather_output=_I)),
-    (OPMX, "RowParallelLinear"): ("fff", "f", dict(in_features=_I, out_features=_I, bias_term=_I, input_is_parallel=_I)),
+    (OPMX, "RowParallelLinear"): ("fff", "f", dict(in_features=_I, out_features=_I, bias_term=_I,
+                                                   input_is_parallel=_I)),
     (OPMX, "WoquColumnParallelLinear"): ("fwfff", "f", dict(
         in_features=_I, out_features=_I, bias_term=_I, gather_output=_I, quant_data_type=_S, quant_method=_S,
         quant_axis=_I, group_size=_I, has_zeropoint=_I, float_zeropoint=_I)),
