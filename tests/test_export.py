@@ -307,12 +307,80 @@ def test_external_data_and_refusals(make_hf, tmp_path):
         export(str(tmp_path / "pmx"), str(tmp_path / "afile"), progress=False)
     with pytest.raises(PmxError, match="exists and is not empty"):
         export(str(tmp_path / "pmx"), str(tmp_path / "ext"), progress=False)
-    src, _ = make_hf("mixtral")
-    convert(str(src), str(tmp_path / "moe"), progress=False)
-    with pytest.raises(PmxError, match="mixture-of-experts models .* cannot be exported"):
-        export(str(tmp_path / "moe"), str(tmp_path / "moe_onnx"), progress=False)
-    assert not (tmp_path / "moe_onnx").exists()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary left
+
+
+MOE_OPS = ("Linear", "MoeSelect", "MoeColumnParallelLinear", "MoeRowParallelLinear", "MoeReduce")
+
+
+def test_moe_select_and_reduce_follow_ppl_pmx_docs():
+    """MoeSelect's four outputs on a hand-made routing (ppl.pmx's docs/operators/MoeSelect.md), and MoeReduce
+    putting rows back: the k copies sorted stably by expert, expert_offset the prefix sums, softmax over the k
+    largest scores."""
+    import numpy as np
+    from runner.onnx.ort import moe_reduce, moe_select
+    x = np.arange(3 * 2, dtype=np.float32).reshape(3, 2)                    # tokens 0, 1, 2
+    scores = np.array([[0, 5, 1, 4], [3, 0, 6, 0], [9, 0, 0, 8]], dtype=np.float32)   # top 2: (1, 3) (2, 0) (0, 3)
+    xp, w, inv, off = moe_select(x, scores, num_experts=4, num_experts_per_token=2)
+    assert xp.shape == (3, 2, 2) and w.shape == inv.shape == (3, 2) and inv.dtype == off.dtype == np.int64
+    # sorted by expert, ties in token order: e0 <- t1, t2; e1 <- t0; e2 <- t1; e3 <- t0, t2
+    assert xp.reshape(-1, 2)[:, 0].tolist() == [2, 4, 0, 2, 0, 4] and off.tolist() == [0, 2, 3, 4, 6]
+    assert inv.tolist() == [[2, 4], [3, 0], [1, 5]]
+    assert np.allclose(w, torch.tensor([[5., 4], [6, 3], [9, 8]]).softmax(-1).numpy())
+    y = moe_reduce(xp.reshape(-1, 2) * np.arange(1, 7, dtype=np.float32)[:, None], w, inv)   # row i scaled by i + 1
+    want = [sum(w[t, j] * x[t] * (inv[t, j] + 1) for j in range(2)) for t in range(3)]
+    assert np.allclose(y, np.stack(want))
+
+
+def test_moe_exports_ppl_pmx_moe_ops_and_replays_at_tp_1_and_2(make_hf, tmp_path):
+    """Mixtral (4 experts, top 2, 2 layers): each layer's MLP is ppl.pmx's router Linear, MoeSelect,
+    MoeColumnParallelLinear (fused gate/up `wu`, or w1 and w3), SwiGLU / SiLU, MoeRowParallelLinear and MoeReduce with
+    ppl.pmx's attributes. TP=1: onnxruntime's mixed step within 1e-5 of the engine's (logits and cache). Split in 2:
+    the dumped prefill and decode replay through mpirun -np 2 benchmark.sh within 1e-5. Quantised experts are
+    refused."""
+    from runner.pmx.random_model import _tokenizer_json
+    src, _ = make_hf("mixtral", vocab_size=300)
+    (src / "tokenizer.json").write_text(_tokenizer_json(300))
+    pmx = tmp_path / "pmx"
+    convert(str(src), str(pmx), progress=False)
+    p = PmxParams.load(pmx)
+    E, k, D, F = p.num_experts, p.num_experts_per_token, p.hidden_dim, p.intermediate_dim
+    for opts in ({}, dict(fused_ffn_glu=False, fused_kvcache=False, quantized_cache=True)):
+        cfg = EngineConfig(**opts)
+        out = tmp_path / f"onnx{len(opts)}"
+        export(str(pmx), str(out), progress=False, engine=cfg)
+        check_slices(out, 1)
+        m = onnx.load(str(out / "model_slice_0" / "model.onnx"))
+        nodes = [(nd.op_type, nd.domain, {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute})
+                 for nd in m.graph.node]
+        for op in MOE_OPS:   # (unfused: w1 and w3 two MoeColumnParallelLinear)
+            twice = op == "MoeColumnParallelLinear" and opts
+            assert sum(t == op and d == OPMX for t, d, _ in nodes) == p.num_layers * (2 if twice else 1), op
+        attrs = {t: a for t, _, a in nodes}
+        assert attrs["MoeSelect"] == dict(num_experts=E, num_experts_per_token=k)
+        assert attrs["MoeReduce"] == dict(num_experts_per_token=k)
+        assert attrs["MoeColumnParallelLinear"] == dict(num_experts=E, in_features=D,
+                                                        out_features=F * (1 if opts else 2), bias_term=0,
+                                                        gather_output=0)
+        assert attrs["MoeRowParallelLinear"] == dict(num_experts=E, in_features=F, out_features=D, bias_term=0,
+                                                     input_is_parallel=1)
+        shapes = {t.name: list(t.dims) for t in m.graph.initializer}
+        assert shapes["layers.0.feed_forward.gate.weight"] == [E, D] and shapes["layers.0.feed_forward.w2.weight"] == \
+            [E, D, F]
+        assert shapes.get("layers.0.feed_forward.wu.weight", shapes.get("layers.0.feed_forward.w1.weight")) == \
+            [E, F * (1 if opts else 2), D]
+        got, want, feeds, ours = onnxruntime_against_the_engine(pmx, out, cfg, MIXED)
+        assert rel(got, want) <= 1e-5, rel(got, want)
+        assert_caches_agree(feeds, ours)
+    reshard(str(pmx), str(tmp_path / "pmx_2"), 2, progress=False)
+    dump_and_replay(tmp_path / "pmx_2", tmp_path, 2, ["--quantized_cache", "true", "--cache_layout", "3"])
+    w2 = next(t for t in onnx.load(str(tmp_path / "onnx" / "model_slice_1" / "model.onnx")).graph.initializer
+              if t.name == "layers.1.feed_forward.wu.weight")
+    assert list(w2.dims) == [E, F, D]   # each expert's F/2 gate rows and F/2 up rows on each rank
+    quantize_model(str(pmx), str(tmp_path / "q"), QuantScheme("int8", 0), progress=False)
+    with pytest.raises(PmxError, match="mixture-of-experts model with int8 weights cannot be exported: ppl.pmx has no"):
+        export(str(tmp_path / "q"), str(tmp_path / "q_onnx"), progress=False)
+    assert not (tmp_path / "q_onnx").exists()
 
 
 def test_world_size_not_the_shard_count_is_one_line_and_writes_nothing(real, tmp_path):

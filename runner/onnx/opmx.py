@@ -25,7 +25,26 @@ would ignore them, so a model that needs one runs right only here):
   heads are heads offset .. offset + num_heads - 1 of a model of alibi_num_heads (0: num_heads, ppl.pmx's reading);
 - `logn_scaling` on the attention operators (Qwen's use_logn_attn, ppl.pmx's Qwen export leaves it out): L > 0
   scales the query at position p by log(p + 1) / log(L) where p + 1 > L (0: off).
-A mixture-of-experts model is refused (ppl.pmx's Moe* operators are not implemented here).
+
+A mixture-of-experts layer (Mixtral: `num_experts`, `num_experts_per_token`) is written as ppl.pmx's
+model_zoo/mixtral writes it: the router `opmx::Linear` (`layers.{i}.feed_forward.gate.weight`, replicated) gives the
+scores; `MoeSelect(X, scores) -> (X_expand_permute, expert_weights, invert_permutation, expert_offset)` picks each
+token's top k experts and sorts the k copies of the tokens by expert; `MoeColumnParallelLinear(X, expert_offset, W)`
+(the stacked experts, `feed_forward.wu.weight` [E, 2 F/N, D] = each expert's w1 rows then its w3 rows, or `w1` and
+`w3` unfused), SwiGLU (or SiLU), `MoeRowParallelLinear(X, expert_offset, W)` (`feed_forward.w2.weight` [E, D, F/N],
+all-reduced), and `MoeReduce(Y, expert_weights, invert_permutation)` the weighted sum back in token order. How this
+sits beside the engine (runner.engine.model.MoE):
+- the expert weights: the engine takes softmax over all experts' router logits, the top k, renormalised to sum 1;
+  MoeSelect takes the top k logits and their softmax. The two are the same numbers (softmax over the chosen logits
+  is the renormalised softmax), up to rounding; the engine has no flag for top-k weights left unrenormalised (HF's
+  norm_topk_prob false), which MoeSelect could not say either;
+- the collective: the engine all-reduces once, after the weighted sum [T, D]; MoeRowParallelLinear all-reduces its
+  output, each token's k expert rows [T, k, D] (ppl.pmx's operator, kept as it is: k times the bytes, the same sum
+  up to rounding);
+- MoeSelect's outputs are in the order of ppl.pmx's symbolic() and docs/operators/MoeSelect.md (its forward's
+  export-time placeholder returns them in another order); expert_weights are float, the other two int64;
+- refused in one line: weight-only quantised experts (ppl.pmx has no quantised Moe*ParallelLinear; the int8 of its
+  operators' type constraints is int8 activations) and MoE MLP biases (the engine runs neither).
 """
 
 from __future__ import annotations
@@ -67,9 +86,12 @@ class RankShape:
 
 def exportable(p: PmxParams) -> None:
     """Refuses, in one line, what this export cannot write."""
-    if p.num_experts:
-        raise PmxError(f"mixture-of-experts models ({p.num_experts} experts) cannot be exported: ppl.pmx's MoeSelect / "
-                       f"MoeColumnParallelLinear / MoeRowParallelLinear / MoeReduce operators are not implemented here")
+    if p.num_experts and p.quantization is not None:
+        raise PmxError(f"a mixture-of-experts model with {p.quantization['method']} weights cannot be exported: "
+                       f"ppl.pmx has no weight-only quantised MoeColumnParallelLinear / MoeRowParallelLinear (export "
+                       f"the float model)")
+    if p.num_experts and p.ffn_bias:
+        raise PmxError("a mixture-of-experts model with MLP biases cannot be exported (the engine does not run one)")
     if rope_type(p.rope_scaling) not in ROPE_TYPES:
         raise PmxError(f"rope_scaling type {rope_type(p.rope_scaling)!r} cannot be exported")
 
@@ -265,6 +287,8 @@ class OpmxExport:
         return self._linear(out, [f"{a}.wo"], f"{a}.wo", p.o_bias, True, full_q, D, out=f"layer{i}_o")
 
     def feed_forward(self, i: int, norm: str) -> str:
+        if self.p.num_experts:
+            return self.moe(i, norm)
         p, c, g = self.p, self.c, self.g
         m, D, F = f"layers.{i}.feed_forward", p.hidden_dim, p.padded("intermediate_dim")
         if c.fused_ffn_glu:
@@ -275,3 +299,30 @@ class OpmxExport:
             x3 = self._linear(norm, [f"{m}.w3"], f"{m}.w3", p.ffn_bias, False, D, F)
             act = g.op("SiLU", [x1, x3], 1, domain=OPMX)[0]
         return self._linear(act, [f"{m}.w2"], f"{m}.w2", p.ffn_bias, True, F, D, out=f"layer{i}_ffn")
+
+    def moe(self, i: int, norm: str) -> str:
+        """ppl.pmx's MoeFeedForward: router Linear, MoeSelect, the experts' Moe*ParallelLinear, MoeReduce."""
+        p, c, g = self.p, self.c, self.g
+        m, D, F = f"layers.{i}.feed_forward", p.hidden_dim, p.padded("intermediate_dim")
+        E, k = p.num_experts, p.num_experts_per_token
+        scores = g.op("Linear", [norm, g.weight(f"{m}.gate.weight", self._pop(f"{m}.gate.weight"))],
+                      [f"layer{i}_ffn_gate_score"], domain=OPMX, in_features=D, out_features=E, bias_term=0)[0]
+        x, weights, inverse, offset = g.op(
+            "MoeSelect", [norm, scores], [f"layer{i}_ffn_moe_{n}" for n in ("expanded_x", "expert_weights", "inv_perm",
+                                                                           "expert_offset")],
+            domain=OPMX, num_experts=E, num_experts_per_token=k)                   # (T, k, D) (T, k) (T, k) (E + 1)
+
+        def experts(names: list[str], onnx_name: str, row: bool, inp: str, in_f: int, out_f: int) -> str:
+            w = g.weight(f"{onnx_name}.weight", torch.cat([self._pop(f"{m}.{n}.weight") for n in names], dim=1))
+            kind, par = ("MoeRowParallelLinear", dict(input_is_parallel=1)) if row else \
+                ("MoeColumnParallelLinear", dict(gather_output=0))
+            return g.op(kind, [inp, offset, w], [g.fresh(onnx_name)], domain=OPMX, num_experts=E, in_features=in_f,
+                        out_features=out_f, bias_term=0, **par)[0]
+
+        if c.fused_ffn_glu:   # each expert's w1 rows then its w3 rows: [E, 2 F/N, D]
+            act = g.op("SwiGLU", [experts(["w1", "w3"], f"{m}.wu", False, x, D, 2 * F)], 1, domain=OPMX, beta=1.0)[0]
+        else:
+            act = g.op("SiLU", [experts(["w1"], f"{m}.w1", False, x, D, F), experts(["w3"], f"{m}.w3", False, x, D, F)],
+                       1, domain=OPMX)[0]                                          # (T, k, F/N)
+        y = experts(["w2"], f"{m}.w2", True, act, F, D)                            # (T, k, D), all-reduced
+        return g.op("MoeReduce", [y, weights, inverse], [f"layer{i}_ffn"], domain=OPMX, num_experts_per_token=k)[0]

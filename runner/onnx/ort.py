@@ -16,6 +16,8 @@ What onnxruntime-extensions' Python operators cannot do, and what is done about 
   written without this project's attributes); the file is not changed;
 - no float16: kv_scale (float16) reaches the operators through a Cast to float32 (they write the bound float16 scale);
   a float16 or bfloat16 export is refused (it runs in pplnn, not here).
+- an operator declares the type of each output (OPS): float32, but int64 for MoeSelect's invert_permutation and
+  expert_offset, as ppl.pmx's docs/operators/MoeSelect.md types them.
 The operators are registered once per process (onnxruntime-extensions keeps one registry per process); a run looks
 up the session that is running through a context variable, so sessions never share state.
 """
@@ -41,35 +43,43 @@ from runner.pmx.quant import dequantize
 OPMX, DB = "opmx", "opmx.dynamic_batching"
 _RUNNING: contextvars.ContextVar = contextvars.ContextVar("opmx_session")
 
-# op -> (input kinds, output count, {attr: type}); kinds: f float32, i int64, c cache (float32 / int8), w woqu weight
+# op -> (input kinds, output kinds, {attr: type}); kinds: f float32, i int64, c cache (float32 / int8), w woqu weight
 _I, _F, _S = "int", "float", "str"
 # this project's attributes of the attention operators beside ppl.pmx's (runner.onnx.opmx); absent: 0 (off)
 POSITION_ATTRS = dict(sliding_window=_I, alibi_num_heads=_I, alibi_head_offset=_I, logn_scaling=_I)
 ATTR_DEFAULTS = {_I: 0, _F: 0.0, _S: ""}
 OPS = {
-    (OPMX, "ParallelEmbedding"): ("if", 1, dict(num_embeddings=_I, embedding_dims=_I, padding_idx=_I, max_norm=_F,
+    (OPMX, "ParallelEmbedding"): ("if", "f", dict(num_embeddings=_I, embedding_dims=_I, padding_idx=_I, max_norm=_F,
                                                 norm_type=_F)),
-    (OPMX, "ColumnParallelLinear"): ("fff", 1, dict(in_features=_I, out_features=_I, bias_term=_I, gather_output=_I)),
-    (OPMX, "RowParallelLinear"): ("fff", 1, dict(in_features=_I, out_features=_I, bias_term=_I, input_is_parallel=_I)),
-    (OPMX, "WoquColumnParallelLinear"): ("fwfff", 1, dict(
+    (OPMX, "ColumnParallelLinear"): ("fff", "f", dict(in_features=_I, out_features=_I, bias_term=_I, gather_output=_I)),
+    (OPMX, "RowParallelLinear"): ("fff", "f", dict(in_features=_I, out_features=_I, bias_term=_I,
+                                                   input_is_parallel=_I)),
+    (OPMX, "WoquColumnParallelLinear"): ("fwfff", "f", dict(
         in_features=_I, out_features=_I, bias_term=_I, gather_output=_I, quant_data_type=_S, quant_method=_S,
         quant_axis=_I, group_size=_I, has_zeropoint=_I, float_zeropoint=_I)),
-    (OPMX, "WoquRowParallelLinear"): ("fwfff", 1, dict(
+    (OPMX, "WoquRowParallelLinear"): ("fwfff", "f", dict(
         in_features=_I, out_features=_I, bias_term=_I, input_is_parallel=_I, quant_data_type=_S, quant_method=_S,
         quant_axis=_I, group_size=_I, has_zeropoint=_I, float_zeropoint=_I)),
-    (OPMX, "RMSNorm"): ("fff", 2, dict(axis=_I, eps=_F, skip_term=_I)),
-    (OPMX, "SwiGLU"): ("f", 1, dict(beta=_F)),
-    (OPMX, "SiLU"): ("ff", 1, {}),
-    (OPMX, "Reshape"): ("fi", 1, {}),
-    (DB, "RotaryPositionEmbedding"): ("ffiii", 2, dict(rotary_dim=_I, theta=_F, bypass_key=_I,
+    (OPMX, "Linear"): ("fff", "f", dict(in_features=_I, out_features=_I, bias_term=_I)),
+    (OPMX, "MoeSelect"): ("ff", "ffii", dict(num_experts=_I, num_experts_per_token=_I)),
+    (OPMX, "MoeColumnParallelLinear"): ("fiff", "f", dict(num_experts=_I, in_features=_I, out_features=_I,
+                                                          bias_term=_I, gather_output=_I)),
+    (OPMX, "MoeRowParallelLinear"): ("fiff", "f", dict(num_experts=_I, in_features=_I, out_features=_I, bias_term=_I,
+                                                       input_is_parallel=_I)),
+    (OPMX, "MoeReduce"): ("ffi", "f", dict(num_experts_per_token=_I)),
+    (OPMX, "RMSNorm"): ("fff", "ff", dict(axis=_I, eps=_F, skip_term=_I)),
+    (OPMX, "SwiGLU"): ("f", "f", dict(beta=_F)),
+    (OPMX, "SiLU"): ("ff", "f", {}),
+    (OPMX, "Reshape"): ("fi", "f", {}),
+    (DB, "RotaryPositionEmbedding"): ("ffiii", "ff", dict(rotary_dim=_I, theta=_F, bypass_key=_I,
                                                        max_position_embeddings=_I, scaling_type=_S,
                                                        scaling_factor=_F, rope_scaling=_S)),
-    (DB, "MultiHeadCacheAttention"): ("fffiiiiiiicff", 1, dict(
+    (DB, "MultiHeadCacheAttention"): ("fffiiiiiiicff", "f", dict(
         num_heads=_I, head_dim=_I, is_causal=_I, is_alibi=_I, num_kv_heads=_I, num_layer=_I, layer_idx=_I,
         quant_bit=_I, quant_group=_I, cache_mode=_I, cache_layout=_I, page_size=_I, **POSITION_ATTRS)),
-    (DB, "KeyValueCache"): ("ffiiiiiicf", 2, dict(num_layer=_I, layer_idx=_I, quant_bit=_I, quant_group=_I,
+    (DB, "KeyValueCache"): ("ffiiiiiicf", "ff", dict(num_layer=_I, layer_idx=_I, quant_bit=_I, quant_group=_I,
                                                   num_repeat=_I, cache_mode=_I, cache_layout=_I, page_size=_I)),
-    (DB, "MultiHeadAttention"): ("fffiiiiif", 1, dict(num_heads=_I, head_dim=_I, is_causal=_I, is_alibi=_I,
+    (DB, "MultiHeadAttention"): ("fffiiiiif", "f", dict(num_heads=_I, head_dim=_I, is_causal=_I, is_alibi=_I,
                                                       num_kv_heads=_I, **POSITION_ATTRS)),
 }
 KIND_DTYPES = {"f": ("float32",), "i": ("int64",), "c": ("float32", "int8"), "w": ("int8", "int16", "int32", "uint8")}
@@ -124,6 +134,68 @@ def woqu_column_parallel_linear(x, w, scale, zero_point, b, quant_data_type="int
 
 def woqu_row_parallel_linear(x, w, scale, zero_point, b, quant_data_type="int8", bias_term=0, **_):
     return _linear(_t(x), _woqu(w, scale, quant_data_type), _t(b) if bias_term else None, reduce=True)
+
+
+def linear(x, w, b, bias_term=0, **_):
+    """ppl.pmx's (not parallel) Linear: the MoE router."""
+    return _linear(_t(x), _t(w), _t(b) if bias_term else None)
+
+
+# --- mixture of experts (ppl.pmx's Moe* operators) -------------------------------------------------------------
+def moe_select(x, scores, num_experts=0, num_experts_per_token=0, **_):
+    """(X_expand_permute [*, k, K], expert_weights [*, k], invert_permutation [*, k] int64, expert_offset [E + 1]
+    int64): each token's k largest scores and their softmax; the token's k copies (token-major, slot-minor) sorted
+    stably by expert; row j of the flattened (token, slot) pairs sits at invert_permutation[j] of the sorted rows;
+    expert e's rows are expert_offset[e] .. expert_offset[e + 1] - 1."""
+    x, s = _t(x), _t(scores)
+    E, k, K = int(num_experts), int(num_experts_per_token), x.shape[-1]
+    if s.shape[-1] != E or not 0 < k <= E:
+        raise RuntimeError(f"MoeSelect: scores [.., {s.shape[-1]}] for num_experts {E}, num_experts_per_token {k}")
+    top, chosen = s.reshape(-1, E).topk(k, dim=-1)                      # (T, k)
+    order = chosen.reshape(-1).sort(stable=True).indices                 # sorted row i is (token, slot) order[i]
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    offset = torch.zeros(E + 1, dtype=torch.int64)
+    offset[1:] = torch.bincount(chosen.reshape(-1), minlength=E).cumsum(0)
+    lead = x.shape[:-1]
+    return (x.reshape(-1, K)[order // k].reshape(*lead, k, K).numpy(), top.softmax(-1).reshape(*lead, k).numpy(),
+            inverse.reshape(*lead, k).numpy(), offset.numpy())
+
+
+def _moe_linear(x, expert_offset, w, b, gather=False, reduce=False):
+    """Expert e's F.linear over its rows [expert_offset[e], expert_offset[e + 1]) of X flattened to [rows, K]."""
+    x, off, w = _t(x), _t(expert_offset).tolist(), _t(w)
+    E = w.shape[0]
+    if len(off) != E + 1 or off[0] != 0 or off[-1] != x[..., 0].numel() or any(a > b for a, b in zip(off, off[1:])):
+        raise RuntimeError(f"Moe*ParallelLinear: expert_offset {off} does not cut {x[..., 0].numel()} rows among {E} "
+                           f"experts")
+    xf = x.reshape(-1, x.shape[-1])
+    y = xf.new_empty(xf.shape[0], w.shape[1])
+    for e in range(E):
+        if off[e + 1] > off[e]:
+            y[off[e]: off[e + 1]] = F.linear(xf[off[e]: off[e + 1]], w[e])
+    if reduce:
+        y = _session().comm.all_reduce_(y)
+    if b is not None:
+        y = y + torch.repeat_interleave(_t(b), torch.tensor(off[1:]) - torch.tensor(off[:-1]), dim=0)
+    y = y.reshape(*x.shape[:-1], w.shape[1])
+    return (_session().comm.all_gather(y, dim=-1) if gather else y).numpy()
+
+
+def moe_column_parallel_linear(x, expert_offset, w, b, gather_output=0, bias_term=0, **_):
+    return _moe_linear(x, expert_offset, w, b if bias_term else None, gather=bool(gather_output))
+
+
+def moe_row_parallel_linear(x, expert_offset, w, b, bias_term=0, **_):
+    """The rows of every expert, all-reduced, then each row's expert's bias (ppl.pmx's order)."""
+    return _moe_linear(x, expert_offset, w, b if bias_term else None, reduce=True)
+
+
+def moe_reduce(y, expert_weights, invert_permutation, **_):
+    """Y_reduced [*, N]: sum over each token's k slots of its row of Y (at invert_permutation) x expert_weights."""
+    y, wt, inv = _t(y), _t(expert_weights), _t(invert_permutation)
+    rows = y.reshape(-1, y.shape[-1])[inv.reshape(-1)].reshape(*wt.shape, y.shape[-1])   # (*, k, N)
+    return (rows * wt.unsqueeze(-1)).sum(-2).numpy()
 
 
 def rms_norm(x, w, skip, eps=1e-5, skip_term=0, **_):
@@ -236,7 +308,9 @@ def multi_head_attention(q, keys, values, seqstarts, kvstarts, decoding_batches,
 
 IMPLS = {"ParallelEmbedding": parallel_embedding, "ColumnParallelLinear": column_parallel_linear,
          "RowParallelLinear": row_parallel_linear, "WoquColumnParallelLinear": woqu_column_parallel_linear,
-         "WoquRowParallelLinear": woqu_row_parallel_linear, "RMSNorm": rms_norm, "SwiGLU": swiglu, "SiLU": silu,
+         "WoquRowParallelLinear": woqu_row_parallel_linear, "Linear": linear, "MoeSelect": moe_select,
+         "MoeColumnParallelLinear": moe_column_parallel_linear, "MoeRowParallelLinear": moe_row_parallel_linear,
+         "MoeReduce": moe_reduce, "RMSNorm": rms_norm, "SwiGLU": swiglu, "SiLU": silu,
          "Reshape": reshape, "RotaryPositionEmbedding": rotary_position_embedding,
          "MultiHeadCacheAttention": multi_head_cache_attention, "KeyValueCache": key_value_cache,
          "MultiHeadAttention": multi_head_attention}
@@ -254,20 +328,23 @@ def register_ops() -> str:
     dt = {"float32": PyCustomOpDef.dt_float, "int64": PyCustomOpDef.dt_int64, "int8": PyCustomOpDef.dt_int8,
           "int16": PyCustomOpDef.dt_int16, "int32": PyCustomOpDef.dt_int32, "uint8": PyCustomOpDef.dt_uint8}
     at = {_I: PyCustomOpDef.dt_int64, _F: PyCustomOpDef.dt_float, _S: PyCustomOpDef.dt_string}
-    for (domain, name), (kinds, nout, attrs) in OPS.items():
+    for (domain, name), (kinds, outs, attrs) in OPS.items():
         varying = next((k for k in kinds if len(KIND_DTYPES[k]) > 1), None)
         for variant in (KIND_DTYPES[varying] if varying else (None,)):
             ins = [dt[variant if k == varying else KIND_DTYPES[k][0]] for k in kinds]
-            onnx_op(op_type=f"{domain}::{name}", inputs=ins, outputs=[PyCustomOpDef.dt_float] * nout,
-                    attrs={a: at[t] for a, t in attrs.items()})(_wrap(IMPLS[name], nout))
+            onnx_op(op_type=f"{domain}::{name}", inputs=ins, outputs=[dt[KIND_DTYPES[k][0]] for k in outs],
+                    attrs={a: at[t] for a, t in attrs.items()})(_wrap(IMPLS[name], outs))
     return get_library_path()
 
 
-def _wrap(fn, nout: int):
+def _wrap(fn, outs: str):
+    """`fn` returning its outputs in the dtypes the registration declared (`outs`: their kinds)."""
+    dtypes = [KIND_DTYPES[k][0] for k in outs]
+
     def op(*args, **attrs):
         out = fn(*args, **attrs)
-        return tuple(np.ascontiguousarray(o, dtype=np.float32) for o in out) if nout > 1 else \
-            np.ascontiguousarray(out, dtype=np.float32)
+        return tuple(np.ascontiguousarray(o, dtype=d) for o, d in zip(out, dtypes)) if len(outs) > 1 else \
+            np.ascontiguousarray(out, dtype=dtypes[0])
     op.__name__ = fn.__name__
     return op
 
@@ -298,7 +375,7 @@ def adapt(model: onnx.ModelProto) -> onnx.ModelProto:
         spec = OPS.get((node.domain, node.op_type))
         if spec is None:
             continue
-        kinds, nout, attr_types = spec
+        kinds, outs, attr_types = spec
         have = {a.name for a in node.attribute}
         node.attribute.extend(helper.make_attribute(a, ATTR_DEFAULTS[t]) for a, t in attr_types.items()
                               if a not in have)
@@ -310,7 +387,7 @@ def adapt(model: onnx.ModelProto) -> onnx.ModelProto:
                 node.input[j] = scale32
         while len(node.input) < len(kinds):
             node.input.append(empty(kinds[len(node.input)]))
-        while len(node.output) < nout:
+        while len(node.output) < len(outs):
             node.output.append(f"{node.name}_unused_{len(node.output)}")
     return m
 
