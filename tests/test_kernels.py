@@ -312,6 +312,48 @@ def test_cpu_decode_attention_reads_rows_from_offsets_and_page_starts(paged, win
 
 
 @needs_ext
+@pytest.mark.parametrize("paged", [False, True], ids=["offsets", "pages"])
+@pytest.mark.parametrize("window,int8,alibi", [(0, False, False), (40, True, False), (0, False, True)],
+                         ids=["plain", "window_int8", "alibi"])
+def test_cpu_decode_attention_rows_of_one_sequence_attend_together(paged, window, int8, alibi):
+    """The rows of a verify step (one sequence's tokens at consecutive positions over one history, each seeing the
+    positions up to its own) are attended as a group that reads each history row once: the same result as each row
+    alone, to the bit where neither cuts the history into parts (one thread), within float rounding where they do."""
+    from runner.kernels import torch_ops
+    P = ref.PAGE_SIZE
+    g = torch.Generator().manual_seed(11)
+    cache = torch.randn(ref.cache_shape(0, 2, 8 * P, 2, 32), generator=g)
+    scale = None
+    if int8:
+        cache, scale = ref.quantize_int8(cache)
+    # sequence A: 5 rows at 200..204; B: one row; C: 3 rows at 7..9; D: 2 rows whose positions are not consecutive
+    lens = torch.tensor([201, 202, 203, 204, 205, 60, 8, 9, 10, 50, 52])
+    seq = [0, 0, 0, 0, 0, 1, 2, 2, 2, 3, 3]
+    if paged:
+        starts = torch.tensor([[5 * P, 0], [2 * P, 0], [P, 0], [6 * P, 0]])[seq]
+        page_size = P
+    else:
+        starts, page_size = torch.tensor([600, 300, 10, 400])[seq], 0
+    q = torch.randn(len(seq), 8, 32, generator=g)
+    slopes = torch.rand(8, generator=g) if alibi else None
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            got = torch_ops.decode_attention_rows(q, cache, scale, 0, 1, starts, lens, window or None, page_size,
+                                                  slopes)
+            alone = torch.cat([torch_ops.decode_attention_rows(q[i:i + 1], cache, scale, 0, 1, starts[i:i + 1],
+                                                               lens[i:i + 1], window or None, page_size, slopes)
+                               for i in range(len(seq))])
+            if n == 1:
+                assert torch.equal(got, alone)
+            else:
+                assert (got - alone).abs().max() <= 2e-6 * alone.abs().max()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_ext
 def test_cpu_decode_attention_refuses_bad_rows_and_lengths():
     from runner.kernels import torch_ops
     cache, q = torch.zeros(ref.cache_shape(0, 2, 16, 2, 16)), torch.zeros(1, 2, 16)

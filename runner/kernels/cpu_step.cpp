@@ -12,10 +12,12 @@
 // page starts (position j at row rows[b, j / page_size] + j % page_size), as the plan has them. The cache, of any
 // layout, is float32 or int8 with float16 scales per group of 8 (dequantised a row at a time, as the reference).
 // Nothing is gathered: a task is one sequence (or one part of a long history, when there are fewer sequences than
-// threads), which walks its rows in order, all heads of a row at once (they are adjacent in the cache; each K/V
-// row read once for the G = H / KV query heads of its group), with the rows a few ahead prefetched; scores into a
-// buffer of H x N floats, an exact softmax (vectorised exp), then the weighted sum of the value rows. Parts of one
-// history are merged by their softmax statistics (max, sum). float32 throughout, as torch_ops.attend.
+// threads; or the rows of one sequence at consecutive positions, as a verify step of speculative decoding has them,
+// each history row read once for all of them), which walks its rows in order, all heads of a row at once (they are
+// adjacent in the cache; each K/V row read once for the G = H / KV query heads of its group), with the rows a few
+// ahead prefetched; scores into a buffer of H x N floats, an exact softmax (vectorised exp), then the weighted sum of
+// the value rows. Parts of one history are merged by their softmax statistics (max, sum). float32 throughout, as
+// torch_ops.attend.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -148,6 +150,9 @@ struct CacheRows : pmx_cpu::KVRows {
 // Rows per part of a sequence's history: a sequence is cut into parts of at least this many rows (and at most
 // `threads` parts per sequence) that run in parallel, each with its own softmax statistics, merged at the end.
 constexpr int64_t MIN_PART_ROWS = 32;
+
+// Rows of one sequence at consecutive positions attended together, at most (their scores: rows x H x N floats).
+constexpr int64_t MAX_GROUP_ROWS = 16;
 
 // The first position a query at position len - 1 sees: all of them, or the last `window`.
 inline int64_t first_seen(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
@@ -351,69 +356,111 @@ HistoryRows history_rows(const at::Tensor& rows, int64_t page_size, const int64_
   return h;
 }
 
+// Whether rows a and b read one history (the same offset, or the same page starts).
+inline bool same_history(const pmx_cpu::HistoryRows& h, int64_t a, int64_t b) {
+  if (h.offsets) return h.rows[a] == h.rows[b];
+  if (h.table) return false;
+  return std::equal(h.rows + a * h.row_stride, h.rows + a * h.row_stride + h.width, h.rows + b * h.row_stride);
+}
+
 void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t H, const KVRows& k, const KVRows& v,
                            const HistoryRows& h, const int64_t* lens, int64_t window, float sc, float* op,
                            const float* slopes) {
   const int64_t D = k.D, KV = k.KV, G = H / KV;
-  // parts: each sequence's seen rows [lo, len) cut into `parts` pieces
+  // groups: runs of rows of one sequence at consecutive positions (the rows of a verify step), each history row
+  // read once for all of them; a lone row is a group of one
+  std::vector<int64_t> first{0};
+  for (int64_t b = 1; b < B; ++b)
+    if (!(lens[b] == lens[b - 1] + 1 && b - first.back() < MAX_GROUP_ROWS && same_history(h, b - 1, b)))
+      first.push_back(b);
+  const int64_t NG = first.size();
+  first.push_back(B);
+  // parts: each group's seen rows [lo of its first row, len of its last) cut into `parts` pieces
   const int64_t threads = at::get_num_threads();
   int64_t parts = 1;
-  for (int64_t b = 0; b < B; ++b)
-    parts = std::max(parts, std::min(threads, (lens[b] - first_seen(lens[b], window)) / MIN_PART_ROWS));
-  if (B >= threads) parts = 1;
+  for (int64_t g = 0; g < NG; ++g)
+    parts = std::max(parts, std::min(threads, (lens[first[g + 1] - 1] - first_seen(lens[first[g]], window)) /
+                                                  MIN_PART_ROWS));
+  if (NG >= threads) parts = 1;
   std::vector<float> part_out(parts > 1 ? B * parts * H * D : 0), part_max(B * parts * H), part_sum(B * parts * H);
   const CacheRows K(k), V(v);
-  at::parallel_for(0, B * parts, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, NG * parts, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s, buf(D);
-    std::vector<int64_t> rowbuf;
+    std::vector<int64_t> rowbuf, from, to;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / parts, p = t % parts, len = lens[b];
-      const int64_t lo = first_seen(len, window), seen = len - lo;
+      const int64_t g = t / parts, p = t % parts, b0 = first[g], R = first[g + 1] - b0;
+      const int64_t lo = first_seen(lens[b0], window), seen = lens[b0 + R - 1] - lo;
       const int64_t j0 = lo + seen * p / parts, j1 = lo + seen * (p + 1) / parts, n = j1 - j0;
-      float* o = parts > 1 ? part_out.data() + t * H * D : op + b * H * D;
-      std::fill(o, o + H * D, 0.0f);
-      if (n == 0) {
-        std::fill(part_max.begin() + t * H, part_max.begin() + (t + 1) * H, -std::numeric_limits<float>::infinity());
-        std::fill(part_sum.begin() + t * H, part_sum.begin() + (t + 1) * H, 0.0f);
-        continue;
+      from.resize(R), to.resize(R);  // row r sees this part's [from[r], to[r])
+      for (int64_t r = 0; r < R; ++r) {
+        from[r] = std::clamp<int64_t>(first_seen(lens[b0 + r], window) - j0, 0, n);
+        to[r] = std::clamp<int64_t>(lens[b0 + r] - j0, from[r], n);
       }
-      const int64_t* r;  // this part's rows: the table's, or worked out from the offset / pages
+      const auto out_of = [&](int64_t r) {
+        return parts > 1 ? part_out.data() + ((b0 + r) * parts + p) * H * D : op + (b0 + r) * H * D;
+      };
+      for (int64_t r = 0; r < R; ++r) std::fill(out_of(r), out_of(r) + H * D, 0.0f);
+      const int64_t* rr;  // this part's rows: the table's, or worked out from the offset / pages
       if (h.table) {
-        r = h.rows + b * h.row_stride + j0;
+        rr = h.rows + b0 * h.row_stride + j0;
       } else {
         rowbuf.resize(n);
-        for (int64_t j = 0; j < n; ++j) rowbuf[j] = row_at(h, b, j0 + j);
-        r = rowbuf.data();
+        for (int64_t j = 0; j < n; ++j) rowbuf[j] = row_at(h, b0, j0 + j);
+        rr = rowbuf.data();
       }
-      const float* qb = qp + b * q_stride;
-      s.resize(H * n);
+      s.resize(R * H * n);
       for (int64_t j = 0; j < n; ++j) {  // row by row: all heads of a row are next to each other in the cache
-        if (j + PF_ROWS < n) K.prefetch(r[j + PF_ROWS]);
+        if (j + PF_ROWS < n) K.prefetch(rr[j + PF_ROWS]);
         for (int64_t kh = 0; kh < KV; ++kh) {
-          const float* kr = K.get(r[j], kh, buf.data());
-          for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) s[hh * n + j] = dot(qb + hh * D, kr, D) * sc;
+          const float* kr = K.get(rr[j], kh, buf.data());
+          for (int64_t r = 0; r < R; ++r) {
+            if (j < from[r] || j >= to[r]) continue;
+            const float* qb = qp + (b0 + r) * q_stride;
+            float* sr = s.data() + r * H * n;
+            for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) sr[hh * n + j] = dot(qb + hh * D, kr, D) * sc;
+          }
         }
       }
-      if (slopes)  // ALiBi: slope_h x (j - the query's position len - 1), as reference.alibi_bias
-        for (int64_t hh = 0; hh < H; ++hh)
-          for (int64_t j = 0; j < n; ++j) s[hh * n + j] += slopes[hh] * static_cast<float>(j0 + j - (len - 1));
-      for (int64_t hh = 0; hh < H; ++hh)
-        softmax_part(s.data() + hh * n, n, &part_max[t * H + hh], &part_sum[t * H + hh]);
+      for (int64_t r = 0; r < R; ++r) {
+        float* sr = s.data() + r * H * n;
+        const int64_t len = lens[b0 + r], m = to[r] - from[r];
+        if (slopes)  // ALiBi: slope_h x (j - the query's position len - 1), as reference.alibi_bias
+          for (int64_t hh = 0; hh < H; ++hh)
+            for (int64_t j = from[r]; j < to[r]; ++j)
+              sr[hh * n + j] += slopes[hh] * static_cast<float>(j0 + j - (len - 1));
+        float *pm = &part_max[((b0 + r) * parts + p) * H], *ps = &part_sum[((b0 + r) * parts + p) * H];
+        for (int64_t hh = 0; hh < H; ++hh) {
+          if (m > 0) {
+            softmax_part(sr + hh * n + from[r], m, pm + hh, ps + hh);
+          } else {
+            pm[hh] = -std::numeric_limits<float>::infinity(), ps[hh] = 0.0f;
+          }
+        }
+      }
       for (int64_t j = 0; j < n; ++j) {
-        if (j + PF_ROWS < n) V.prefetch(r[j + PF_ROWS]);
+        if (j + PF_ROWS < n) V.prefetch(rr[j + PF_ROWS]);
         for (int64_t kh = 0; kh < KV; ++kh) {
-          const float* vr = V.get(r[j], kh, buf.data());
-          for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) axpy(o + hh * D, s[hh * n + j], vr, D);
+          const float* vr = V.get(rr[j], kh, buf.data());
+          for (int64_t r = 0; r < R; ++r) {
+            if (j < from[r] || j >= to[r]) continue;
+            const float* sr = s.data() + r * H * n;
+            float* o = out_of(r);
+            for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) axpy(o + hh * D, sr[hh * n + j], vr, D);
+          }
         }
       }
       if (parts == 1)
-        for (int64_t hh = 0; hh < H; ++hh) {
-          const float inv = 1.0f / part_sum[t * H + hh];
-          for (int64_t i = 0; i < D; ++i) o[hh * D + i] *= inv;
+        for (int64_t r = 0; r < R; ++r) {
+          float* o = out_of(r);
+          const float* ps = &part_sum[(b0 + r) * H];
+          for (int64_t hh = 0; hh < H; ++hh) {
+            const float inv = 1.0f / ps[hh];
+            for (int64_t i = 0; i < D; ++i) o[hh * D + i] *= inv;
+          }
         }
     }
   });
-  if (parts > 1)  // merge the parts of each sequence and head: rescale each to the common max
+  if (parts > 1)  // merge the parts of each row and head: rescale each to the common max
     for (int64_t b = 0; b < B; ++b)
       for (int64_t hh = 0; hh < H; ++hh) {
         float mx = -std::numeric_limits<float>::infinity(), total = 0;
