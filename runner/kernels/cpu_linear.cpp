@@ -16,7 +16,9 @@
 // Where the CPU has AVX512-VNNI, int4 multiplies nibbles by x quantised to two int8 parts per group instead
 // (layout 1, block_int4_vnni): a third of the instructions per weight of the float path; `int4_layout(G)` tells
 // the packing code which layout to write.
-// Threads: at::parallel_for over the blocks of 64 channels (OpenMP, as torch; torch.set_num_threads).
+// Threads: the blocks of 64 channels are handed out to torch's threads (OpenMP; torch.set_num_threads) a few at a
+// time as each asks for more (for_blocks), so that a thread the OS preempts (another process, a server's HTTP
+// thread) takes fewer blocks rather than making the others wait for its fixed share.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,6 +29,7 @@
 
 #include "cpu_kernels.h"
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -279,6 +282,29 @@ inline void quantize_x2(const float* x, int64_t M, int64_t K, int64_t G, int8_t*
 }
 #endif
 
+// body(b0, b1) over [0, blocks) in chunks taken by whichever thread comes for the next one first, each a fair share of
+// what is left halved (OpenMP's "guided": long contiguous runs first, single blocks at the end to even the threads
+// out); one thread, or a call from inside a parallel region, runs them all in order.
+template <typename F>
+inline void for_blocks(int64_t blocks, F&& body) {
+  const int64_t threads = std::min<int64_t>(at::in_parallel_region() ? 1 : at::get_num_threads(), blocks);
+  if (threads <= 1) {
+    body(0, blocks);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    int64_t b0 = next.load(std::memory_order_relaxed);
+    while (b0 < blocks) {
+      const int64_t n = std::max<int64_t>(1, (blocks - b0) / (2 * threads));
+      if (next.compare_exchange_weak(b0, b0 + n, std::memory_order_relaxed)) {
+        body(b0, b0 + n);
+        b0 = next.load(std::memory_order_relaxed);
+      }
+    }
+  });
+}
+
 template <typename F>
 inline void rows_of(int64_t M, F&& run) {  // run(m0, mr) over row passes of at most MR_MAX rows
   for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) run(m0, std::min<int64_t>(MR_MAX, M - m0));
@@ -305,7 +331,7 @@ void check(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t bytes_pe
 constexpr int64_t KC_F32 = 2048;
 
 void f32_into(const float* xp, int64_t M, int64_t K, const float* wp, int64_t blocks, int64_t N, float* op) {
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  for_blocks(blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
       for (int64_t k0 = 0; k0 < K; k0 += KC_F32) {
@@ -336,7 +362,7 @@ void check_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scal
 
 void int8_into(const float* xp, int64_t M, int64_t K, const int8_t* wp, const float* sp, int64_t blocks, int64_t N,
                float* op) {
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  for_blocks(blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
       rows_of(M, [&](int64_t m0, int64_t mr) {
@@ -381,7 +407,7 @@ void int4_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, const f
     std::vector<int8_t> q(2 * M * K);
     std::vector<int32_t> off(M * groups);
     quantize_x2(xp, M, K, G, q.data(), xs.data(), off.data());
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for_blocks(blocks, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
         for (int64_t m0 = 0; m0 < M; m0 += MR_VNNI) {
@@ -402,7 +428,7 @@ void int4_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, const f
 #endif
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < groups; ++g) xs[m * groups + g] = sum_floats(xp + m * K + g * G, G);
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  for_blocks(blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
       rows_of(M, [&](int64_t m0, int64_t mr) {
