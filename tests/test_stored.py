@@ -138,15 +138,14 @@ def test_convert_split_merge_move_untouched_tensors_by_kernel_copy(make_hf, tmp_
                        shallow=False)
 
 
-def shard_files(tmp_path, parts: list, buf_bytes: int, name: str) -> list:
-    """Each Stored part written by write_stored (through a buffer of `buf_bytes`) to a file of its own, read back
-    as a Stored tensor of that file."""
+def shard_files(tmp_path, parts: list, name: str) -> list:
+    """Each Stored part written by write_stored to a file of its own, read back as a Stored tensor of that file."""
     out = []
     for i, part in enumerate(parts):
         path = tmp_path / f"{name}{i}.bin"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
-            stored_mod.write_stored(fd, part, np.empty(buf_bytes, dtype=np.uint8))
+            stored_mod.write_stored(fd, part)
         finally:
             os.close(fd)
         out.append(Stored.of_file(path, 0, part.dtype, part.shape))
@@ -156,8 +155,8 @@ def shard_files(tmp_path, parts: list, buf_bytes: int, name: str) -> list:
 @pytest.mark.parametrize("shape,axis", [((37, 70), -1), ((3, 11, 26), -1), ((3, 11, 26), -2)])
 def test_column_cuts_and_joins_are_gathered_a_block_of_rows_at_a_time(tmp_path, monkeypatch, shape, axis):
     """A row-parallel cut into 3 with padding (70 -> 72 columns) and its join: one block of rows each (no range per
-    row), moved by a few writes through a buffer smaller than the tensor (several blocks of rows, and rows longer
-    than the buffer), bit for bit what torch's narrow and cat give."""
+    row), moved by one write per block of rows through buffers smaller than the tensor (several blocks of rows, and
+    rows longer than the buffer), bit for bit what torch's narrow and cat give."""
     g = torch.Generator().manual_seed(1)
     t = (torch.randn(shape, generator=g) * 50).to(torch.bfloat16)
     _, s = stored_tensors(tmp_path, {"t": t})["t"]
@@ -171,21 +170,25 @@ def test_column_cuts_and_joins_are_gathered_a_block_of_rows_at_a_time(tmp_path, 
     parts = [s.narrow(axis, r * per, per) for r in range(3)]
     rows = t.shape[:axis % t.dim()].numel()
     assert all(len(p.blocks) == 1 and p.blocks[0].count == rows for p in parts)  # arithmetic, not a range per row
-    for buf_bytes in (50, 300):  # 50: rows longer than the buffer
+    for out_bytes, source_bytes in [(50, 1 << 20), (300, 1 << 20), (1 << 20, 500)]:  # 50: rows longer than that
+        monkeypatch.setattr(stored_mod, "GATHER_BYTES", out_bytes)
+        monkeypatch.setattr(stored_mod, "SOURCE_BYTES", source_bytes)
         writes.clear()
-        files = shard_files(tmp_path, parts, buf_bytes, "part")
+        files = shard_files(tmp_path, parts, "part")
         for r, f in enumerate(files):
             assert torch.equal(f.tensor(), padded.narrow(axis, r * per, per))
-        blocks_of_rows = [-(-rows // max(1, buf_bytes // p.blocks[0].row_bytes)) for p in parts]
-        assert writes == [1] * sum(blocks_of_rows)  # one write per block of rows (37 x 48 B by 300: 7, not 37)
+        chunks = [-(-rows // stored_mod._chunk_rows(p.blocks[0], out_bytes)) for p in parts]
+        assert writes == [1] * sum(chunks)  # one write per block of rows (37 x 48 B by 300: 7 writes, not 37)
         joined = Stored.cat(files, axis).narrow(axis, 0, n)
         assert len(joined.blocks) == 1 and joined.blocks[0].count == rows and len(joined.blocks[0].pieces) == 3
-        writes.clear()
-        (back,) = shard_files(tmp_path, [joined], buf_bytes, "joined")
+        (back,) = shard_files(tmp_path, [joined], "joined")
         assert torch.equal(back.tensor(), t) and back.same_bytes(s)
         assert torch.equal(joined.tensor(), t) and torch.equal(written(tmp_path, joined), t)
-    monkeypatch.setattr(stored_mod, "MAP_BYTES", 64)  # tensor(): a map of a few rows at a time
-    assert torch.equal(joined.tensor(), t) and torch.equal(parts[2].tensor(), padded.narrow(axis, 2 * per, per))
+        assert torch.equal(parts[2].tensor(), padded.narrow(axis, 2 * per, per))
+    if axis == -1 and len(shape) == 2:  # rows of 48 B, 140 B apart
+        assert stored_mod._chunk_rows(parts[0].blocks[0], 1 << 20) == 3  # 500 B of source
+        monkeypatch.setattr(stored_mod, "SOURCE_BYTES", 1 << 20)
+        assert stored_mod._chunk_rows(parts[0].blocks[0], 300) == 6  # 300 B of output
 
 
 def test_cuts_across_blocks_of_another_layout_go_row_by_row(tmp_path):

@@ -10,9 +10,9 @@ are arithmetic on the pieces, whatever the number of rows, never a read and neve
 
 :func:`write_stored` then moves the bytes into an output file: runs of at least `KERNEL_COPY_MIN_RUN` bytes on
 average with `copy_file_range` (the page cache copies itself; `sendfile` where that is refused), short rows (a
-column cut or join: a few KiB a row) gathered a block of rows at a time into one reused buffer (a strided copy
-out of a read-only map of the source rows, dropped again after the block, so memory stays at the buffer) and
-written with one `write` per block. Reading a tensor into memory (:meth:`Stored.tensor`) or mapping it
+column cut or join: a few KiB a row) gathered a block of rows at a time: the source rows read with one `pread`
+(gaps included) into a reused buffer, copied strided into a second one, written with one `write` per block, so
+memory stays at the two buffers (a few MiB). Reading a tensor into memory (:meth:`Stored.tensor`) or mapping it
 (:meth:`Stored.mapped`) is left to the tensors that must be transformed.
 """
 
@@ -33,11 +33,10 @@ from runner.errors import PmxError
 
 KERNEL_COPY_MIN_RUN = 64 << 10  # average piece size from which copy_file_range beats a gather through a buffer
 GATHER_BYTES = 1 << 20  # output bytes gathered per write (rows of a column cut / join); fits in a core's L2
-MAP_BYTES = 8 << 20  # source bytes mapped at a time when reading strided rows into memory
+SOURCE_BYTES = 4 << 20  # source bytes read at a time for them (their rows and the gaps between)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 ZEROS = bytes(1 << 20)
 _NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM)
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 Piece = tuple  # (path or None for zeros, offset in row 0, nbytes, stride: bytes from one row's piece to the next's)
 
@@ -294,48 +293,41 @@ def _pread_into(files: _Files, path: str, off: int, view: memoryview) -> None:
         done += k
 
 
-def _copy_rows(out: np.ndarray, col: int, piece: Piece, first: int, files: _Files) -> None:
-    """Rows first .. first + len(out) - 1 of `piece` into columns col .. of `out` ([rows, row bytes]): a strided
-    copy out of a read-only map of just those source rows (populated in one call, unmapped on return)."""
-    path, off, n, stride = piece
-    view = out[:, col:col + n]
-    if path is None:
-        view.fill(0)
-        return
-    lo = off + first * stride
-    hi = lo + (len(out) - 1) * stride + n
-    base = lo - lo % mmap.ALLOCATIONGRANULARITY
-    try:
-        mm = mmap.mmap(files.fd(path), hi - base, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=base)
-    except ValueError:  # "mmap length is greater than file size"
-        raise PmxError(f"{path}: cut short (expected {hi} bytes, offset {lo} onwards being read)") from None
-    try:  # the strided view of the map is gone by the time the map is closed
-        np.copyto(view, np.ndarray((len(out), n), dtype=np.uint8, buffer=mm, offset=lo - base, strides=(stride, 1)))
-    finally:
-        mm.close()
+def _chunk_rows(b: Rows, out_bytes: int) -> int:
+    """Rows of `b` gathered at a time: as many as fit in `out_bytes` of output with at most SOURCE_BYTES of source
+    rows (gaps included) per piece; at least one."""
+    stride = max([p[3] for p in b.pieces if p[0] is not None] + [1])
+    return max(1, min(out_bytes // max(b.row_bytes, 1), SOURCE_BYTES // stride))
+
+
+def _gather_rows(out: np.ndarray, b: Rows, first: int, files: _Files, scratch: "Scratch") -> None:
+    """Rows first .. first + len(out) - 1 of block `b` into `out` ([rows, row bytes]): each piece's source rows read
+    with one pread, the gaps between them included, into `scratch`, then copied strided into its columns (cheaper
+    than mapping them: no page tables to fill and tear down); a long piece read row by row straight into place."""
+    k, col = len(out), 0
+    for path, off, n, stride in b.pieces:
+        view = out[:, col:col + n]
+        col += n
+        if path is None:
+            view.fill(0)
+        elif n >= KERNEL_COPY_MIN_RUN or k == 1:
+            for r in range(k):
+                _pread_into(files, path, off + (first + r) * stride, memoryview(view[r]))
+        else:
+            src = scratch.take("source", torch.uint8, ((k - 1) * stride + n,)).numpy()
+            _pread_into(files, path, off + first * stride, memoryview(src))
+            np.copyto(view, np.lib.stride_tricks.as_strided(src, (k, n), (stride, 1)))
 
 
 def _fill(out: np.ndarray, blocks: Sequence[Rows], files: _Files) -> None:
-    """Fills `out` (uint8, as long as `blocks`) with the bytes of `blocks`: whole ranges read straight in, rows
-    copied out of maps of at most MAP_BYTES of source at a time."""
-    pos = 0
+    """Fills `out` (uint8, as long as `blocks`) with the bytes of `blocks`: whole ranges read straight in, rows of
+    short pieces through a buffer of at most SOURCE_BYTES."""
+    pos, scratch = 0, Scratch()
     for b in blocks:
-        if b.count == 1:
-            for path, off, n, _ in b.pieces:
-                if path is None:
-                    out[pos:pos + n] = 0
-                else:
-                    _pread_into(files, path, off, memoryview(out[pos:pos + n]))
-                pos += n
-            continue
-        size = b.row_bytes
-        rows = out[pos:pos + b.nbytes].reshape(b.count, size)
-        col = 0
-        for piece in b.pieces:
-            step = max(1, MAP_BYTES // max(piece[3], piece[2], 1))
-            for r in range(0, b.count, step):
-                _copy_rows(rows[r:r + step], col, piece, r, files)
-            col += piece[2]
+        rows = out[pos:pos + b.nbytes].reshape(b.count, b.row_bytes)
+        step = _chunk_rows(b, b.nbytes)
+        for r in range(0, b.count, step):
+            _gather_rows(rows[r:r + step], b, r, files, scratch)
         pos += b.nbytes
 
 
@@ -365,10 +357,10 @@ def _zero_views(n: int) -> list:
 
 class _StoredWriter:
     """Writes one Stored tensor's blocks at an output fd's position: by kernel copy (copy_file_range, else sendfile,
-    else neither: then gathered) where pieces are long, else gathered through `buf`."""
+    else neither: then gathered) where pieces are long, else gathered through `scratch`."""
 
-    def __init__(self, fd: int, files: _Files, buf: np.ndarray):
-        self.fd, self.files, self.buf = fd, files, buf
+    def __init__(self, fd: int, files: _Files, scratch: "Scratch"):
+        self.fd, self.files, self.scratch = fd, files, scratch
         self.how = "copy_file_range"  # -> "sendfile" where refused -> "gather" where both are
         self.copied = False  # once a byte went by kernel copy, a refusal is an error, not a reason to fall back
 
@@ -385,7 +377,7 @@ class _StoredWriter:
             self._gather(b)
 
     def _kernel_copy(self, b: Rows) -> bool:
-        """Each row's pieces copied inside the kernel; False, having written nothing, where that is refused."""
+        """Each row's pieces copied inside the kernel; False where that is refused (before any byte was copied)."""
         for r in range(b.count):
             for path, off, n, stride in b.pieces:
                 if path is None:
@@ -416,40 +408,32 @@ class _StoredWriter:
         return True
 
     def _ranges(self, pieces: Sequence[Piece]) -> None:
-        """One row's pieces, read through the buffer a buffer's length at a time."""
+        """One row's pieces, read through the buffer GATHER_BYTES at a time."""
         for path, off, n, _ in pieces:
             if path is None:
                 _write_all(self.fd, _zero_views(n))
                 continue
-            for at in range(0, n, len(self.buf)):
-                k = min(len(self.buf), n - at)
-                view = memoryview(self.buf[:k])
+            for at in range(0, n, GATHER_BYTES):
+                k = min(GATHER_BYTES, n - at)
+                view = memoryview(self.scratch.take("rows", torch.uint8, (k,)).numpy())
                 _pread_into(self.files, path, off + at, view)
                 _write_all(self.fd, [view])
 
     def _gather(self, b: Rows) -> None:
-        """Rows gathered into the buffer, as many as fit at a time, each such block written at once."""
-        size = b.row_bytes
-        step = max(1, len(self.buf) // size)
-        if step * size > len(self.buf):  # rows longer than the buffer (with short pieces: rare) get their own
-            self.buf = np.empty(size, dtype=np.uint8)
+        """Rows gathered into the buffer, GATHER_BYTES of them (at least one row) at a time, each such block written
+        with one write."""
+        size, step = b.row_bytes, _chunk_rows(b, GATHER_BYTES)
         for r in range(0, b.count, step):
-            k = min(step, b.count - r)
-            out = self.buf[:k * size].reshape(k, size)
-            col = 0
-            for piece in b.pieces:
-                _copy_rows(out, col, piece, r, self.files)
-                col += piece[2]
-            _write_all(self.fd, [memoryview(self.buf[:k * size])])
+            out = self.scratch.take("rows", torch.uint8, (min(step, b.count - r), size)).numpy()
+            _gather_rows(out, b, r, self.files, self.scratch)
+            _write_all(self.fd, [memoryview(out.reshape(-1))])
 
 
-def write_stored(fd: int, t: Stored, buf: Optional[np.ndarray] = None) -> None:
-    """Appends the bytes of `t` to `fd` (at its position), through `buf` (uint8, reused from call to call; default
-    a fresh one of GATHER_BYTES) where they are gathered: see the module's docstring."""
-    if buf is None:
-        buf = np.empty(GATHER_BYTES, dtype=np.uint8)
+def write_stored(fd: int, t: Stored, scratch: Optional["Scratch"] = None) -> None:
+    """Appends the bytes of `t` to `fd` (at its position), gathering short rows through `scratch` (reused from call
+    to call; default a fresh one): see the module's docstring."""
     with _Files() as files:
-        w = _StoredWriter(fd, files, buf)
+        w = _StoredWriter(fd, files, Scratch() if scratch is None else scratch)
         for b in t.blocks:
             w.block(b)
 
