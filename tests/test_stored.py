@@ -7,7 +7,6 @@ import errno
 import filecmp
 import os
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F

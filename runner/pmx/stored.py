@@ -24,6 +24,7 @@ import functools
 import mmap
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -104,8 +105,10 @@ def _joined(pieces: Iterable[Piece], one_row: bool) -> list[list]:
     for path, off, n, stride in pieces:
         if n == 0:
             continue
-        if path is None or one_row:
-            off, stride = (0, 0) if path is None else (off, 0)
+        if path is None:
+            off, stride = 0, 0
+        elif one_row:
+            stride = 0
         last = out[-1] if out else None
         if last and last[0] == path and last[3] == stride and (path is None or last[1] + last[2] == off):
             last[2] += n
@@ -142,7 +145,7 @@ class Stored:
     blocks: tuple
 
     @classmethod
-    def of_file(cls, path, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> "Stored":
+    def of_file(cls, path: Path, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> "Stored":
         return cls(dtype, tuple(shape), _normal([Rows(1, ((str(path), offset, _prod(shape) * _elsize(dtype), 0),))]))
 
     @property
@@ -300,7 +303,7 @@ def _chunk_rows(b: Rows, out_bytes: int) -> int:
     return max(1, min(out_bytes // max(b.row_bytes, 1), SOURCE_BYTES // stride))
 
 
-def _gather_rows(out: np.ndarray, b: Rows, first: int, files: _Files, scratch: "Scratch") -> None:
+def _gather_rows(out: np.ndarray, b: Rows, first: int, files: _Files, scratch: Scratch) -> None:
     """Rows first .. first + len(out) - 1 of block `b` into `out` ([rows, row bytes]): each piece's source rows read
     with one pread, the gaps between them included, into `scratch`, then copied strided into its columns (cheaper
     than mapping them: no page tables to fill and tear down); a long piece read row by row straight into place."""
@@ -359,7 +362,7 @@ class _StoredWriter:
     """Writes one Stored tensor's blocks at an output fd's position: by kernel copy (copy_file_range, else sendfile,
     else neither: then gathered) where pieces are long, else gathered through `scratch`."""
 
-    def __init__(self, fd: int, files: _Files, scratch: "Scratch"):
+    def __init__(self, fd: int, files: _Files, scratch: Scratch):
         self.fd, self.files, self.scratch = fd, files, scratch
         self.how = "copy_file_range"  # -> "sendfile" where refused -> "gather" where both are
         self.copied = False  # once a byte went by kernel copy, a refusal is an error, not a reason to fall back
@@ -429,7 +432,7 @@ class _StoredWriter:
             _write_all(self.fd, [memoryview(out.reshape(-1))])
 
 
-def write_stored(fd: int, t: Stored, scratch: Optional["Scratch"] = None) -> None:
+def write_stored(fd: int, t: Stored, scratch: Optional[Scratch] = None) -> None:
     """Appends the bytes of `t` to `fd` (at its position), gathering short rows through `scratch` (reused from call
     to call; default a fresh one): see the module's docstring."""
     with _Files() as files:
