@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import runner.pmx.stored as stored_mod
 from runner.pmx.convert import PmxModel, convert, reshard
@@ -134,3 +135,71 @@ def test_convert_split_merge_move_untouched_tensors_by_kernel_copy(make_hf, tmp_
             assert filecmp.cmp(f, outs[1 << 40] / sub / f.name, shallow=False), f
     assert filecmp.cmp(outs[0] / "full" / "model.00.safetensors", outs[0] / "merged" / "model.00.safetensors",
                        shallow=False)
+
+
+def shard_files(tmp_path, parts: list, name: str) -> list:
+    """Each Stored part written by write_stored to a file of its own, read back as a Stored tensor of that file."""
+    out = []
+    for i, part in enumerate(parts):
+        path = tmp_path / f"{name}{i}.bin"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            stored_mod.write_stored(fd, part)
+        finally:
+            os.close(fd)
+        out.append(Stored.of_file(path, 0, part.dtype, part.shape))
+    return out
+
+
+@pytest.mark.parametrize("shape,axis", [((37, 70), -1), ((3, 11, 26), -1), ((3, 11, 26), -2)])
+def test_column_cuts_and_joins_are_gathered_a_block_of_rows_at_a_time(tmp_path, monkeypatch, shape, axis):
+    """A row-parallel cut into 3 with padding (70 -> 72 columns) and its join: one block of rows each (no range per
+    row), moved by one write per block of rows through buffers smaller than the tensor (several blocks of rows, and
+    rows longer than the buffer), bit for bit what torch's narrow and cat give."""
+    g = torch.Generator().manual_seed(1)
+    t = (torch.randn(shape, generator=g) * 50).to(torch.bfloat16)
+    _, s = stored_tensors(tmp_path, {"t": t})["t"]
+    n = t.shape[axis]
+    per = -(-n // 3)
+    padded = torch.cat([t, torch.zeros(*t.shape[:axis % t.dim()], 3 * per - n, *t.shape[axis % t.dim() + 1:],
+                                       dtype=t.dtype)], axis)
+    writes = []
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, views: writes.append(len(views)) or real(fd, views))
+    parts = [s.narrow(axis, r * per, per) for r in range(3)]
+    rows = t.shape[:axis % t.dim()].numel()
+    assert all(len(p.blocks) == 1 and p.blocks[0].count == rows for p in parts)  # arithmetic, not a range per row
+    for out_bytes, source_bytes in [(50, 1 << 20), (300, 1 << 20), (1 << 20, 500)]:  # 50: rows longer than that
+        monkeypatch.setattr(stored_mod, "GATHER_BYTES", out_bytes)
+        monkeypatch.setattr(stored_mod, "SOURCE_BYTES", source_bytes)
+        writes.clear()
+        files = shard_files(tmp_path, parts, "part")
+        for r, f in enumerate(files):
+            assert torch.equal(f.tensor(), padded.narrow(axis, r * per, per))
+        chunks = [-(-rows // stored_mod._chunk_rows(p.blocks[0], out_bytes)) for p in parts]
+        assert writes == [1] * sum(chunks)  # one write per block of rows (37 x 48 B by 300: 7 writes, not 37)
+        joined = Stored.cat(files, axis).narrow(axis, 0, n)
+        assert len(joined.blocks) == 1 and joined.blocks[0].count == rows and len(joined.blocks[0].pieces) == 3
+        (back,) = shard_files(tmp_path, [joined], "joined")
+        assert torch.equal(back.tensor(), t) and back.same_bytes(s)
+        assert torch.equal(joined.tensor(), t) and torch.equal(written(tmp_path, joined), t)
+        assert torch.equal(parts[2].tensor(), padded.narrow(axis, 2 * per, per))
+    if axis == -1 and len(shape) == 2:  # rows of 48 B, 140 B apart
+        assert stored_mod._chunk_rows(parts[0].blocks[0], 1 << 20) == 3  # 500 B of source
+        monkeypatch.setattr(stored_mod, "SOURCE_BYTES", 1 << 20)
+        assert stored_mod._chunk_rows(parts[0].blocks[0], 300) == 6  # 300 B of output
+
+
+def test_cuts_across_blocks_of_another_layout_go_row_by_row(tmp_path):
+    """A column cut of a row join, a row cut of a column join: correct, if a range per row."""
+    t = torch.arange(12 * 10, dtype=torch.int16).reshape(12, 10)
+    _, s = stored_tensors(tmp_path, {"t": t})["t"]
+    rows = Stored.cat([s.narrow(0, 6, 6), s.narrow(0, 0, 6)], 0)  # two blocks of whole rows
+    cols = Stored.cat([s.narrow(1, 4, 6), s.narrow(1, 0, 4)], 1)  # one block of 12 rows of two pieces
+    want_rows, want_cols = torch.cat([t[6:], t[:6]]), torch.cat([t[:, 4:], t[:, :4]], 1)
+    for got, want in [(rows.narrow(1, 3, 9), F.pad(want_rows[:, 3:], (0, 2))),  # 2 columns of padding
+                      (cols.narrow(0, 5, 9), F.pad(want_cols[5:], (0, 0, 0, 2))),  # 2 rows of padding
+                      (Stored.cat([rows, cols], 1), torch.cat([want_rows, want_cols], 1)),
+                      (cols.narrow(1, 2, 9).narrow(0, 1, 10), F.pad(want_cols[1:11, 2:], (0, 1)))]:
+        assert got.shape == want.shape and torch.equal(got.tensor(), want) and torch.equal(written(tmp_path, got), want)
+        assert got.read(3, 17) == want.contiguous().view(torch.uint8).numpy().tobytes()[3:20]

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import torch
 
 from runner.errors import PmxError
-from runner.pmx.stored import Stored, tensor_views, write_ranges, write_views
+from runner.pmx.stored import Scratch, Stored, tensor_views, write_stored, write_views
 
 ST_DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -65,6 +65,7 @@ class SafetensorsWriter:
             os.close(self._fd)
             raise
         self._next = 0
+        self._scratch = Scratch()  # where the rows of a column cut or join are gathered
 
     def patch_metadata(self, key: str, value: str) -> None:
         """Rewrites metadata `key` in the header already written (e.g. a fingerprint known only once every
@@ -80,14 +81,15 @@ class SafetensorsWriter:
             raise OSError(f"{self.path}: short write of its header")
 
     def write(self, name: str, tensor: torch.Tensor | Stored) -> None:
-        """Appends tensor `name`, the next of the plan: a Stored tensor by kernel copy (runner/pmx/stored.py), a
-        tensor from its memory (a column cut or a permutation of rows by writev of its rows, with no copy)."""
+        """Appends tensor `name`, the next of the plan: a Stored tensor by kernel copy, the short rows of a column
+        cut or join gathered through this writer's buffers (runner/pmx/stored.py); a tensor from its memory (a
+        column cut or a permutation of rows by writev of its rows, with no copy)."""
         want_name, dtype, shape = self.plan[self._next]
         if name != want_name or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
             raise AssertionError(f"{self.path}: writing {name} {tensor.dtype} {tuple(tensor.shape)}, "
                                  f"planned {want_name} {dtype} {tuple(shape)}")
         if isinstance(tensor, Stored):
-            write_ranges(self._fd, tensor.ranges)
+            write_stored(self._fd, tensor, self._scratch)
         else:
             t = tensor.detach().cpu()
             views = tensor_views(t)
