@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from runner.kernels import reference as ref
+from runner.kernels.cpu_ext import huge_page_zeros
 
 
 @dataclass
@@ -33,10 +34,14 @@ class KVCache:
 
 def new_cache(layout: int, layers: int, max_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
               device: torch.device, quantized: bool):
-    """Zeroed (kv_cache, kv_scale) for `max_tokens` rows (scale None unless int8)."""
+    """Zeroed (kv_cache, kv_scale) for `max_tokens` rows (scale None unless int8); on CPU in transparent huge pages
+    (a decode step reads a row of each position of each history: on 4 KiB pages, nearly every one a TLB miss), taken
+    as they are first written."""
+    def zeros(shape, dt):
+        return huge_page_zeros(shape, dt) if device.type == "cpu" else torch.zeros(shape, dtype=dt, device=device)
+
     shape = ref.cache_shape(layout, layers, max_tokens, kv_heads, head_dim)
     if not quantized:
-        return torch.zeros(shape, dtype=dtype, device=device), None
+        return zeros(shape, dtype), None
     sshape = ref.cache_shape(layout, layers, max_tokens, kv_heads, head_dim // ref.QUANT_GROUP)
-    return (torch.zeros(shape, dtype=torch.int8, device=device),
-            torch.zeros(sshape, dtype=torch.float16, device=device))
+    return zeros(shape, torch.int8), zeros(sshape, torch.float16)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import mmap
 import os
 import platform
@@ -106,21 +107,29 @@ def cpu_ops():
     return torch.ops.pmx_cpu
 
 
-def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of the CPU tensor `t`, from HUGE_PAGE_MIN_BYTES up in a private mapping of its own advised for
-    transparent huge pages (madvise MADV_HUGEPAGE; torch's allocator asks for none unless THP_MEM_ALLOC_ENABLE
-    is set before it starts): a decode step streams every weight once, with fewer TLB misses on 2 MiB pages.
-    Where the kernel grants no huge page (THP off) this is an ordinary copy."""
-    nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return t.contiguous()
+def huge_page_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor of `shape`, from HUGE_PAGE_MIN_BYTES up in a private anonymous mapping of its own advised
+    for transparent huge pages (madvise MADV_HUGEPAGE; torch's allocator asks for none unless THP_MEM_ALLOC_ENABLE
+    is set before it starts), whose pages are taken as they are first written. Where the kernel grants no huge page
+    (THP off) its pages are ordinary ones."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
     # 2 MiB more than needed, so the tensor can start on a 2 MiB boundary: every whole 2 MiB of it can then be a
     # huge page (the slack is never touched, so it takes no memory)
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mm.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps `mm` alive
     start = -raw.data_ptr() % HUGE_PAGE
-    return raw[start: start + nbytes].view(t.dtype).view(t.shape).copy_(t)
+    return raw[start: start + nbytes].view(dtype).view(shape)
+
+
+def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of the CPU tensor `t`, in huge pages from HUGE_PAGE_MIN_BYTES up (:func:`huge_page_zeros`):
+    a decode step streams every weight once, with fewer TLB misses on 2 MiB pages."""
+    if t.device.type != "cpu" or t.numel() * t.element_size() < HUGE_PAGE_MIN_BYTES:
+        return t.contiguous()
+    return huge_page_zeros(tuple(t.shape), t.dtype).copy_(t)
 
 
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

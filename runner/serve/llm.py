@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from runner.config import EngineConfig
+from runner.config import serving_config
 from runner.errors import PmxError
 from runner.serve.engine import CompletionOutput, RequestOutput
 from runner.serve.loader import load
@@ -30,13 +30,14 @@ class LLM:
         tokenizer_path: tokenizer.model / tokenizer.json, or a directory (default: ckpt_dir).
         chat_template: a jinja chat template file (default: the tokenizer's own).
         **engine: any field of runner.config.EngineConfig, the flags of `python -m runner generate` (e.g.
-            max_batch, kv_cache_tokens, device, dtype, quantized_cache); the cache is paged unless cache_mode=0.
+            max_batch, kv_cache_tokens, device, dtype, quantized_cache); the cache is paged (cache_mode 1) in layout
+            2 unless given (runner.config.serving_config).
     """
 
     def __init__(self, ckpt_dir: str, tokenizer_path: Optional[str] = None, chat_template: Optional[str] = None,
                  **engine):
         try:
-            config = EngineConfig(**{"cache_mode": 1, **engine})
+            config = serving_config(**engine)
         except TypeError as e:
             raise PmxError(f"LLM: {e} (the engine options are runner.config.EngineConfig's fields)") from None
         self._loaded = load(ckpt_dir, tokenizer_path, config, chat_template=chat_template)

@@ -20,7 +20,7 @@ from typing import Annotated, Optional
 import uvicorn
 
 from runner.args import ChatTemplateFile, CkptDir, PositiveInt, Range, TokenizerPath
-from runner.config import EngineConfig
+from runner.config import EngineConfig, serving_config
 from runner.errors import PmxError
 from runner.serve.api import ApiContext, build_app
 from runner.serve.async_engine import AsyncEngine
@@ -31,7 +31,7 @@ from runner.serve.metrics import Metrics
 def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template: ChatTemplateFile = None,
           host: str = "127.0.0.1", port: Annotated[int, Range(0, 65535)] = 8000,
           served_model_name: Optional[str] = None, max_waiting: PositiveInt = 256,
-          drain_timeout: Annotated[float, Range(0)] = 5.0, engine: EngineConfig = EngineConfig(cache_mode=1)) -> None:
+          drain_timeout: Annotated[float, Range(0)] = 5.0, engine: EngineConfig = serving_config()) -> None:
     """Serve a PMX model over OpenAI's HTTP API (completions, chat completions, streaming) on 1 or N ranks.
 
     Args:
