@@ -132,6 +132,31 @@ def test_which_engines_take_the_one_call_step(make_hf, tmp_path):
     assert why_not(engine(tmp_path / "moe").model) == "layer 0 has moe, which it does not support"
 
 
+@pytest.mark.parametrize("arch,options", [("llama_gqa_odd", dict(cache_layout=0)),
+                                          ("mistral_window", dict(cache_layout=2, cache_mode=1, quantized_cache=True))])
+def test_a_verify_step_runs_as_decode_rows_in_one_call(make_hf, tmp_path, arch, options):
+    """Speculative decoding's verify step (StepLengths.rowwise: sequences decoding several tokens, every row's logits)
+    runs as the one-call decode step over a row per token, and gives the eager step's logits for every row: a row
+    sees the keys of the rows before it in the same step, not those after."""
+    src, model = make_hf(arch)
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    fused, eager = engine(tmp_path / "pmx", **options), engine(tmp_path / "pmx", fused_decode=False, compile="off",
+                                                                   **options)
+    paged, g = options.get("cache_mode") == 1, torch.Generator().manual_seed(3)
+    caches = [[256, 0], [128]] if paged else [0, 100]
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=g).tolist() for n in (140, 9)]
+    guesses = [torch.randint(1, model.config.vocab_size, (n,), generator=g).tolist() for n in (4, 1)]
+    got = []
+    for stepper in (fused, eager):
+        cache = stepper.cache(*stepper.model.new_cache(512))
+        stepper.run(*stepper.plan(StepLengths(prompts[0] + prompts[1], [140, 9], [0, 0], caches, 0)), cache)
+        calls = counted(stepper) if stepper is fused else []
+        b = StepLengths(guesses[0] + guesses[1], [4, 1], [140, 9], caches, 0, (True, True), rowwise=stepper is fused)
+        got.append(stepper.run(*stepper.plan(b), cache))
+        assert len(calls) == (stepper is fused)
+    assert got[0].shape == (5, model.config.vocab_size) and rel_err(got[0], got[1]) < 1e-5
+
+
 def test_layer_features_are_declared_or_declined_by_name():
     """Each layer's features against the step's declared ones: what it lacks (MoE, linears it cannot run) is named,
     in the layer where it first appears; ALiBi and a partial rotary it has."""

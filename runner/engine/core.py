@@ -156,8 +156,7 @@ class EngineCore:
         items, starts = batch.items, self.scheduler.cache.starts
         wide = tuple(s.all_logits or bool(s.proposal) for s, _ in items) if any(
             s.all_logits or s.proposal for s, _ in items) else ()
-        rowwise = bool(proposing) and all(n == 1 + len(s.proposal) and s.computed > 0 and not s.all_logits
-                                          for s, n in items)  # decoding, or verifying all its guesses
+        rowwise = bool(proposing) and all(s.decoding or s.verifying for s, _ in items)  # (guesses trimmed to the step)
         b = StepLengths([t for s, n in items for t in s.tokens[s.computed:s.computed + n]], [n for _, n in items],
                         [s.computed for s, _ in items], [starts(s) for s, _ in items], batch.num_decoding, wide,
                         rowwise)
