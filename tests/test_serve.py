@@ -195,6 +195,32 @@ def test_llm_preemption_gives_the_same_tokens(stories, llm):
     assert got == want
 
 
+def _resident_share(t) -> float:
+    """The share of the memory pages under CPU tensor t that are resident (mincore)."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    vec = (ctypes.c_ubyte * -(-length // mmap.PAGESIZE))()
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) / len(vec)
+
+
+@pytest.mark.parametrize("options", [{}, {"quantized_cache": True}])
+def test_llm_cache_is_resident_before_the_first_request(stories, options):
+    """The serving cache is a pool its requests walk through: every page of it is written at load (touch_cache), so
+    no step pays a page fault for it; a cache reserved by a plain run is taken as it is first written instead."""
+    from runner import LLM
+    with LLM(str(stories["pmx"]), kv_cache_tokens=128 * PAGE_SIZE, max_batch=4, **options) as m:
+        c = m.engine.core.cache
+        assert c.data.numel() * c.data.element_size() >= 4 << 20  # (in memory of its own, not torch's allocator)
+        assert [_resident_share(t) for t in (c.data, c.scale) if t is not None] == [1.0] * (1 + bool(options))
+        m.engine.core.reserve(2 * c.rows)  # a larger cache, not yet touched
+        assert _resident_share(m.engine.core.cache.data) < 0.5
+
+
 @pytest.mark.parametrize("options", [{}, {"quantized_cache": True, "cache_layout": 3}, {"cache_layout": 1}])
 def test_llm_prefix_caching_reuses_a_shared_prompt_and_keeps_the_tokens(stories, llm, options):
     """Prompts sharing a 300-token prefix: the later ones take the first's two full pages instead of computing

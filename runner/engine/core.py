@@ -106,6 +106,17 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.reserve(rows)
 
+    def touch_cache(self) -> None:
+        """Writes every page of the KV cache (and a draft model's) once. A server's cache is a pool its requests walk
+        through over minutes (prefix caching keeps freed pages while untouched ones remain); on CPU its memory is
+        taken as it is first written, a page fault per page, which on a virtual machine whose host backs guest memory
+        lazily costs up to milliseconds per MiB, inside the steps. Touched at start-up, no step pays for it."""
+        for t in (self.cache.data, self.cache.scale):
+            if t is not None and t.device.type == "cpu":
+                t.zero_()
+        if self.proposer is not None and getattr(self.proposer, "draft", None) is not None:
+            self.proposer.draft.touch_cache()
+
     # -- sequences -----------------------------------------------------------------------------------------------
     def check_prompt(self, ids: Seq[int], what: str = "prompt", room: int = 1) -> None:
         """A prompt of known token ids leaving `room` positions free; PmxError naming `what` otherwise."""

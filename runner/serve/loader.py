@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -37,4 +39,11 @@ def load(ckpt_dir: str, tokenizer_path: Optional[str], config: EngineConfig, met
     sess = open_session(ckpt_dir, config, progress=progress)
     core = sess.engine
     core.reserve(core.budget_rows(config.max_batch * core.max_model_len))
+    t0 = time.perf_counter()
+    core.touch_cache()  # (a long-lived pool: its first touches paid now, not by the requests' steps)
+    if progress and sess.is_main:
+        c = core.cache
+        size = sum(t.numel() * t.element_size() for t in (c.data, c.scale) if t is not None)
+        print(f"KV cache: {c.rows} tokens, {size / 2 ** 30:.2f} GiB on this rank (--kv_cache_tokens), written once in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return Loaded(sess, LLMEngine(core, tok, eos, metrics), tok, template, eos)
