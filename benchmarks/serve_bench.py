@@ -362,18 +362,24 @@ def part_sweep(setup: dict, systems: list, levels: list, rounds: int, input_len:
     specs = {s: ("llama.cpp", llama_flags(top, kv)) if s == "llama.cpp" else (s, pmx_flags(top, kv))
              for s in systems}
     rng = random.Random(seed)
-    prompts = {c: [token_prompt(rng, rng.randint(input_len * 3 // 4, input_len * 5 // 4))
-                   for _ in range(max(8, 2 * c))] for c in levels}
+
+    def fresh(n: int) -> list:
+        return [token_prompt(rng, rng.randint(input_len * 3 // 4, input_len * 5 // 4)) for _ in range(n)]
+    # prompts of their own for every round and level (each system gets the same ones): a server never sees a prompt
+    # twice, so neither llama-server's slot prompt cache nor prefix caching skips a prefill it has seen before (the
+    # shared-prefix part measures those)
+    warm = fresh(12)
+    prompts = {(r, c): fresh(max(8, 2 * c)) for r in range(rounds) for c in levels}
     runs = []
     with servers(specs, setup) as up:
         names = list(up)
         for name in names:  # warm-up: a few requests of each size
-            asyncio.run(closed_loop(up[name].url, prompts[min(levels)][:4] + prompts[top][:8], 16, 8))
+            asyncio.run(closed_loop(up[name].url, warm, 16, 8))
         for r in range(rounds):
             for j, c in enumerate(levels):
                 for name in rotated(names, r + j):
                     run, load = measured(up[name], lambda: asyncio.run(
-                        closed_loop(up[name].url, prompts[c], output_len, c)))
+                        closed_loop(up[name].url, prompts[r, c], output_len, c)))
                     row = {"system": name, "concurrency": c, "round": r + 1, **summarize(run), **load}
                     runs.append(row)
                     save(runs)
