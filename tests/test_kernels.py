@@ -248,13 +248,14 @@ needs_ext = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels cannot
 
 
 # (B, H, KV, D, N, window): MHA and GQA, head_dim with a tail past 16 lanes, one row, a sliding window inside and
-# outside the history; one sequence with a long history is cut into parts that run in parallel and are merged
+# outside the history; one sequence with a long history is cut into parts that run in parallel and are merged; short
+# heads and GQA of 4 query heads per KV head have their scores computed 16 positions at a time
 @needs_ext
 @pytest.mark.parametrize("int8", [False, True], ids=["f32_cache", "int8_cache"])
 @pytest.mark.parametrize("layout", range(4))
 @pytest.mark.parametrize("case", [(1, 12, 12, 64, 65, 0), (3, 16, 4, 64, 300, 0), (2, 8, 2, 72, 37, 16),
                                   (4, 4, 4, 128, 1, 0), (1, 6, 3, 64, 300, 100), (1, 8, 2, 64, 300, 0),
-                                  (1, 4, 1, 32, 20, 64)])
+                                  (1, 4, 1, 32, 20, 64), (2, 8, 4, 16, 300, 0), (3, 8, 8, 16, 130, 50)])
 def test_cpu_decode_attention_matches_attend_over_gathered_rows(layout, case, int8):
     """The CPU kernel that reads history rows in place (torch_ops.decode_attention_rows) against gathering them and
     the torch attention (torch_ops.kv_load + attend with the plan's mask): scattered rows, lengths that differ per
@@ -315,14 +316,17 @@ def test_cpu_decode_attention_reads_rows_from_offsets_and_page_starts(paged, win
 @pytest.mark.parametrize("paged", [False, True], ids=["offsets", "pages"])
 @pytest.mark.parametrize("window,int8,alibi", [(0, False, False), (40, True, False), (0, False, True)],
                          ids=["plain", "window_int8", "alibi"])
-def test_cpu_decode_attention_rows_of_one_sequence_attend_together(paged, window, int8, alibi):
+@pytest.mark.parametrize("kv,d", [(2, 32), (8, 64), (4, 16)], ids=["blocked_gqa", "dot_mha", "blocked_short_heads"])
+def test_cpu_decode_attention_rows_of_one_sequence_attend_together(paged, window, int8, alibi, kv, d):
     """The rows of a verify step (one sequence's tokens at consecutive positions over one history, each seeing the
     positions up to its own) are attended as a group that reads each history row once: the same result as each row
-    alone, to the bit where neither cuts the history into parts (one thread), within float rounding where they do."""
+    alone, to the bit where neither cuts the history into parts (one thread), within float rounding where they do;
+    for heads whose scores are computed 16 positions at a time (short heads, or several query heads per KV head) and
+    for those computed a dot product at a time."""
     from runner.kernels import torch_ops
     P = ref.PAGE_SIZE
     g = torch.Generator().manual_seed(11)
-    cache = torch.randn(ref.cache_shape(0, 2, 8 * P, 2, 32), generator=g)
+    cache = torch.randn(ref.cache_shape(0, 2, 8 * P, kv, d), generator=g)
     scale = None
     if int8:
         cache, scale = ref.quantize_int8(cache)
@@ -334,7 +338,7 @@ def test_cpu_decode_attention_rows_of_one_sequence_attend_together(paged, window
         page_size = P
     else:
         starts, page_size = torch.tensor([600, 300, 10, 400])[seq], 0
-    q = torch.randn(len(seq), 8, 32, generator=g)
+    q = torch.randn(len(seq), 8, d, generator=g)
     slopes = torch.rand(8, generator=g) if alibi else None
     threads = torch.get_num_threads()
     try:

@@ -35,6 +35,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -107,6 +108,28 @@ inline void axpy(float* y, float a, const float* x, int64_t D) {  // y += a x
   for (; i < D; ++i) y[i] += a * x[i];
 }
 
+// Rows a and b (b = a's partner BS rows on) of a 16 x 16 block with their off-diagonal BS x BS blocks swapped: done
+// for BS = 8, 4, 2, 1 the block is transposed.
+template <int BS, int... L>
+inline void swap_blocks(v16f& a, v16f& b, std::integer_sequence<int, L...>) {
+  const v16f x = __builtin_shufflevector(a, b, ((L & BS) ? 16 + L - BS : L)...);
+  b = __builtin_shufflevector(a, b, ((L & BS) ? 16 + L : L + BS)...);
+  a = x;
+}
+
+template <int BS>
+inline void swap_level(v16f (&t)[16]) {
+  for (int i = 0; i < 16; ++i)
+    if (!(i & BS)) swap_blocks<BS>(t[i], t[i + BS], std::make_integer_sequence<int, 16>{});
+}
+
+inline void transpose16(v16f (&t)[16]) {  // t[i][j] <- t[j][i]
+  swap_level<8>(t);
+  swap_level<4>(t);
+  swap_level<2>(t);
+  swap_level<1>(t);
+}
+
 // s[0..n) -> exp(s - max) in place; *mx = max, *sum = sum of the exponentials.
 inline void softmax_part(float* s, int64_t n, float* mx_out, float* sum_out) {
   float mx = -std::numeric_limits<float>::infinity();
@@ -172,6 +195,10 @@ constexpr int64_t MIN_PART_ROWS = 32;
 
 // Rows of one sequence at consecutive positions attended together, at most (their scores: rows x H x N floats).
 constexpr int64_t MAX_GROUP_ROWS = 16;
+
+// Scores are computed 16 positions at a time (each block of keys transposed, ~D / 4 shuffles a position, against a
+// horizontal sum of ~8 operations per query and position) where head_dim <= this x the query heads per KV head.
+constexpr int64_t BLOCKED_DIMS_PER_QUERY_HEAD = 32;
 
 // The first position a query at position len - 1 sees: all of them, or the last `window`.
 inline int64_t first_seen(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
@@ -404,10 +431,15 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
   std::vector<float> part_out(parts > 1 ? B * parts * H * D : 0), part_max(B * parts * H), part_sum(B * parts * H);
   const CacheRows K(k), V(v);
   at::parallel_for(0, NG * parts, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s, buf(D);
+    std::vector<float> s, buf(D), kt, kbuf;
     std::vector<int64_t> rowbuf, from, to;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = t / parts, p = t % parts, b0 = first[g], R = first[g + 1] - b0;
+      // scores 16 positions at a time where the query heads sharing a key repay transposing it (short heads, or
+      // enough query heads per KV head); else a dot product per query and position. (By the model's shape alone: a
+      // verify step's rows get the bits each would get alone, so speculation keeps greedy outputs to the bit.)
+      const bool blocked = D % 16 == 0 && D <= BLOCKED_DIMS_PER_QUERY_HEAD * G;
+      if (blocked) kt.resize(D * 16), kbuf.resize(16 * D);
       const int64_t lo = first_seen(lens[b0], window), seen = lens[b0 + R - 1] - lo;
       const int64_t j0 = lo + seen * p / parts, j1 = lo + seen * (p + 1) / parts, n = j1 - j0;
       from.resize(R), to.resize(R);  // row r sees this part's [from[r], to[r])
@@ -427,44 +459,92 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
         for (int64_t j = 0; j < n; ++j) rowbuf[j] = row_at(h, b0, j0 + j);
         rr = rowbuf.data();
       }
-      s.resize(R * H * n);
-      for (int64_t j = 0; j < n; ++j) {  // row by row: all heads of a row are next to each other in the cache
-        if (j + PF_ROWS < n) K.prefetch(rr[j + PF_ROWS]);
-        for (int64_t kh = 0; kh < KV; ++kh) {
-          const float* kr = K.get(rr[j], kh, buf.data());
-          for (int64_t r = 0; r < R; ++r) {
-            if (j < from[r] || j >= to[r]) continue;
-            const float* qb = qp + (b0 + r) * q_stride;
-            float* sr = s.data() + r * H * n;
-            for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) sr[hh * n + j] = dot(qb + hh * D, kr, D) * sc;
+      const int64_t np = (n + 15) / 16 * 16;  // (score rows padded to whole vectors)
+      s.resize(R * H * np);
+      if (blocked) {  // 16 positions at a time: the block's keys transposed, each query's 16 scores one FMA per dim
+        for (int64_t jb = 0; jb < n; jb += 16) {
+          const int64_t w = std::min<int64_t>(16, n - jb);
+          for (int64_t i = 0; i < 16 && jb + 16 + i < n; ++i) K.prefetch(rr[jb + 16 + i]);
+          for (int64_t kh = 0; kh < KV; ++kh) {
+            const float* rows[16];
+            for (int64_t i = 0; i < w; ++i) rows[i] = K.get(rr[jb + i], kh, kbuf.data() + i * D);
+            for (int64_t c = 0; c < D; c += 16) {  // kt[d][i] = key i's dim d
+              v16f t[16];
+              for (int64_t i = 0; i < 16; ++i) t[i] = i < w ? loadv(rows[i] + c) : v16f{};
+              transpose16(t);
+              for (int64_t d = 0; d < 16; ++d) storev(kt.data() + (c + d) * 16, t[d]);
+            }
+            for (int64_t r = 0; r < R; ++r) {
+              if (jb + w <= from[r] || jb >= to[r]) continue;
+              const float* qb = qp + (b0 + r) * q_stride;
+              float* sr = s.data() + r * H * np;
+              for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) {
+                v16f acc = v16f{};
+                for (int64_t d = 0; d < D; ++d) acc += qb[hh * D + d] * loadv(kt.data() + d * 16);
+                storev(sr + hh * np + jb, acc * sc);
+              }
+            }
+          }
+        }
+      } else {
+        for (int64_t j = 0; j < n; ++j) {  // row by row: all heads of a row are next to each other in the cache
+          if (j + PF_ROWS < n) K.prefetch(rr[j + PF_ROWS]);
+          for (int64_t kh = 0; kh < KV; ++kh) {
+            const float* kr = K.get(rr[j], kh, buf.data());
+            for (int64_t r = 0; r < R; ++r) {
+              if (j < from[r] || j >= to[r]) continue;
+              const float* qb = qp + (b0 + r) * q_stride;
+              float* sr = s.data() + r * H * np;
+              for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) sr[hh * np + j] = dot(qb + hh * D, kr, D) * sc;
+            }
           }
         }
       }
       for (int64_t r = 0; r < R; ++r) {
-        float* sr = s.data() + r * H * n;
+        float* sr = s.data() + r * H * np;
         const int64_t len = lens[b0 + r], m = to[r] - from[r];
         if (slopes)  // ALiBi: slope_h x (j - the query's position len - 1), as reference.alibi_bias
           for (int64_t hh = 0; hh < H; ++hh)
             for (int64_t j = from[r]; j < to[r]; ++j)
-              sr[hh * n + j] += slopes[hh] * static_cast<float>(j0 + j - (len - 1));
+              sr[hh * np + j] += slopes[hh] * static_cast<float>(j0 + j - (len - 1));
         float *pm = &part_max[((b0 + r) * parts + p) * H], *ps = &part_sum[((b0 + r) * parts + p) * H];
         for (int64_t hh = 0; hh < H; ++hh) {
           if (m > 0) {
-            softmax_part(sr + hh * n + from[r], m, pm + hh, ps + hh);
+            softmax_part(sr + hh * np + from[r], m, pm + hh, ps + hh);
           } else {
             pm[hh] = -std::numeric_limits<float>::infinity(), ps[hh] = 0.0f;
           }
         }
       }
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t jb = 0; blocked && jb < n; jb += 16) {  // o += p_i v_i over 16 positions, o loaded once
+        const int64_t w = std::min<int64_t>(16, n - jb);
+        for (int64_t i = 0; i < 16 && jb + 16 + i < n; ++i) V.prefetch(rr[jb + 16 + i]);
+        for (int64_t kh = 0; kh < KV; ++kh) {
+          const float* rows[16];
+          for (int64_t i = 0; i < w; ++i) rows[i] = V.get(rr[jb + i], kh, kbuf.data() + i * D);
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t i0 = std::max<int64_t>(from[r] - jb, 0), i1 = std::min<int64_t>(to[r] - jb, w);
+            if (i0 >= i1) continue;
+            const float* sr = s.data() + r * H * np;
+            float* o = out_of(r);
+            for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh)
+              for (int64_t c = 0; c < D; c += 16) {
+                v16f acc = loadv(o + hh * D + c);
+                for (int64_t i = i0; i < i1; ++i) acc += sr[hh * np + jb + i] * loadv(rows[i] + c);
+                storev(o + hh * D + c, acc);
+              }
+          }
+        }
+      }
+      for (int64_t j = 0; !blocked && j < n; ++j) {
         if (j + PF_ROWS < n) V.prefetch(rr[j + PF_ROWS]);
         for (int64_t kh = 0; kh < KV; ++kh) {
           const float* vr = V.get(rr[j], kh, buf.data());
           for (int64_t r = 0; r < R; ++r) {
             if (j < from[r] || j >= to[r]) continue;
-            const float* sr = s.data() + r * H * n;
+            const float* sr = s.data() + r * H * np;
             float* o = out_of(r);
-            for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) axpy(o + hh * D, sr[hh * n + j], vr, D);
+            for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) axpy(o + hh * D, sr[hh * np + j], vr, D);
           }
         }
       }
