@@ -340,3 +340,30 @@ def test_torchrun_server(stories, tmp_path):
         assert "Traceback" not in srv.job.stderr, srv.job.stderr  # 25-line traceback
     finally:
         srv.job.cleanup()
+
+
+def test_a_step_wakes_the_handlers_loop_once_for_all_its_streams():
+    """The engine thread hands a step's deltas to every stream in one wake-up of the handlers' loop (each wake-up is
+    a socket write, after which the engine thread may wait for the GIL), and each stream gets its own deltas."""
+    import asyncio
+    from runner.serve.api import Subscription
+
+    class Loop:  # the handlers' loop as the engine thread sees it
+        def __init__(self):
+            self.calls = []
+
+        def call_soon_threadsafe(self, fn, *args):
+            self.calls.append((fn, args))
+
+    one, other = Loop(), Loop()
+    subs = []
+    for loop in (one, one, one, other):
+        sub = Subscription.__new__(Subscription)
+        sub.loop, sub.queue = loop, asyncio.Queue()
+        subs.append(sub)
+    Subscription.deliver_all([(s, [f"delta {i}"]) for i, s in enumerate(subs)])
+    assert len(one.calls) == 1 and len(other.calls) == 1
+    for loop in (one, other):
+        fn, args = loop.calls[0]
+        fn(*args)
+    assert [s.queue.get_nowait() for s in subs] == [["delta 0"], ["delta 1"], ["delta 2"], ["delta 3"]]

@@ -172,6 +172,17 @@ class Subscription:
         """Engine thread: hands a step's deltas over to the handler's loop."""
         self.loop.call_soon_threadsafe(self.queue.put_nowait, deltas)
 
+    @staticmethod
+    def deliver_all(batches: list) -> None:
+        """Engine thread: hands a step's deltas over, [(subscription, deltas), ...], in one wake-up of each loop
+        (a wake-up is a write to the loop's socket, and on its way back from that write the engine thread may wait
+        for the loop's thread to let go of the GIL: once per step, not once per stream)."""
+        by_loop: dict = {}
+        for sub, deltas in batches:
+            by_loop.setdefault(sub.loop, []).append((sub.queue, deltas))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     async def deltas(self, receive) -> AsyncIterator[list]:
         """The deltas as they come until every request finished; ClientGone (and the requests cancelled)
         if the client disconnects first."""
@@ -190,6 +201,11 @@ class Subscription:
             watcher.cancel()
             if self.pending:
                 self.client.cancel(sorted(self.pending))
+
+
+def _put_all(items: list) -> None:
+    for queue, deltas in items:
+        queue.put_nowait(deltas)
 
 
 async def _disconnected(receive) -> None:

@@ -96,5 +96,5 @@ class AsyncEngine:
             by_sub.setdefault(id(sub), (sub, []))[1].append(d)
             if d.usage is not None:
                 del self.routes[d.request_id]
-        for sub, batch in by_sub.values():
-            sub.deliver(batch)
+        if by_sub:
+            Subscription.deliver_all(list(by_sub.values()))
