@@ -15,7 +15,8 @@ Parts (`all` runs them in this order and prints every table):
   agree   greedy tokens of pmx-runner (its engine, the `LLM` API) and of llama-server (/completion, return_tokens)
           on one short prompt: how many agree, with llama-server's default f16 KV cache and with an f32 one.
   sweep   closed loop: C requests in flight at all times (a new one sent as one finishes), max(8, 2C) requests a
-          point, for C in --concurrency; output tokens/s (all output tokens / wall time), time to first token and
+          point, for C in --concurrency, prompts of their own for every round and level (the same for every system:
+          no server sees a prompt twice); output tokens/s (all output tokens / wall time), time to first token and
           inter-token latency (the gaps between a stream's token chunks) p50 / p99.
   prefix  one --prefix_len-token system prompt shared by --questions short distinct questions, one request at a
           time: TTFT of the first (cold) and of the later ones on pmx-runner with prefix caching (the default of
@@ -616,10 +617,10 @@ def run(parts: str = "agree,sweep,prefix,spec", model: str = "base", systems: st
         seed: int = 0, workdir: str = str(CACHE), json_path: str | None = None, pmx_extra: str = "") -> None:
     """Runs the parts asked for (see the module's docstring); prints their tables; writes the raw JSON.
     `pmx_extra`: flags added to every pmx-runner server (e.g. "--context_chunk_size 128")."""
-    chosen = _csv(parts)
     known = ("agree", "sweep", "prefix", "spec")
+    chosen = list(known) if _csv(parts) == ["all"] else _csv(parts)
     if not chosen or set(chosen) - set(known):
-        raise SystemExit(f"--parts: some of {','.join(known)}, got {parts!r}")
+        raise SystemExit(f"--parts: all, or some of {','.join(known)}, got {parts!r}")
     sysl = _csv(systems)
     if set(sysl) - {"pmx1", "pmx2", "llama.cpp"} or not sysl:
         raise SystemExit(f"--systems: some of pmx1,pmx2,llama.cpp, got {systems!r}")
