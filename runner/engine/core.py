@@ -75,7 +75,8 @@ class EngineCore:
 
     def budget_rows(self, wanted: int) -> int:
         """Cache rows: --kv_cache_tokens, else `wanted` (whole pages in paged mode) within a share of the device's
-        memory (the same on every rank: the smallest GPU's reading, or rank 0's of the host memory)."""
+        memory (the same on every rank: the smallest GPU's reading, or rank 0's of the host memory, shared by the
+        ranks on each host), a draft model's cache of as many rows counted in."""
         c, dev = self.config, self.model.device
         if c.kv_cache_tokens is not None:
             return c.kv_cache_tokens
@@ -84,8 +85,11 @@ class EngineCore:
             free, total = torch.cuda.mem_get_info(dev)
             budget = total * c.gpu_memory_utilization - (total - free)
         else:
-            budget = _available_memory() * CPU_CACHE_MEMORY_FRACTION
-        fit = int(budget // self.page_bytes() * PAGE_SIZE) // page * page
+            per_host = -(-self.comm.world_size // max(self.comm.machines, 1))  # (the ranks of the fullest host)
+            budget = _available_memory() * CPU_CACHE_MEMORY_FRACTION / per_host
+        draft = self.draft()
+        page_bytes = self.page_bytes() + (draft.page_bytes() if draft is not None else 0)
+        fit = int(budget // page_bytes * PAGE_SIZE) // page * page
         rows = torch.tensor([max(page, min(-(-wanted // page) * page, fit))])
         if self.comm.world_size > 1:
             rows = self.comm.all_gather(rows.to(dev)).min() if dev.type == "cuda" else self.comm.broadcast_(rows)
@@ -106,16 +110,27 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.reserve(rows)
 
+    def draft(self) -> Optional["EngineCore"]:
+        """--speculative draft's draft model's core, or None."""
+        return getattr(self.proposer, "draft", None)
+
+    def cache_bytes(self) -> int:
+        """Bytes of this rank's KV cache, a draft model's included (0 before reserve)."""
+        draft = self.draft()
+        own = sum(t.numel() * t.element_size() for t in (self.cache.data, self.cache.scale) if t is not None) \
+            if self.cache is not None else 0
+        return own + (draft.cache_bytes() if draft is not None else 0)
+
     def touch_cache(self) -> None:
         """Writes every page of the KV cache (and a draft model's) once. A server's cache is a pool its requests walk
         through over minutes (prefix caching keeps freed pages while untouched ones remain); on CPU its memory is
         taken as it is first written, a page fault per page, which on a virtual machine whose host backs guest memory
         lazily costs up to milliseconds per MiB, inside the steps. Touched at start-up, no step pays for it."""
-        for t in (self.cache.data, self.cache.scale):
+        for t in (self.cache.data, self.cache.scale) if self.cache is not None else ():
             if t is not None and t.device.type == "cpu":
                 t.zero_()
-        if self.proposer is not None and getattr(self.proposer, "draft", None) is not None:
-            self.proposer.draft.touch_cache()
+        if self.draft() is not None:
+            self.draft().touch_cache()
 
     # -- sequences -----------------------------------------------------------------------------------------------
     def check_prompt(self, ids: Seq[int], what: str = "prompt", room: int = 1) -> None:

@@ -15,9 +15,11 @@
 // threads; or the rows of one sequence at consecutive positions, as a verify step of speculative decoding has them,
 // each history row read once for all of them), which walks its rows in order, all heads of a row at once (they are
 // adjacent in the cache; each K/V row read once for the G = H / KV query heads of its group), with the rows a few
-// ahead prefetched; scores into a buffer of H x N floats, an exact softmax (vectorised exp), then the weighted sum of
-// the value rows. Parts of one history are merged by their softmax statistics (max, sum). float32 throughout, as
-// torch_ops.attend.
+// ahead prefetched; scores into a buffer of H x N floats (rows padded to whole vectors), an exact softmax (vectorised
+// exp), then the weighted sum of the value rows. Where a key is shared by enough queries (short heads, or several
+// query heads per KV head; AVX-512), scores and the weighted sum go 16 positions at a time instead: the block's keys
+// transposed in registers, one FMA per dim gives a query its 16 scores. Parts of one history are merged by their
+// softmax statistics (max, sum). float32 throughout, as torch_ops.attend.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -438,7 +440,11 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
       // scores 16 positions at a time where the query heads sharing a key repay transposing it (short heads, or
       // enough query heads per KV head); else a dot product per query and position. (By the model's shape alone: a
       // verify step's rows get the bits each would get alone, so speculation keeps greedy outputs to the bit.)
+#if defined(__AVX512F__)
       const bool blocked = D % 16 == 0 && D <= BLOCKED_DIMS_PER_QUERY_HEAD * G;
+#else
+      const bool blocked = false;  // (16 vectors of 16 floats to transpose: 32 registers of 8 lanes, more than AVX2 has)
+#endif
       if (blocked) kt.resize(D * 16), kbuf.resize(16 * D);
       const int64_t lo = first_seen(lens[b0], window), seen = lens[b0 + R - 1] - lo;
       const int64_t j0 = lo + seen * p / parts, j1 = lo + seen * (p + 1) / parts, n = j1 - j0;

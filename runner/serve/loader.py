@@ -41,9 +41,8 @@ def load(ckpt_dir: str, tokenizer_path: Optional[str], config: EngineConfig, met
     core.reserve(core.budget_rows(config.max_batch * core.max_model_len))
     t0 = time.perf_counter()
     core.touch_cache()  # (a long-lived pool: its first touches paid now, not by the requests' steps)
-    if progress and sess.is_main:
-        c = core.cache
-        size = sum(t.numel() * t.element_size() for t in (c.data, c.scale) if t is not None)
-        print(f"KV cache: {c.rows} tokens, {size / 2 ** 30:.2f} GiB on this rank (--kv_cache_tokens), written once in "
-              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    if progress and sess.is_main and core.cache.data.device.type == "cpu":
+        print(f"KV cache: {core.cache.rows} tokens, {core.cache_bytes() / 2 ** 30:.2f} GiB on this rank (a draft "
+              f"model's included; --kv_cache_tokens), written once in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
     return Loaded(sess, LLMEngine(core, tok, eos, metrics), tok, template, eos)
