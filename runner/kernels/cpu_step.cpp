@@ -522,35 +522,38 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
           }
         }
       }
-      for (int64_t jb = 0; blocked && jb < n; jb += 16) {  // o += p_i v_i over 16 positions, o loaded once
-        const int64_t w = std::min<int64_t>(16, n - jb);
-        for (int64_t i = 0; i < 16 && jb + 16 + i < n; ++i) V.prefetch(rr[jb + 16 + i]);
-        for (int64_t kh = 0; kh < KV; ++kh) {
-          const float* rows[16];
-          for (int64_t i = 0; i < w; ++i) rows[i] = V.get(rr[jb + i], kh, kbuf.data() + i * D);
-          for (int64_t r = 0; r < R; ++r) {
-            const int64_t i0 = std::max<int64_t>(from[r] - jb, 0), i1 = std::min<int64_t>(to[r] - jb, w);
-            if (i0 >= i1) continue;
-            const float* sr = s.data() + r * H * np;
-            float* o = out_of(r);
-            for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh)
-              for (int64_t c = 0; c < D; c += 16) {
-                v16f acc = loadv(o + hh * D + c);
-                for (int64_t i = i0; i < i1; ++i) acc += sr[hh * np + jb + i] * loadv(rows[i] + c);
-                storev(o + hh * D + c, acc);
-              }
+      if (blocked) {  // o += p_i v_i over 16 positions at a time, o loaded once
+        for (int64_t jb = 0; jb < n; jb += 16) {
+          const int64_t w = std::min<int64_t>(16, n - jb);
+          for (int64_t i = 0; i < 16 && jb + 16 + i < n; ++i) V.prefetch(rr[jb + 16 + i]);
+          for (int64_t kh = 0; kh < KV; ++kh) {
+            const float* rows[16];
+            for (int64_t i = 0; i < w; ++i) rows[i] = V.get(rr[jb + i], kh, kbuf.data() + i * D);
+            for (int64_t r = 0; r < R; ++r) {
+              const int64_t i0 = std::max<int64_t>(from[r] - jb, 0), i1 = std::min<int64_t>(to[r] - jb, w);
+              if (i0 >= i1) continue;
+              const float* sr = s.data() + r * H * np;
+              float* o = out_of(r);
+              for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh)
+                for (int64_t c = 0; c < D; c += 16) {
+                  v16f acc = loadv(o + hh * D + c);
+                  for (int64_t i = i0; i < i1; ++i) acc += sr[hh * np + jb + i] * loadv(rows[i] + c);
+                  storev(o + hh * D + c, acc);
+                }
+            }
           }
         }
-      }
-      for (int64_t j = 0; !blocked && j < n; ++j) {
-        if (j + PF_ROWS < n) V.prefetch(rr[j + PF_ROWS]);
-        for (int64_t kh = 0; kh < KV; ++kh) {
-          const float* vr = V.get(rr[j], kh, buf.data());
-          for (int64_t r = 0; r < R; ++r) {
-            if (j < from[r] || j >= to[r]) continue;
-            const float* sr = s.data() + r * H * np;
-            float* o = out_of(r);
-            for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) axpy(o + hh * D, sr[hh * np + j], vr, D);
+      } else {
+        for (int64_t j = 0; j < n; ++j) {
+          if (j + PF_ROWS < n) V.prefetch(rr[j + PF_ROWS]);
+          for (int64_t kh = 0; kh < KV; ++kh) {
+            const float* vr = V.get(rr[j], kh, buf.data());
+            for (int64_t r = 0; r < R; ++r) {
+              if (j < from[r] || j >= to[r]) continue;
+              const float* sr = s.data() + r * H * np;
+              float* o = out_of(r);
+              for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) axpy(o + hh * D, sr[hh * np + j], vr, D);
+            }
           }
         }
       }

@@ -170,7 +170,7 @@ class Subscription:
 
     def deliver(self, deltas: list) -> None:
         """Engine thread: hands a step's deltas over to the handler's loop."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, deltas)
+        Subscription.deliver_all([(self, deltas)])
 
     @staticmethod
     def deliver_all(batches: list) -> None:
