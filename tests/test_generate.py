@@ -152,6 +152,32 @@ def test_sampling_seeded_and_bounded():
     assert torch.equal(Sampler(SamplingParams())(logits), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-30, 1e300, 1.7e308])
+def test_sampling_safe_at_extreme_temperatures(temperature):
+    """A temperature of 1e-300 used to overflow logits / temperature into inf and NaN probabilities (multinomial
+    raised, and the server's engine loop with it): tiny ones now draw the argmax, huge ones stay a distribution."""
+    logits = torch.randn(3, 64) * 30
+    logits[1, 5] = float("-inf")
+    for top_k, top_p in ((0, 1.0), (5, 0.5), (1, 1e-9)):
+        s = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=1))
+        p = s.probs(logits)
+        assert p.isfinite().all() and (p >= 0).all() and (p.sum(-1) > 0).all(), (temperature, top_k, top_p)
+        tok = s(logits)
+        if temperature < 1e-20 or top_k == 1:
+            assert torch.equal(tok, logits.argmax(-1))
+        accepted, nxt = s.verify(logits, [int(logits[0].argmax())])
+        assert 0 <= accepted <= 1 and 0 <= nxt < 64
+
+
+def test_sampling_survives_nonfinite_logits():
+    logits = torch.randn(3, 16)
+    logits[0] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 3] = float("inf")
+    tok = Sampler(SamplingParams(temperature=0.7, seed=0))(logits)
+    assert tok.shape == (3,) and tok[2].item() == 3 and all(0 <= t < 16 for t in tok.tolist())
+
+
 def test_sampled_generation_same_on_all_ranks(split_models):
     if ("stories260k", 2) not in split_models:
         pytest.skip("../shared/models/stories260k not found")

@@ -49,16 +49,27 @@ class Sampler:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] -> the distribution [B, V] float32 (CPU) that a token is drawn from (temperature > 0)."""
         p = self.params
-        logits = logits.float().cpu() / p.temperature
+        raw = logits.float().cpu()
+        # Shifted so that each row's largest logit is 0 before dividing: no temperature, however small (1e-300) or
+        # large, can overflow it (the largest stays 0, the rest go to -inf at worst, so softmax stays a
+        # distribution).
+        # The top-k cut is taken before dividing (the same set: temperature > 0 keeps the order), so a huge
+        # temperature that flattens every shifted logit to 0 cannot widen it.
+        logits = raw - raw.amax(-1, keepdim=True)
         if p.top_k:
             kth = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = logits / p.temperature
         probs = logits.softmax(-1)
         if p.top_p < 1:
             sorted_p, idx = probs.sort(-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p > p.top_p  # keep the smallest prefix whose mass reaches top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        bad = ~(probs.isfinite().all(-1) & (probs.sum(-1) > 0))  # rows of NaN/inf logits, or every logit -inf
+        if bad.any():  # such a row takes its greedy token (NaN read as -inf), never an exception that ends the step
+            best = raw[bad].nan_to_num(nan=float("-inf")).argmax(-1)
+            probs[bad] = torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype)
         return probs
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
