@@ -23,11 +23,11 @@ from runner.engine.plan import StepPlan
 from runner.errors import PmxError
 from runner.kernels import reference as ref
 from runner.kernels.linear import Linear
-from runner.kernels.quant_linear import cat_weights, make_linear, pop_weight
+from runner.kernels.quant_linear import cat_weights, make_linear, pop_weight, stored_alike
 from runner.kernels.sets import kernel_set
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, SeqParallel
 from runner.pmx.params import PmxParams, shard_file
-from runner.pmx.quant import is_quant_tensor, quantize, scheme_of, tensor_dtype
+from runner.pmx.quant import is_quant_tensor, quant_parts, quantize, scheme_of, tensor_dtype
 from runner.pmx.schema import pmx_tensors
 from runner.pmx.shard import shard_shape
 from runner.pmx.store import SafetensorsReader
@@ -75,9 +75,9 @@ def random_shard(params: PmxParams, rank: int, device: torch.device, dtype: torc
         elif name.endswith(".bias"):
             out[name] = torch.zeros(shape, dtype=dtype, device=device)
         elif scheme is not None and scheme.quantizes(name):  # a quantised model: this rank's part, quantised
-            base = name[: -len(".weight")]
-            out[f"{base}.qweight"], out[f"{base}.scale"] = quantize(torch.randn(shape, generator=g, device=device)
-                                                                    * 0.02, scheme)
+            base, leaf = name[: -len(".weight")], scheme.for_tensor(name)
+            parts = quantize(torch.randn(shape, generator=g, device=device) * 0.02, leaf)
+            out.update({f"{base}.{part}": t for part, t in zip(quant_parts(leaf), parts)})
         else:
             out[name] = (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype)
     return out
@@ -321,9 +321,9 @@ class Transformer(nn.Module):
             return [weight(n) for n in names], [w.pop(f"{n}.bias") for n in names] if bias_on else None
 
         def linears(kind, ws, bs, fuse=True):
-            """One GEMM over the concatenated weights `ws` when `fuse`, else one GEMM each."""
-            parts = [(cat_weights(ws), torch.cat(bs) if bs else None)] if fuse and len(ws) > 1 else \
-                list(zip(ws, bs or [None] * len(ws)))
+            """One GEMM over the concatenated weights `ws` when `fuse` (and they are stored alike), else one each."""
+            parts = [(cat_weights(ws), torch.cat(bs) if bs else None)] if fuse and len(ws) > 1 and stored_alike(ws) \
+                else list(zip(ws, bs or [None] * len(ws)))
             return [kind(wt, bt, prepack=c.prepack) for wt, bt in parts]
 
         layers = []
