@@ -169,6 +169,12 @@ def _quantizable_base(base: str) -> bool:
     return bool(QUANTIZABLE.fullmatch(base)) or base in ("output", "tok_embeddings")
 
 
+def quantizable(name: str) -> bool:
+    """Whether float tensor `name` is a weight a scheme may quantise (a linear's, the lm head, the embedding)."""
+    base, _, leaf = name.rpartition(".")
+    return leaf == "weight" and _quantizable_base(base)
+
+
 def scheme_of(params) -> Optional[QuantScheme]:
     """The QuantScheme of PmxParams `params`, or None for a float model."""
     q = params.quantization
