@@ -123,15 +123,31 @@ class OpmxExport:
         t = self.w.pop(name)
         return t if t.dtype in (torch.int8, torch.uint8) or name.endswith(".scale") else t.to(self.dtype)
 
+    def _leaf(self, base: str) -> Optional[QuantScheme]:
+        return None if self.scheme is None else self.scheme.for_tensor(f"{base}.weight")
+
+    def _float_weight(self, base: str) -> torch.Tensor:
+        """Weight `base` as a float tensor: a quantised one dequantised (the engine's values, element for element)."""
+        leaf = self._leaf(base)
+        if leaf is None:
+            return self._pop(f"{base}.weight")
+        return dequantize(self.w.pop(f"{base}.qweight"), self.w.pop(f"{base}.scale"), leaf.method, self.dtype,
+                          self.w.pop(f"{base}.offset", None))
+
     def _linear_weights(self, names: list[str], onnx_name: str, bias: bool):
-        """(weight or (qweight, scale), bias or None) of `names` fused along the output rows, as initializers."""
-        if self.scheme is not None and f"{names[0]}.qweight" in self.w:
+        """(weight or (qweight, scale, leaf scheme), bias or None) of `names` fused along the output rows, as
+        initializers: the
+        Woqu form where they share one scheme ppl.pmx's Woqu linears take (int8 per channel or in groups, symmetric
+        int4), else float (dequantised: int4 with offsets, GGUF's Q4_1, or weights stored differently)."""
+        leaves = {self._leaf(n) for n in names}
+        leaf = leaves.pop() if len(leaves) == 1 else None
+        if leaf is not None and not leaf.offset:
             q = torch.cat([self._pop(f"{n}.qweight") for n in names])
             s = torch.cat([self._pop(f"{n}.scale") for n in names])
-            ws = (self.g.weight(f"{onnx_name}.qweight", _woqu_weight(q, self.scheme)),
-                  self.g.weight(f"{onnx_name}.scale", s.float()))
+            ws = (self.g.weight(f"{onnx_name}.qweight", _woqu_weight(q, leaf)),
+                  self.g.weight(f"{onnx_name}.scale", s.float()), leaf)
         else:
-            ws = self.g.weight(f"{onnx_name}.weight", torch.cat([self._pop(f"{n}.weight") for n in names]))
+            ws = self.g.weight(f"{onnx_name}.weight", torch.cat([self._float_weight(n) for n in names]))
         b = self.g.weight(f"{onnx_name}.bias", torch.cat([self._pop(f"{n}.bias") for n in names])) if bias else None
         return ws, b
 
@@ -143,7 +159,7 @@ class OpmxExport:
         attrs = dict(in_features=in_features, out_features=out_features, bias_term=int(b is not None))
         attrs.update(input_is_parallel=1) if row else attrs.update(gather_output=int(gather))
         if isinstance(ws, tuple):
-            s = self.scheme
+            *ws, s = ws
             attrs.update(quant_data_type=s.method, quant_method="weight_only", quant_axis=1, group_size=s.group_size,
                          has_zeropoint=0, float_zeropoint=0)
             inputs = [x, *ws] + ([self.g.const("zeropoint", [], np.float32), b] if b else [])
@@ -155,10 +171,7 @@ class OpmxExport:
     def _embedding_weight(self) -> torch.Tensor:
         """The rank's embedding columns as a float tensor: a quantised embedding dequantised whole, element for
         element what the engine's row lookup (runner.kernels.quant_linear.quant_embedding) computes."""
-        if self.scheme is not None and "tok_embeddings.qweight" in self.w:
-            return dequantize(self.w.pop("tok_embeddings.qweight"), self.w.pop("tok_embeddings.scale"),
-                              self.scheme.method, self.dtype)
-        return self._pop("tok_embeddings.weight")
+        return self._float_weight("tok_embeddings")
 
     # -- the graph -------------------------------------------------------------------------------------------------
     def inputs(self) -> dict:

@@ -55,8 +55,10 @@ class StandardExport:
     def _weight(self, name: str) -> torch.Tensor:
         """Float weight `name` (a `.weight`), dequantised where the checkpoint holds it quantised."""
         base = name[: -len(".weight")]
-        if self.scheme is not None and f"{base}.qweight" in self.w:
-            return dequantize(self.w.pop(f"{base}.qweight"), self.w.pop(f"{base}.scale"), self.scheme.method)
+        leaf = None if self.scheme is None else self.scheme.for_tensor(name)
+        if leaf is not None:
+            return dequantize(self.w.pop(f"{base}.qweight"), self.w.pop(f"{base}.scale"), leaf.method,
+                              offset=self.w.pop(f"{base}.offset", None))
         return self.w.pop(name).float()
 
     def _linear(self, x: str, base: str, bias: bool) -> str:

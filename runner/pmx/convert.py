@@ -260,7 +260,8 @@ def convert_gguf(files: list, output_dir: str, dtype: str = "auto", num_shards: 
         for line in _type_lines(kinds):
             report(line)
     extras = tokenizer_files(ckpt, params.max_position_embeddings)
-    return _write_dir(ckpt.path.parent, output_dir, overwrite, params, plan, fetch, num_shards, "converting", progress,
+    # checked apart from the file itself (an output beside it in its directory is fine; one holding it is not)
+    return _write_dir(ckpt.path, output_dir, overwrite, params, plan, fetch, num_shards, "converting", progress,
                       None, extras, copy_tokenizer=False)
 
 

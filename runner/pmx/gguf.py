@@ -112,6 +112,8 @@ class GGUFCheckpoint:
                                    f"part {i} of {len(files)} (counting from 0)")
             if i == 0:
                 self.meta = {k: v.contents() for k, v in fields.items() if len(v.data) <= SMALL_ARRAY}
+                tokens = fields.get("tokenizer.ggml.tokens")
+                self.token_count = 0 if tokens is None else len(tokens.data)
             for t in reader.tensors:
                 if t.name in self.tensors:
                     raise PmxError(f"{f}: tensor {t.name!r} is also in {self.tensors[t.name].path}")
@@ -251,7 +253,10 @@ def tokenizer_files(ckpt: GGUFCheckpoint, max_positions: int) -> dict:
     template = meta.get("tokenizer.chat_template")
     if isinstance(template, str):
         config["chat_template"] = template
-    return {"tokenizer.json": backend.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+    spec = json.loads(backend.to_str())  # without the tokens the converter's class adds on its own (GPT-2's
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < ckpt.token_count]  # <|endoftext|>)
+    return {"tokenizer.json": json.dumps(spec, ensure_ascii=False),
+            "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
 
 
 def eos_ids(meta: dict) -> list:
