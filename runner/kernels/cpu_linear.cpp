@@ -560,11 +560,6 @@ void dequant_into(const float* xp, int64_t M, int64_t K, const void* w, const fl
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
       float* d = buf.data();
-      // an int4 nibble's value: (v - 8) * s, or with offsets v * s + o
-      const auto nibble = [&](int v, int64_t k, int64_t ch) {
-        const int64_t at = (k / G) * lds + n0 + ch;
-        return offs ? v * sp[at] + offs[at] : (v - 8) * sp[at];
-      };
       if (method == 8 && G > 0) {
         const int8_t* wb = static_cast<const int8_t*>(w) + b * K * NB;
         for (int64_t k = 0; k < K; ++k) {
@@ -579,22 +574,40 @@ void dequant_into(const float* xp, int64_t M, int64_t K, const void* w, const fl
           for (int64_t j = 0; j < NB; ++j) d[k * NB + j] = wb[k * NB + j] * s[j];
       } else if (layout == 0) {  // row k: byte j = channel j (low nibble), j + 32 (high)
         const uint8_t* wb = static_cast<const uint8_t*>(w) + b * K * (NB / 2);
-        for (int64_t k = 0; k < K; ++k)
-          for (int64_t j = 0; j < NB / 2; ++j) {
-            const uint8_t v = wb[k * (NB / 2) + j];
-            d[k * NB + j] = nibble(v & 15, k, j);
-            d[k * NB + j + NB / 2] = nibble(v >> 4, k, j + NB / 2);
+        for (int64_t k = 0; k < K; ++k) {
+          const float* s = sp + (k / G) * lds + n0;
+          const uint8_t* v = wb + k * (NB / 2);
+          float* dk = d + k * NB;
+          if (offs) {  // nibble * scale + offset
+            const float* o = offs + (k / G) * lds + n0;
+            for (int64_t j = 0; j < NB / 2; ++j) {
+              dk[j] = (v[j] & 15) * s[j] + o[j];
+              dk[j + NB / 2] = (v[j] >> 4) * s[j + NB / 2] + o[j + NB / 2];
+            }
+          } else {
+            for (int64_t j = 0; j < NB / 2; ++j) {
+              dk[j] = ((v[j] & 15) - 8) * s[j];
+              dk[j + NB / 2] = ((v[j] >> 4) - 8) * s[j + NB / 2];
+            }
           }
+        }
       } else {  // layout 1: row 2 q + h, byte 4 c + t = channels 32 h + c (low), 32 h + 16 + c (high) of k = 4 q + t
         const uint8_t* wb = static_cast<const uint8_t*>(w) + b * (K / 2) * NB;
+        const int bias = offs ? 0 : 8;  // the nibble's zero: 8 symmetric, 0 with offsets (added after the scale)
         for (int64_t r = 0; r < K / 2; ++r) {
           const int64_t q = r / 2, h = r % 2;
           for (int64_t c = 0; c < 16; ++c)
             for (int64_t t = 0; t < 4; ++t) {
               const int64_t k = 4 * q + t, ch = 32 * h + c;
               const uint8_t v = wb[r * NB + 4 * c + t];
-              d[k * NB + ch] = nibble(v & 15, k, ch);
-              d[k * NB + ch + 16] = nibble(v >> 4, k, ch + 16);
+              const float* s = sp + (k / G) * lds + n0;
+              d[k * NB + ch] = ((v & 15) - bias) * s[ch];
+              d[k * NB + ch + 16] = ((v >> 4) - bias) * s[ch + 16];
+              if (offs) {
+                const float* o = offs + (k / G) * lds + n0;
+                d[k * NB + ch] += o[ch];
+                d[k * NB + ch + 16] += o[ch + 16];
+              }
             }
         }
       }

@@ -255,6 +255,9 @@ def tokenizer_files(ckpt: GGUFCheckpoint, max_positions: int) -> dict:
         config["chat_template"] = template
     spec = json.loads(backend.to_str())  # without the tokens the converter's class adds on its own (GPT-2's
     spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < ckpt.token_count]  # <|endoftext|>)
+    config["added_tokens_decoder"] = {  # as transformers writes them: a chat template's special tokens are found here
+        str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+        for t in spec["added_tokens"]}
     return {"tokenizer.json": json.dumps(spec, ensure_ascii=False),
             "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
 
