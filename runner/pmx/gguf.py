@@ -95,7 +95,11 @@ class GGUFCheckpoint:
     """The metadata and tensors of a GGUF model (one file or a split set), memory-mapped."""
 
     def __init__(self, files: list[Path]):
-        import gguf
+        try:
+            import gguf
+        except ImportError:
+            raise PmxError(f"{files[0]}: reading a GGUF file needs the gguf package: pip install -e '.[gguf]' (or "
+                           f"bash scripts/install.sh)") from None
         self.files, self.path = files, files[0]
         self.tensors: dict[str, GGUFTensor] = {}
         self.meta: dict = {}
@@ -227,8 +231,8 @@ def tokenizer_files(ckpt: GGUFCheckpoint, max_positions: int) -> dict:
         from tokenizers import processors
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except ImportError as e:
-        raise PmxError(f"{path}: converting a GGUF's tokenizer needs transformers and tokenizers ({e}); "
-                       f"pip install 'transformers>=4.45' or bash scripts/install.sh") from None
+        raise PmxError(f"{path}: converting a GGUF's tokenizer needs transformers ({e}): pip install -e '.[gguf]' "
+                       f"(or bash scripts/install.sh)") from None
     backend = tok.backend_tokenizer
     if pre is not None:
         backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
