@@ -201,6 +201,21 @@ def test_requantise_and_split_a_q8_0_model(tmp_path):
         (tmp_path / "mixed" / "model.00.safetensors").read_bytes()
 
 
+def test_export_dump_and_replay_of_a_converted_gguf(tmp_path):
+    """A converted GGUF (Q8_0 matrices, Q4_1 MLP) exports to ONNX (Q8_0 as ppl.pmx's Woqu int8 linears in groups of
+    32, Q4_1 dequantised to float initializers), and benchmark.sh replays a dumped prefill and decode step through the
+    export within 1e-5 of the engine's logits, its cache checked."""
+    from test_export import dump_and_replay
+    model = hf_model("llama_mha")
+    path = write_gguf(model, tmp_path / "m.gguf", qtype=lambda n, s: "Q4_1" if "ffn" in n else "Q8_0"
+                      if s[-1] % 32 == 0 else "F32")[0]
+    convert(str(path), str(tmp_path / "pmx"), progress=False)
+    scheme = scheme_of(PmxParams.load(tmp_path / "pmx"))
+    assert scheme.for_tensor("layers.0.attention.wq.weight").group_size == 32
+    assert scheme.for_tensor("layers.0.feed_forward.w1.weight").offset
+    dump_and_replay(tmp_path / "pmx", tmp_path, 1, [])
+
+
 # --- the tokenizer ------------------------------------------------------------------------------------------------
 def test_tokenizer_from_the_metadata(tmp_path):
     """A byte-level BPE (pre-tokenizer smollm: digits one by one) and a sentencepiece vocabulary become tokenizer.json

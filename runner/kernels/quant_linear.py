@@ -5,14 +5,15 @@ Kernels, each tested against it (tests/test_quant_engine.py: every kernel and sc
 tests/test_quant.py: the format, convert, split and merge):
 
 - CPU (`cpu`): this project's kernels (runner/kernels/cpu_linear.cpp, ops `pmx_cpu::linear_int8 /
-  linear_int4`), built on first use for the machine (-march=native) and cached by torch. The weight is
-  repacked once at load into blocks of 64 output channels, k-major, and converted to floats in registers.
+  linear_int8_group / linear_int4`), built on first use for the machine (-march=native) and cached by torch. The
+  weight is repacked once at load into blocks of 64 output channels, k-major, and converted to floats in registers;
+  scales per group (and int4's offsets, riding in the same tensor) as :func:`pack_group_scales` lays them out.
   torch's own weight-only CPU ops (`aten._weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, what
   gpt-fast uses) are the fallback (`aten`) where the extension cannot be built. Above CPU_KERNEL_MAX_ROWS
   rows (prefill) each block of 64 channels is dequantised once per call into a buffer of its own and the float
   GEMM's tiles run on it (`linear_dequant`), which is faster there.
 - CUDA (`triton`): Triton W8A16 / W4A16 (runner/kernels/triton_quant.py), dequantising in registers.
-- `--kernels reference`, or a shape no kernel takes: the spec, dequantising on every call.
+- `--kernels reference`, or a scheme or shape no kernel takes: the spec, dequantising on every call.
 
 Every kernel is an op of its own under torch.compile (a fake implementation gives its output shape), so
 the compiled decode step calls it as it is.
