@@ -184,7 +184,8 @@ def convert_gguf(files: list, output_dir: str, dtype: str = "auto", num_shards: 
     factors = tensors.get("rope_freqs.weight")
     config = family.gguf_config(ckpt.meta, shapes, source, None if factors is None else
                                 ckpt.float_tensor(factors).float().tolist())
-    config["eos_token_id"] = (lambda ids: ids[0] if len(ids) == 1 else ids or None)(eos_ids(ckpt.meta))
+    eos = eos_ids(ckpt.meta)
+    config["eos_token_id"] = eos[0] if len(eos) == 1 else eos or None
     target_name = _gguf_dtype(dtype, ckpt)
     params = family.params(config, target_name, source=source)
     target = DTYPE_NAMES[target_name]
@@ -292,10 +293,7 @@ def _gguf_dtype(dtype: str, ckpt: GGUFCheckpoint) -> str:
             raise PmxError(f"--dtype {dtype!r} is not one of auto, {', '.join(DTYPE_NAMES)}")
         return dtype
     widths = {FLOATS[t.type] for t in ckpt.tensors.values() if t.type in FLOATS and len(t.shape) >= 2}
-    if not widths or torch.float32 in widths:
-        return "float32"
-    return DTYPE_OF[torch.float16] if widths == {torch.float16} else DTYPE_OF[torch.bfloat16] \
-        if widths == {torch.bfloat16} else "float32"
+    return DTYPE_OF[widths.pop()] if len(widths) == 1 else "float32"
 
 
 def with_quant(params: PmxParams, quant: Optional[QuantScheme]) -> PmxParams:

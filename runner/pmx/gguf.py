@@ -207,10 +207,12 @@ def _smollm():  # digits one by one, then GPT-2's split (SmolLM's own tokenizer.
                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
 
 
-PRE_TOKENIZERS = {
+# llama.cpp's LLAMA3 type: a piece the vocabulary holds whole is taken as it is, merges ignored (HF's ignore_merges),
+# and BOS added where the file does not say
+LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "falcon3")
+PRE_TOKENIZERS = {  # no pre-tokenizer named, or "default" (llama.cpp's fallback): GPT-2's split, as transformers takes
     "default": _gpt2, "gpt-2": _gpt2, "smollm": _smollm,
-    **{name: (lambda: _split_then_bytes(LLAMA3_SPLIT)) for name in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe",
-                                                                     "dbrx", "falcon3")},
+    **{name: (lambda: _split_then_bytes(LLAMA3_SPLIT)) for name in LLAMA3_PRE},
     **{name: (lambda: _split_then_bytes(QWEN2_SPLIT)) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
 }
 
@@ -241,8 +243,8 @@ def tokenizer_files(ckpt: GGUFCheckpoint, max_positions: int) -> dict:
         i = meta.get(f"tokenizer.ggml.{key}")
         return None if i is None else backend.id_to_token(int(i))
 
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))  # llama.cpp's and transformers'
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))             # defaults where the file says none
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or pre in LLAMA3_PRE))  # llama.cpp's
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))  # defaults where the file says none
     bos, eos = token("bos_token_id"), token("eos_token_id")
     if (add_bos and bos is None) or (add_eos and eos is None):
         raise PmxError(f"{path}: tokenizer.ggml.add_{'bos' if add_bos and bos is None else 'eos'}_token is true, "
@@ -259,6 +261,8 @@ def tokenizer_files(ckpt: GGUFCheckpoint, max_positions: int) -> dict:
         config["chat_template"] = template
     spec = json.loads(backend.to_str())  # without the tokens the converter's class adds on its own (GPT-2's
     spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < ckpt.token_count]  # <|endoftext|>)
+    if pre in LLAMA3_PRE:
+        spec["model"]["ignore_merges"] = True
     config["added_tokens_decoder"] = {  # as transformers writes them: a chat template's special tokens are found here
         str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
         for t in spec["added_tokens"]}
