@@ -178,7 +178,7 @@ def open_engine(model: str, engine_options="{}") -> SimpleNamespace:
         EngineConfig = None
     if EngineConfig is not None:
         sess = open_session(model, EngineConfig(**opts))
-        generate, stepper = sess.engine.generate, sess.stepper
+        generate, stepper = sess.core.generate, sess.stepper
     else:  # before issue 24 (5ae015a and earlier)
         from runner.engine.generator import Generator
         from runner.engine.model import EngineOptions

@@ -176,19 +176,19 @@ def test_cpu_cache_budget_is_shared_by_the_ranks_of_a_host_and_counts_the_draft(
     """Without --kv_cache_tokens a CPU cache gets a quarter of the host's available memory: shared by the ranks on
     each host (every rank's cache is written at a server's start), a draft model's cache of as many rows counted in."""
     from types import SimpleNamespace
-    from runner.engine import core as core_mod
-    from runner.engine.core import CPU_CACHE_MEMORY_FRACTION
+    from runner.engine import cache as cache_mod
+    from runner.engine.cache import CPU_CACHE_MEMORY_FRACTION, CacheBudget
     from runner.kernels.reference import PAGE_SIZE
-    monkeypatch.setattr(core_mod, "_available_memory", lambda: 1 << 34)
+    monkeypatch.setattr(cache_mod, "available_memory", lambda: 1 << 34)
     page = 1 << 20
 
     def budget(world, machines, draft_page=None):
-        draft = None if draft_page is None else SimpleNamespace(page_bytes=lambda: draft_page)
+        draft = [] if draft_page is None else [SimpleNamespace(page_bytes=lambda: draft_page)]
         me = SimpleNamespace(config=SimpleNamespace(kv_cache_tokens=None, paged=True),
                              model=SimpleNamespace(device=torch.device("cpu")),
                              comm=SimpleNamespace(world_size=world, machines=machines, broadcast_=lambda t: t),
-                             page_bytes=lambda: page, draft=lambda: draft)
-        return EngineCore.budget_rows(me, 10 ** 9)
+                             page_bytes=lambda: page)
+        return CacheBudget.rows(me, 10 ** 9, draft)
 
     alone = budget(1, 1)
     assert alone == int((1 << 34) * CPU_CACHE_MEMORY_FRACTION // page) * PAGE_SIZE

@@ -120,7 +120,7 @@ def test_eos_stops_and_frees(split_models):
     p = tok.encode("Once upon a time")
     out = eng.generate([p, p], 40, stop_ids=[REFERENCE["stories260k"][10]])
     assert out == [REFERENCE["stories260k"][:10]] * 2
-    assert eng.scheduler.cache.used == 0 and not eng.has_work()
+    assert eng.scheduler.allocator.used == 0 and not eng.has_work()
 
 
 def test_progress_counts_the_tokens_the_summary_counts(split_models):

@@ -189,7 +189,7 @@ def test_llm_preemption_gives_the_same_tokens(stories, llm):
     with LLM(str(stories["pmx"]), kv_cache_tokens=2 * PAGE_SIZE, max_batch=4, max_num_batched_tokens=64) as small:
         got = [o.outputs[0].token_ids for o in small.generate(prompts, p)]
         assert small.engine.core.scheduler.preemptions > 0
-        assert small.engine.core.scheduler.cache.free == 2
+        assert small.engine.core.scheduler.allocator.free == 2
         with pytest.raises(ParamError, match="3 KV-cache pages of 128 tokens; this server's cache has 2"):
             small.generate("Once", SamplingParams(max_tokens=300))  # could never run alone
     assert got == want
@@ -240,7 +240,7 @@ def test_llm_prefix_caching_reuses_a_shared_prompt_and_keeps_the_tokens(stories,
     with contextlib.ExitStack() as stack:
         if options:
             llm = stack.enter_context(LLM(str(stories["pmx"]), kv_cache_tokens=16 * PAGE_SIZE, **options))
-        cache = llm.engine.core.scheduler.cache
+        cache = llm.engine.core.scheduler.allocator
         hits = cache.hits
         got = [[o.outputs[0].token_ids for o in llm.generate([q], p)] for q in prompts]
     assert got == want

@@ -231,7 +231,7 @@ def test_echo_with_logprobs_scores_the_prompt(srv, stories):
     assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     got = torch.tensor(lp["token_logprobs"][1:len(ids)])
     want = []
-    open_session(str(stories["pmx"])).engine.score(
+    open_session(str(stories["pmx"])).core.score(
         [ids], lambda i, first, logits: want.extend(torch.log_softmax(logits.float(), -1)[
             torch.arange(logits.shape[0]), torch.tensor(ids[first + 1:first + 1 + logits.shape[0]] + [0] * max(
                 0, first + 1 + logits.shape[0] - len(ids)))].tolist()))

@@ -111,7 +111,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
             k, of = (loop + 1, warmup_loops) if warm else (loop - warmup_loops + 1, benchmark_loops)
             say(f"batch {b} ({bi + 1}/{len(batches)}) {'warm-up' if warm else 'run'} {k}/{of}")
             stats: dict = {}
-            sess.engine.generate(prompts, gen_len, stats=stats)
+            sess.core.generate(prompts, gen_len, stats=stats)
             if not warm:
                 runs.append((stats["step_seconds"], stats["prefill_steps"]))
         if any(len(r) != gen_len + k - 1 for r, k in runs):

@@ -129,7 +129,7 @@ def generate(
     bar = GenerationProgress(len(prompts), show=progress and sess.is_main)
     t0 = time.perf_counter()
     try:
-        outs = sess.engine.generate(prompts, max_gen_len, sampling, sorted(eos), dumper, stats, bar)
+        outs = sess.core.generate(prompts, max_gen_len, sampling, sorted(eos), dumper, stats, bar)
     finally:
         bar.close()
     dt = time.perf_counter() - t0

@@ -88,8 +88,8 @@ def perplexity(ckpt_dir: CkptDir, text_file: str, tokenizer_path: TokenizerPath 
     if len(ids) < 2:
         raise PmxError(f"{text_file}: too short, it holds {len(ids)} token(s); perplexity needs at least 2")
     sess = open_session(ckpt_dir, engine)
-    sess.engine.score([ids[: min(len(ids), 8)]], lambda *_: None)  # warm-up (kernel set-up) outside the timing
-    res = evaluate(sess.engine, ids, window, stride)
+    sess.core.score([ids[: min(len(ids), 8)]], lambda *_: None)  # warm-up (kernel set-up) outside the timing
+    res = evaluate(sess.core, ids, window, stride)
     quant = params.quantization["method"] if params.quantization else params.dtype
     if sess.is_main:
         print(f"perplexity {res['perplexity']:.4f} over {res['tokens']} tokens of {text_file} ({ckpt_dir}, {quant}, "

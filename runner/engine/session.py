@@ -30,7 +30,7 @@ class Session:
     comm: object
     model: Transformer
     stepper: Stepper       # plans and runs steps (stepper.forward: ppl.pmx's step contract)
-    engine: EngineCore     # continuous batching: generate, score, add / step
+    core: EngineCore       # continuous batching: generate, score, add / step
 
     @property
     def is_main(self) -> bool:

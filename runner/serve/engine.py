@@ -19,7 +19,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from runner.engine.core import EngineCore, Output
+from runner.engine.core import EngineCore
+from runner.engine.outputs import Output, logprobs
 from runner.engine.scheduler import Sequence
 from runner.engine.structured import Grammars, SpecError
 from runner.errors import PmxError
@@ -27,7 +28,6 @@ from runner.kernels.reference import PAGE_SIZE
 from runner.serve.params import ParamError, SamplingParams
 
 HEARTBEAT_S = 1.0
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 
 
 class StepChannel:
@@ -159,16 +159,6 @@ def _entry(tid: int, lp: float, top: list, token_text: Callable[[int], str]) -> 
     return entry
 
 
-def _logprobs(logits: torch.Tensor, ids: list, k: int) -> list:
-    """(token_id, logprob, top k [(id, logprob)]) of ids[r] under logits[r], each row."""
-    lp = torch.log_softmax(logits.float(), -1)
-    chosen = lp[torch.arange(len(ids)), torch.tensor(ids)].tolist()
-    top = lp.topk(k) if k else None
-    return [(t, max(c, LOGPROB_FLOOR), [] if top is None else
-             [(i, max(v, LOGPROB_FLOOR)) for i, v in zip(top.indices[r].tolist(), top.values[r].tolist())])
-            for r, (t, c) in enumerate(zip(ids, chosen))]
-
-
 @dataclass(eq=False)
 class _Request:
     request_id: str
@@ -228,7 +218,7 @@ class LLMEngine:
         if p + max_tokens > self.max_model_len:
             raise ParamError("max_tokens", f"this model's maximum context length is {self.max_model_len} tokens; "
                                            f"{p} in the prompt and {max_tokens} to generate make {p + max_tokens}")
-        cache = self.core.scheduler.cache
+        cache = self.core.scheduler.allocator
         if params.structured_outputs is not None:
             try:
                 self.grammars().constraint(params.structured_outputs)
@@ -312,8 +302,8 @@ class LLMEngine:
                   if d is not None]  # (a stop string may end a choice mid-step)
         if self.metrics is not None:
             s = self.core.scheduler
-            self._count(preemptions_total=s.preemptions, prefix_cache_queries_total=s.cache.queries,
-                        prefix_cache_hits_total=s.cache.hits, prefix_cache_tokens_saved_total=s.cache.hits * PAGE_SIZE,
+            self._count(preemptions_total=s.preemptions, prefix_cache_queries_total=s.allocator.queries,
+                        prefix_cache_hits_total=s.allocator.hits, prefix_cache_tokens_saved_total=s.allocator.hits * PAGE_SIZE,
                         spec_decode_draft_tokens_total=self.core.proposed,
                         spec_decode_accepted_tokens_total=self.core.accepted)
             self.metrics.inc("steps_total")
@@ -360,11 +350,7 @@ class LLMEngine:
             return self._finish(seq)
         ch.token_ids.append(token)
         if p.logprobs is not None:
-            lp = torch.log_softmax(o.logits.float(), -1)
-            top = lp.topk(p.logprobs) if p.logprobs else None
-            ch.logprobs.append((token, max(float(lp[token]), LOGPROB_FLOOR),
-                                [] if top is None else [(i, max(v, LOGPROB_FLOOR)) for i, v in
-                                                        zip(top.indices.tolist(), top.values.tolist())]))
+            ch.logprobs += logprobs(o.logits, [token], p.logprobs)
         new = ch.detok.add(token)
         ch.text += new
         if p.stop and new:
@@ -384,7 +370,7 @@ class LLMEngine:
         have = len(req.prompt_logprobs)  # (a preempted prompt is scored again from its start: only new rows count)
         end = min(seq.computed, len(req.prompt_ids) - 1)
         if end > have:
-            req.prompt_logprobs += _logprobs(logits[have - first: end - first], req.prompt_ids[have + 1: end + 1],
+            req.prompt_logprobs += logprobs(logits[have - first: end - first], req.prompt_ids[have + 1: end + 1],
                                              req.params.prompt_logprobs)
         if seq.finish_reason is None:
             return None
@@ -443,9 +429,9 @@ class LLMEngine:
 
     def _gauges(self) -> None:
         s = self.core.scheduler
-        unit = 1 if s.cache.paged else PAGE_SIZE  # (an offset cache counts rows: in pages of PAGE_SIZE rows here)
+        unit = 1 if s.allocator.paged else PAGE_SIZE  # (an offset cache counts rows: in pages of PAGE_SIZE rows here)
         self.metrics.set(requests_waiting=len(s.waiting), requests_running=len(s.running),
-                         kv_pages_used=s.cache.used // unit, kv_pages_free=s.cache.free // unit)
+                         kv_pages_used=s.allocator.used // unit, kv_pages_free=s.allocator.free // unit)
 
     # -- the other ranks of a server ---------------------------------------------------------------------------
     def follow(self, should_quit: Callable[[], bool] = lambda: False) -> dict:

@@ -37,7 +37,7 @@ def load(ckpt_dir: str, tokenizer_path: Optional[str], config: EngineConfig, met
         (ChatTemplate.load(Path(ckpt_dir)) if tokenizer_path else None)
     eos = sorted(set(params.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
     sess = open_session(ckpt_dir, config, progress=progress)
-    core = sess.engine
+    core = sess.core
     core.reserve(core.budget_rows(config.max_batch * core.max_model_len))
     t0 = time.perf_counter()
     core.touch_cache()  # (a long-lived pool: its first touches paid now, not by the requests' steps)
