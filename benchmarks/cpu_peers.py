@@ -178,7 +178,8 @@ def open_engine(model: str, engine_options="{}") -> SimpleNamespace:
         EngineConfig = None
     if EngineConfig is not None:
         sess = open_session(model, EngineConfig(**opts))
-        generate, stepper = sess.core.generate, sess.stepper
+        core = sess.core if hasattr(sess, "core") else sess.engine  # (Session.engine in trees before issue 37)
+        generate, stepper = core.generate, sess.stepper
     else:  # before issue 24 (5ae015a and earlier)
         from runner.engine.generator import Generator
         from runner.engine.model import EngineOptions

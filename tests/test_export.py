@@ -185,7 +185,7 @@ def test_onnxruntime_step_matches_the_engine(make_hf, tmp_path, arch, opts, quan
         quantize_model(str(pmx), str(tmp_path / "q"), quant, progress=False)
         pmx = tmp_path / "q"
     cfg = EngineConfig(**opts)
-    export(str(pmx), str(tmp_path / "onnx"), progress=False, engine=cfg)
+    export(str(pmx), str(tmp_path / "onnx"), progress=False, config=cfg)
     check_slices(tmp_path / "onnx", 1)
     b = MIXED if not cfg.paged else StepLengths(MIXED.tokens, MIXED.seqlens, MIXED.start, [[128], [256], [0, 384]], 1)
     got, want, feeds, ours = onnxruntime_against_the_engine(pmx, tmp_path / "onnx", cfg, b)
@@ -239,7 +239,7 @@ def test_families_export_and_run_as_the_engine(families, tmp_path, name, opts, q
         pmx = tmp_path / "q"
     p = PmxParams.load(pmx)
     cfg = EngineConfig(**opts)
-    export(str(pmx), str(tmp_path / "onnx"), progress=False, engine=cfg)
+    export(str(pmx), str(tmp_path / "onnx"), progress=False, config=cfg)
     check_slices(tmp_path / "onnx", 1)
     nodes = {nd.op_type: {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute}
              for nd in onnx.load(str(tmp_path / "onnx" / "model_slice_0" / "model.onnx")).graph.node}
@@ -351,7 +351,7 @@ def test_moe_exports_ppl_pmx_moe_ops_and_replays_at_tp_1_and_2(make_hf, tmp_path
     for opts in ({}, dict(fused_ffn_glu=False, fused_kvcache=False, quantized_cache=True)):
         cfg = EngineConfig(**opts)
         out = tmp_path / f"onnx{len(opts)}"
-        export(str(pmx), str(out), progress=False, engine=cfg)
+        export(str(pmx), str(out), progress=False, config=cfg)
         check_slices(out, 1)
         m = onnx.load(str(out / "model_slice_0" / "model.onnx"))
         nodes = [(nd.op_type, nd.domain, {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute})
@@ -422,7 +422,7 @@ def test_standard_ops_export_runs_in_a_stock_session_and_follows_the_engine_for_
         export(str(real["stories260k"] / "pmx_2"), str(tmp_path / "std2"), opset="standard", progress=False)
     with pytest.raises(PmxError, match="--opset standard does not take --quantized_cache true"):
         export(str(pmx), str(tmp_path / "std3"), opset="standard", progress=False,
-               engine=EngineConfig(quantized_cache=True))
+               config=EngineConfig(quantized_cache=True))
 
 
 # --- per-layer dumps and compare ---------------------------------------------------------------------------------

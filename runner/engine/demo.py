@@ -62,7 +62,7 @@ def generate(
     dump_layers: bool = False,
     show_ids: bool = False,
     progress: Progress = True,
-    engine: EngineConfig = EngineConfig(),
+    config: EngineConfig = EngineConfig(),
 ) -> None:
     """Generate text with a PMX model on 1 or N ranks (mpirun / torchrun).
 
@@ -119,7 +119,7 @@ def generate(
     if env.rank == 0:
         print(f"prepared {len(prompts)} prompts", flush=True)
 
-    sess = open_session(ckpt_dir, engine, progress=progress)
+    sess = open_session(ckpt_dir, config, progress=progress)
     if dump_layers:
         dumper = LayerDumper(dump_tensor_path, env.rank, sess.model, sess.stepper, steps)
     if dumper is not None:

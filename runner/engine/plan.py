@@ -1,9 +1,9 @@
 """The plan of one engine step, made on the host from the batch's lengths (Python ints).
 
-A step has two halves (DESIGN.md, "The step inside"): this plan, and the device step that reads only the plan,
-the weights and the cache. Everything that depends on the sequences' lengths is worked out here, once per step:
-each new token's position and cache row, the rotary angles, the rows whose logits are wanted, and how attention
-runs:
+A step has two halves (docs/architecture.md, "Inside a step"): this plan, and the device step that reads only the
+plan, the weights and the cache. Everything that depends on the sequences' lengths is worked out here, once per
+step: each new token's position and cache row, the rotary angles, the rows whose logits are wanted, and how
+attention runs:
 
 - the decoding sequences (one new token each, packed first) attend together: one query row each against its
   history, read in place by kernels that walk the cache themselves (`PlanSpec.gather_decode` off: cachestarts and

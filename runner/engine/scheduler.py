@@ -5,9 +5,9 @@ decoding guessed), then prefill chunks of running sequences, then waiting sequen
 batch (`max_batch`), the step's token budget (`max_step_tokens`, decoding tokens included; `prefill_chunk` prefill
 tokens, `decode_chunk` while any sequence decodes: a step that carries a long chunk delays every decoding sequence's
 next token by its whole length, so chunks are small while sequences decode) and the cache allow. The cache's rows
-are handed out by one of two allocators, as ppl.pmx's cache modes: :class:`OffsetAllocator` reserves a sequence's whole region
-when it is admitted; :class:`PageAllocator` hands out pages of PAGE_SIZE rows as it grows, and when a running
-sequence needs a page and none is free, the most recently arrived running sequence is preempted (its pages
+are handed out by one of two allocators, as ppl.pmx's cache modes: :class:`OffsetAllocator` reserves a sequence's
+whole region when it is admitted; :class:`PageAllocator` hands out pages of PAGE_SIZE rows as it grows, and when a
+running sequence needs a page and none is free, the most recently arrived running sequence is preempted (its pages
 freed, its tokens prefilled again later). A sequence never needs more than the whole cache (`fits` is checked
 when it is added), so every sequence finishes.
 
@@ -145,7 +145,7 @@ class PageAllocator:
         key = seq.last_key
         for i in range(seq.keyed, seq.computed // PAGE_SIZE):
             key = _page_key(key, seq.tokens, i)
-            if key not in self._page_of and seq.region[i] not in self._key_of:  # (a twin of a cached page stays unkeyed)
+            if key not in self._page_of and seq.region[i] not in self._key_of:  # (a cached page's twin stays unkeyed)
                 self._page_of[key], self._key_of[seq.region[i]] = seq.region[i], key
             seq.keyed, seq.last_key = i + 1, key
 

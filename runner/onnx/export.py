@@ -349,7 +349,7 @@ def _replace(tmp: Path, out: Path) -> None:
 def export(ckpt_dir: CkptDir, export_path: str, tokenizer_path: TokenizerPath = None,
            opset: Annotated[str, OneOf("opmx", "standard")] = "opmx", dynamic_batching: bool = True,
            empty_weight: bool = False, overwrite: Overwrite = False, progress: Progress = True,
-           engine: Annotated[EngineConfig, Fields(*EXPORT_FLAGS)] = EngineConfig()) -> None:
+           config: Annotated[EngineConfig, Fields(*EXPORT_FLAGS)] = EngineConfig()) -> None:
     """Export the model as one ONNX file per rank (ppl.pmx's Export.py; run under the same mpirun / torchrun -np N
     as the model's shards).
 
@@ -370,11 +370,11 @@ def export(ckpt_dir: CkptDir, export_path: str, tokenizer_path: TokenizerPath = 
                        f"(merge it with scripts/Merge.py)")
     check_world_size(ckpt_dir, params, env)
     exportable(params, opset)
-    engine.check_model(params.head_dim)
+    config.check_model(params.head_dim)
     dev = torch.device("cpu")
-    dtype = pick_dtype(engine.dtype if engine.dtype != "auto" else params.dtype, params.dtype, dev)
+    dtype = pick_dtype(config.dtype if config.dtype != "auto" else params.dtype, params.dtype, dev)
     if opset == "standard":
-        why = standard_export.refusal(params, engine, dtype)
+        why = standard_export.refusal(params, config, dtype)
         if why:
             raise PmxError(f"--opset standard does not take {why} (it exports one rank, float32, a float cache in "
                            f"layout 0 and offset mode; use --opset opmx)")
@@ -382,7 +382,7 @@ def export(ckpt_dir: CkptDir, export_path: str, tokenizer_path: TokenizerPath = 
     tok_src = Path(tokenizer_path) if tokenizer_path else Path(ckpt_dir)
     tok_src = tok_src.parent if tok_src.is_file() else tok_src
     set_cpu_threads(env)
-    comm = make_comm(env, dev, engine.comm_backend, collective_timeout(engine.collective_timeout))
+    comm = make_comm(env, dev, config.comm_backend, collective_timeout(config.collective_timeout))
     try:
         weights = random_shard(params, env.rank, dev, dtype) if empty_weight else \
             load_shard(Path(ckpt_dir), env.rank, dev, dtype)[1]
@@ -390,7 +390,7 @@ def export(ckpt_dir: CkptDir, export_path: str, tokenizer_path: TokenizerPath = 
         tmp = _shared_tmp(out, comm, env.rank)
         error = None
         try:
-            model = trace(export_model(params, weights, replace(engine, dtype=dtype_name(dtype)), comm, opset), opset)
+            model = trace(export_model(params, weights, replace(config, dtype=dtype_name(dtype)), comm, opset), opset)
             del weights
             slice_dir = tmp / SLICE_DIR.format(env.rank)
             slice_dir.mkdir()
@@ -406,7 +406,7 @@ def export(ckpt_dir: CkptDir, export_path: str, tokenizer_path: TokenizerPath = 
             raise PmxError(f"rank(s) {[r for r, f in enumerate(failed) if f]} failed to export; nothing was written")
         if env.rank == 0:
             try:
-                (tmp / PARAMS_JSON).write_text(json.dumps(export_params(params, engine, dtype, opset), indent=1) + "\n")
+                (tmp / PARAMS_JSON).write_text(json.dumps(export_params(params, config, dtype, opset), indent=1) + "\n")
                 copy_tokenizer_files(tok_src, tmp)
                 _replace(tmp, out)
             except OSError as e:

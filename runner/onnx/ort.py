@@ -45,7 +45,7 @@ _RUNNING: contextvars.ContextVar = contextvars.ContextVar("opmx_session")
 
 # op -> (input kinds, output kinds, {attr: type}); kinds: f float32, i int64, c cache (float32 / int8), w woqu weight
 _I, _F, _S = "int", "float", "str"
-# this project's attributes of the attention operators beside ppl.pmx's (runner.onnx.opmx); absent: 0 (off)
+# this project's attributes of the attention operators beside ppl.pmx's (runner.kernels.opmx_export); absent: 0
 POSITION_ATTRS = dict(sliding_window=_I, alibi_num_heads=_I, alibi_head_offset=_I, logn_scaling=_I)
 ATTR_DEFAULTS = {_I: 0, _F: 0.0, _S: ""}
 OPS = {

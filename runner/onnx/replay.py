@@ -104,7 +104,7 @@ def _check_dump(ep: dict, world: int, t: dict, rank_dir: Path, export_path: str)
 def onnx_replay(export_path: str, dump_dir: DumpDir, step: ReplayStep, output_dir: ReplayOutputDir = "out/replay", warmup: Warmup = 2,
                 min_profiling_seconds: MinProfilingSeconds = 1.0,
                 rtol: Annotated[float, Range(0)] = 1e-5, dump_layers: bool = False,
-                engine: Annotated[EngineConfig, Fields("comm_backend", "collective_timeout")] = EngineConfig()) -> int:
+                config: Annotated[EngineConfig, Fields("comm_backend", "collective_timeout")] = EngineConfig()) -> int:
     """Replay a dumped step in onnxruntime through each rank's opmx export (under the same mpirun -np N as the dump);
     time it and check its logits and updated cache against the dump. Exit status 1 when a rank disagrees.
 
@@ -128,7 +128,7 @@ def onnx_replay(export_path: str, dump_dir: DumpDir, step: ReplayStep, output_di
     after = load_step(str(rank_dir), int(step) + 1) if any(s == int(step) + 1 for s, _ in dump_files(rank_dir)) \
         else None
     set_cpu_threads(env)
-    comm = make_comm(env, torch.device("cpu"), engine.comm_backend, collective_timeout(engine.collective_timeout))
+    comm = make_comm(env, torch.device("cpu"), config.comm_backend, collective_timeout(config.collective_timeout))
     from runner.onnx.ort import OpmxSession
     path = Path(export_path) / SLICE_DIR.format(env.rank)
     graph_values = layer_values(path, ep["num_layers"]) if dump_layers else ()

@@ -29,15 +29,15 @@ class LLM:
         ckpt_dir: PMX directory split into as many shards as ranks are started.
         tokenizer_path: tokenizer.model / tokenizer.json, or a directory (default: ckpt_dir).
         chat_template: a jinja chat template file (default: the tokenizer's own).
-        **engine: any field of runner.config.EngineConfig, the flags of `python -m runner generate` (e.g.
+        **options: any field of runner.config.EngineConfig, the flags of `python -m runner generate` (e.g.
             max_batch, kv_cache_tokens, device, dtype, quantized_cache); the cache is paged (cache_mode 1) in layout
             2 unless given (runner.config.serving_config).
     """
 
     def __init__(self, ckpt_dir: str, tokenizer_path: Optional[str] = None, chat_template: Optional[str] = None,
-                 **engine):
+                 **options):
         try:
-            config = serving_config(**engine)
+            config = serving_config(**options)
         except TypeError as e:
             raise PmxError(f"LLM: {e} (the engine options are runner.config.EngineConfig's fields)") from None
         self._loaded = load(ckpt_dir, tokenizer_path, config, chat_template=chat_template)

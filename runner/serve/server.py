@@ -31,7 +31,7 @@ from runner.serve.metrics import Metrics
 def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template: ChatTemplateFile = None,
           host: str = "127.0.0.1", port: Annotated[int, Range(0, 65535)] = 8000,
           served_model_name: Optional[str] = None, max_waiting: PositiveInt = 256,
-          drain_timeout: Annotated[float, Range(0)] = 5.0, engine: EngineConfig = serving_config()) -> None:
+          drain_timeout: Annotated[float, Range(0)] = 5.0, config: EngineConfig = serving_config()) -> None:
     """Serve a PMX model over OpenAI's HTTP API (completions, chat completions, streaming) on 1 or N ranks.
 
     Args:
@@ -42,7 +42,7 @@ def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template
         drain_timeout: on SIGTERM, seconds the running requests get to finish before they are cancelled.
     """
     metrics = Metrics()
-    loaded = load(ckpt_dir, tokenizer_path, engine, metrics, progress=True, chat_template=chat_template)
+    loaded = load(ckpt_dir, tokenizer_path, config, metrics, progress=True, chat_template=chat_template)
     sess, llm = loaded.session, loaded.engine
     if not sess.is_main:
         _follow(llm, drain_timeout)
