@@ -7,6 +7,15 @@ Systems (`--systems`, comma-separated; default all):
   transformers  AutoModelForCausalLM, fp32, torch.set_num_threads(THREADS), greedy generate
   ct2           CTranslate2 float32, Generator(intra_threads=THREADS, inter_threads=1)
   llama.cpp     F32 GGUF: llama-bench (batch 1, prefill) and llama-batched-bench (batch 16), -t THREADS
+  openvino      OpenVINO GenAI, fp32 weights, INFERENCE_PRECISION_HINT f32  } each in a venv of its own
+  vllm          vLLM CPU, dtype float32                                      } (benchmarks/peer_venvs.py, torch
+  ortgenai      ONNX Runtime GenAI, its builder's -p fp32 -e cpu model         } pinned to 2.13.0)
+Half-precision weights (the bfloat16 copy of the checkpoint, hf-bf16: the same weights rounded):
+  pmx1-bf16 / pmx2-bf16   pmx-runner on it (--dtype auto: float32 compute, linear weights kept in bfloat16)
+  llama.cpp-bf16          convert_hf_to_gguf.py --outtype bf16
+  openvino-bf16           optimum-cli --weight-format fp16, INFERENCE_PRECISION_HINT bf16 (f32 on a CPU without
+                          bfloat16 arithmetic)
+  vllm-bf16               vLLM CPU, dtype bfloat16
 Weight-only quantised, the same weights (each quantised by its own tool, lm head included):
   pmx1-int8 / pmx1-int4    pmx-runner TP=1 on `python -m runner quantize --quantize int8|int4` (lm head and embedding
                            quantised too, the default)
@@ -17,7 +26,10 @@ Metrics: decode tokens/s at batch 1 and 16 after an 8-token prompt (prefill time
 tokens/s of one 512-token prompt. Every round runs each system once, in its own subprocess, in a
 rotated order; the table gives medians over the rounds and the JSON every raw number (and the best
 round, the least disturbed on a shared box), the versions, thread counts, model shape and the 1-minute
-load average at start and end. About 2 minutes a round for base on 2 cores, plus one-off conversions.
+load average at start and end. Each round also measures the bytes per second the box reads (2 threads summing 1 GiB,
+best of 5), and the tables give batch-1 decode's weight bytes per second beside it; float32, half-precision and
+quantised systems are printed in tables of their own. About 2 minutes a round for base on 2 cores, plus one-off
+conversions.
 
     python benchmarks/cpu_peers.py [--shape base|gqa] [--rounds 5] [--threads 2] [--decode_tokens 32]
         [--systems pmx1,pmx2,transformers,ct2,llama.cpp] [--engine_options '{"prepack": false}']
