@@ -15,7 +15,9 @@ its own packages and fire). What each needed:
 - ONNX Runtime GenAI: `onnxruntime-genai`; `python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32 -e cpu`,
   intra-op threads set in its genai_config.json.
 
-A peer that cannot be installed or converted here raises cpu_peers.Skip with the step that failed.
+Prefix caching is turned off where a peer has it on by default (OpenVINO GenAI's paged backend, vLLM): the benchmark
+repeats its prompts, and a cached prompt is not prefilled again. A peer that cannot be installed or converted here
+raises cpu_peers.Skip with the step that failed.
 """
 
 from __future__ import annotations
@@ -114,8 +116,10 @@ def generator(system: str, model: str, threads: int):
         import openvino as ov
         import openvino_genai as og
         hint = "bf16" if system == "openvino-bf16" else "f32"
-        pipe = og.LLMPipeline(model, "CPU", INFERENCE_PRECISION_HINT=hint, INFERENCE_NUM_THREADS=threads,
-                              NUM_STREAMS=1)
+        sched = og.SchedulerConfig()  # (its paged backend caches prefixes by default: a repeated prompt is free)
+        sched.enable_prefix_caching = False
+        pipe = og.LLMPipeline(model, "CPU", scheduler_config=sched, INFERENCE_PRECISION_HINT=hint,
+                              INFERENCE_NUM_THREADS=threads, NUM_STREAMS=1)
 
         def gen(prompts, n):
             ids = ov.Tensor(np.array(prompts, dtype=np.int64))
@@ -130,7 +134,8 @@ def generator(system: str, model: str, threads: int):
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
         dtype = "bfloat16" if system == "vllm-bf16" else "float32"
-        llm = LLM(model=model, dtype=dtype, max_model_len=1024, max_num_seqs=16, seed=0, skip_tokenizer_init=True)
+        llm = LLM(model=model, dtype=dtype, max_model_len=1024, max_num_seqs=16, seed=0, skip_tokenizer_init=True,
+                  enable_prefix_caching=False)  # (on by default: a repeated prompt would not be prefilled again)
 
         def gen(prompts, n):
             sp = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
