@@ -178,6 +178,23 @@ def test_half_precision_checkpoint_keeps_its_width_on_cpu(make_hf, tmp_path, dty
     assert rel_err(got["auto", True], got["float32", True]) < 1e-5
 
 
+def test_matrix_dtype_is_the_checkpoints_only_where_the_cpu_kernels_read_it(monkeypatch):
+    """auto on CPU: a half-precision checkpoint's own width for the linear weights where this project's kernels are
+    built and prepacking is on; otherwise (and for --dtype float32, a float32 checkpoint) the compute dtype."""
+    from runner.engine import session
+    from runner.kernels.cpu_ext import cpu_ops
+    cpu = torch.device("cpu")
+    want = torch.bfloat16 if cpu_ops() is not None else torch.float32
+    assert session.pick_matrix_dtype("auto", "bfloat16", cpu) == want
+    assert session.pick_matrix_dtype("auto", "float16", cpu) == (torch.float16 if want != torch.float32 else want)
+    for flags in (("float32", "bfloat16", cpu), ("auto", "float32", cpu)):
+        assert session.pick_matrix_dtype(*flags) == torch.float32
+    assert session.pick_matrix_dtype("auto", "bfloat16", cpu, prepack=False) == torch.float32
+    assert session.pick_matrix_dtype("auto", "bfloat16", torch.device("cuda")) == torch.bfloat16  # (compute dtype)
+    monkeypatch.setattr(session, "cpu_ops", lambda: None)
+    assert session.pick_matrix_dtype("auto", "bfloat16", cpu) == torch.float32
+
+
 def test_half_precision_tensor_parallel_matches_one_rank(make_hf, tmp_path):
     """A bfloat16 checkpoint at TP = 2 (weights at their width on each rank, the one-call step and sequence
     parallelism) against TP = 1 and transformers in float32."""
