@@ -116,7 +116,7 @@ def test_chat_template_special_tokens_and_errors(stories):
 
 def test_incremental_detokenizer_matches_whole_decode(stories):
     from runner.engine.tokenizer import Tokenizer
-    from runner.serve.engine import IncrementalDetokenizer
+    from runner.serve.output import IncrementalDetokenizer
     tok = Tokenizer(str(stories["pmx"]))
     prompt = tok.encode("Once upon a time")
     rng = random.Random(1)
