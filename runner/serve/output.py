@@ -175,9 +175,11 @@ class OutputProcessor:
             request_id, len(prompt_ids), params, time.monotonic() if arrival is None else arrival,
             [_Completion(i, IncrementalDetokenizer(self.tok, prompt_ids)) for i in range(params.n)])
 
-    def forget(self, request_id: str) -> None:
-        """Drops a request (its client went away; the engine is told to cancel it)."""
-        self.requests.pop(request_id, None)
+    def forget(self, request_id: str, reason: Optional[str] = "abort") -> None:
+        """Drops a request before its end (its client went away, the engine is told to cancel it: it counts as
+        finished for `reason`; None: it never ran)."""
+        if self.requests.pop(request_id, None) is not None and self.metrics is not None and reason is not None:
+            self.metrics.finished(reason)
 
     def __len__(self) -> int:
         return len(self.requests)
