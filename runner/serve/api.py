@@ -69,9 +69,11 @@ class Gone(Exception):
     """The client went away while its request was read or answered: no response is due."""
 
 
-def refused(e: EngineRefused) -> ApiError:
+def refused(e: EngineRefused, job: Optional[Job] = None) -> ApiError:
+    """The engine's refusal; a structured-output spec's error names the field the spec came from."""
     retry = {"Retry-After": "1"} if e.status == 503 else None
-    return ApiError(e.status, e.message, e.param, retry)
+    param = job.spec_field if job is not None and e.param == "structured_outputs" else e.param
+    return ApiError(e.status, e.message, param, retry)
 
 
 def _aborted() -> ApiError:
@@ -297,7 +299,7 @@ class Api:
         except EngineRefused as e:
             raise refused(e) from None
         if stream:
-            first = await self.first(request, sub)
+            first = await self.first(request, sub, job)
             return EventStream(self.events(request, job, first, include_usage), job.id)
         results = {rid: RequestOutput(rid, text, ids, [CompletionOutput(k) for k in range(job.params.n)])
                    for rid, (text, ids) in zip(job.request_ids(), job.prompts)}
@@ -312,7 +314,7 @@ class Api:
             _gone(request.scope, "before its answer")
             raise Gone() from None
         except EngineRefused as e:
-            raise refused(e) from None
+            raise refused(e, job) from None
         outs = [o for r in results.values() for o in r.outputs]
         if any(o.finish_reason == "error" for o in outs):
             raise _failed(job, error)
@@ -324,7 +326,7 @@ class Api:
         return JSONResponse(job.response(results))
 
     @staticmethod
-    async def first(request: Request, sub: Subscription) -> AsyncIterator[list]:
+    async def first(request: Request, sub: Subscription, job: Job) -> AsyncIterator[list]:
         """A stream's deltas, its first batch awaited before the response starts: a request the engine refuses is
         still an HTTP error (400 naming the field, 503), not a stream of one error event."""
         deltas = sub.deltas(request.receive)
@@ -332,7 +334,7 @@ class Api:
             first = await deltas.__anext__()
         except EngineRefused as e:
             await deltas.aclose()
-            raise refused(e) from None
+            raise refused(e, job) from None
         except ClientGone:
             await deltas.aclose()
             _gone(request.scope, "before its stream began")
