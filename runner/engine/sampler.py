@@ -94,6 +94,8 @@ class Sampler:
         if bad.any():  # such a row takes its greedy token (NaN read as -inf), never an exception that ends the step
             best = raw[bad].nan_to_num(nan=float("-inf")).argmax(-1)
             probs[bad] = torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype)
+        if p.top_p < 1 or p.min_p > 0:  # (what the cuts kept sums to 1 again: verify reads probabilities)
+            probs = probs / probs.sum(-1, keepdim=True)
         return probs
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:

@@ -579,9 +579,8 @@ class Guard:
                     pass
 
 
-def build_app(ctx: ApiContext) -> Guard:
-    api = Api(ctx)
-
+def make_app(routes: list, metrics, api: Optional[Api] = None) -> Guard:
+    """Starlette over `routes` with the error shapes of this module, inside a Guard."""
     async def on_api_error(request: Request, e: ApiError) -> Response:
         return e.response()
 
@@ -591,6 +590,11 @@ def build_app(ctx: ApiContext) -> Guard:
     async def on_bug(request: Request, e: Exception) -> Response:  # (Starlette re-raises it after: Guard sees it)
         return _internal(request.scope, e).response()
 
-    app = Starlette(routes=api.routes(), exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
-                                                               Exception: on_bug})
-    return Guard(app, ctx.metrics, api)
+    app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
+                                                       Exception: on_bug})
+    return Guard(app, metrics, api)
+
+
+def build_app(ctx: ApiContext) -> Guard:
+    api = Api(ctx)
+    return make_app(api.routes(), ctx.metrics, api)
