@@ -105,8 +105,8 @@ class EventStream(Response):
     """Server-sent events from an async iterator of `data:` payloads; stops (cancelling) when the client goes. An
     unexpected failure mid-stream ends it with an error event carrying an id that the log line carries too."""
 
-    def __init__(self, events: AsyncIterator[str], request_id: str):
-        self.status_code, self.background, self.events, self.request_id = 200, None, events, request_id
+    def __init__(self, events: AsyncIterator[str], metrics):
+        self.status_code, self.background, self.events, self.metrics = 200, None, events, metrics
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
     async def __call__(self, scope, receive, send) -> None:
@@ -115,6 +115,7 @@ class EventStream(Response):
             async for data in self.events:
                 await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
         except (ClientGone, OSError):
+            self.metrics.disconnects.inc()
             _gone(scope, "during its stream")
             return
         except Exception:  # noqa: BLE001 - the stream has started: the failure is told in it
@@ -300,7 +301,7 @@ class Api:
             raise refused(e) from None
         if stream:
             first = await self.first(request, sub, job)
-            return EventStream(self.events(request, job, first, include_usage), job.id)
+            return EventStream(self.events(request, job, first, include_usage), self.ctx.metrics)
         results = {rid: RequestOutput(rid, text, ids, [CompletionOutput(k) for k in range(job.params.n)])
                    for rid, (text, ids) in zip(job.request_ids(), job.prompts)}
         error = None
@@ -557,14 +558,12 @@ class Guard:
             if message["type"] == "http.response.start":
                 started = True
                 self.metrics.responses.labels(str(message["status"])).inc()
-                if 400 <= message["status"] < 500 or message["status"] == 503:
+                if 400 <= message["status"] < 499 or message["status"] == 503:
                     self.metrics.rejected.inc()
             await send(message)
 
         try:
             await self.app(scope, receive, counted)
-        except Gone:
-            self.metrics.disconnects.inc()
         except OSError:  # (the socket went while a response was written)
             self.metrics.disconnects.inc()
             _gone(scope, "while it was answered")
@@ -587,11 +586,15 @@ def make_app(routes: list, metrics, api: Optional[Api] = None) -> Guard:
     async def on_http_error(request: Request, e: HTTPException) -> Response:
         return ApiError(e.status_code, str(e.detail)).response()
 
+    async def on_gone(request: Request, e: Gone) -> Response:  # (nginx's "client closed request": no one reads it)
+        metrics.disconnects.inc()
+        return Response(status_code=499)
+
     async def on_bug(request: Request, e: Exception) -> Response:  # (Starlette re-raises it after: Guard sees it)
         return _internal(request.scope, e).response()
 
     app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
-                                                       Exception: on_bug})
+                                                       Gone: on_gone, Exception: on_bug})
     return Guard(app, metrics, api)
 
 
