@@ -4,7 +4,8 @@ below must hold, or it exits 1 naming what failed.
 
     python benchmarks/soak.py --seconds 600 [--ranks 2] [--clients 24] [--json_path out/soak.json]
 
-The server: stories260k (../shared/models, converted and split into --ranks shards under --workdir) under
+The server: stories260k (../shared/models, converted and split into --ranks shards under --workdir, by default
+~/.cache/pmx-runner/soak, which also holds the server's log) under
 scripts/mpirun.sh -np RANKS, with a KV cache of 4 pages (512 tokens) so that sequences are preempted and the prefix
 cache evicts, short header / body timeouts (2 s) and a 1 MB body limit. The traffic, all at once:
   valid        --clients clients sending, one after another, requests from a fixed set: greedy and seeded-sampled,
@@ -353,7 +354,7 @@ def main(seconds: float = 60, ranks: int = 2, clients: int = 24, workdir: str = 
          model: str = str(REPO.parent / "shared" / "models" / "stories260k"), seed: int = 0,
          drain_timeout: float = 5.0) -> None:
     """Soak the server for `seconds`; see the module docstring."""
-    work = Path(workdir) if workdir else Path("/tmp") / f"pmx-soak-{os.getpid()}"
+    work = Path(workdir) if workdir else Path.home() / ".cache" / "pmx-runner" / "soak"
     work.mkdir(parents=True, exist_ok=True)
     ckpt = _prepare(work, ranks, Path(model))
     marker = uuid.uuid4().hex
