@@ -3,7 +3,7 @@
 server, and on the same server while a 50 MB request, 32 slow clients and a disconnect storm arrive.
 
     python benchmarks/serve_attack.py [--model ../shared/models/tinystories-656k] [--rounds 3] [--streams 16]
-                                      [--max_tokens 128] [--json_path out/serve_attack.json]
+                                      [--max_tokens 128] [--attacks big,slow,storm] [--json_path out/serve_attack.json]
 
 One server (`python -m runner serve`, one rank, this checkout) on the model (an HF directory, converted once under
 --workdir, default ~/.cache/pmx-runner/attack). Each round measures the 16 streams twice, quiet and attacked, the
@@ -15,7 +15,10 @@ is not slowed by them), from a second before the streams start until they end:
              answers 413 from its Content-Length and closes), again and again;
   slow       32 clients trickling a request's headers a byte every 0.5 s (the server drops them after
              --header_timeout; they reconnect);
-  storm      8 clients starting streams and leaving after the first chunk, again and again.
+  storm      8 clients sending whole streamed requests and closing the connection at once, again and again (a
+             pause of 0.1 s between: ~80 a second)
+             (--attacks storm_first: leaving after the first chunk instead, which costs the engine a prefill and a
+             step each, as any request does).
 The table gives each round's p50 / p99 and the attacked / quiet ratio of each (the target: within 1.2x); the box
 is shared, so the JSON keeps every figure, the load average and the attack's own counts.
 """
@@ -38,6 +41,8 @@ import fire
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+STORM_PAUSE_S = 0.1  # each of the 8 storm clients: a request, then this pause (~80 a second in all; a flood past
+                     # what the front end can take is a denial of service, which rate limits are for)
 WORDS = ("the cat dog girl boy park ball tree sun happy big little red blue ran saw played found home mom friend "
          "day time said wanted looked went toy box bird fish water sky").split()
 
@@ -72,6 +77,29 @@ async def _measure(url: str, prompts: list, max_tokens: int) -> dict:
     return {"ok": sum(r["status"] == 200 for r in runs), "streams": len(runs),
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
             "itl_p50_ms": pct(gaps, 0.5), "itl_p99_ms": pct(gaps, 0.99), "chunks": len(gaps) + len(ttft)}
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list:
+    out = []
+    for p in (x for x in os.listdir("/proc") if x.isdigit()):
+        try:
+            if int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(p))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def _steps(url: str) -> tuple:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    get = {m.group(1): float(m.group(2)) for m in re.finditer(r"^pmx_(\w+) (\S+)$", text, re.M)}
+    return get.get("steps_total", 0.0), get.get("generation_tokens_total", 0.0)
 
 
 # -- the attackers (a process of their own) --------------------------------------------------------------------------
@@ -118,7 +146,26 @@ async def _slow(host: str, port: int, until: dict, counts: dict) -> None:
             await asyncio.sleep(0.1)
 
 
-async def _storm(url: str, until: dict, counts: dict, k: int) -> None:
+async def _storm(host: str, port: int, until: dict, counts: dict, k: int) -> None:
+    """Clients that send a whole streamed request and close the connection at once, again and again."""
+    rng = random.Random(k)
+    while time.monotonic() < until["t"]:
+        body = json.dumps({"prompt": _prompts(rng, 1)[0], "max_tokens": 200, "stream": True}).encode()
+        try:
+            _, writer = await asyncio.open_connection(host, port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: attack\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+            writer.close()
+            counts["storm"] = counts.get("storm", 0) + 1
+        except OSError:
+            counts["storm error"] = counts.get("storm error", 0) + 1
+        await asyncio.sleep(STORM_PAUSE_S)
+
+
+async def _storm_first(url: str, until: dict, counts: dict, k: int) -> None:
+    """Clients that start a stream and leave after its first chunk (each costs the engine a prefill and a step, as
+    any request does)."""
     rng = random.Random(k)
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         while time.monotonic() < until["t"]:
@@ -127,12 +174,13 @@ async def _storm(url: str, until: dict, counts: dict, k: int) -> None:
                         "prompt": _prompts(rng, 1)[0], "max_tokens": 200, "stream": True}) as r:
                     async for _ in r.aiter_lines():
                         break
-                counts["storm"] = counts.get("storm", 0) + 1
+                counts["storm_first"] = counts.get("storm_first", 0) + 1
             except httpx.HTTPError:
-                counts["storm error"] = counts.get("storm error", 0) + 1
+                counts["storm_first error"] = counts.get("storm_first error", 0) + 1
+            await asyncio.sleep(STORM_PAUSE_S)
 
 
-def attack(url: str, seconds: float, out: str) -> None:
+def attack(url: str, seconds: float, out: str, attacks: str = "big,slow,storm") -> None:
     """The attackers for `seconds` (run by the benchmark in a process of its own); their counts to `out`."""
     host, port = url.removeprefix("http://").split(":")
     counts: dict = {}
@@ -140,9 +188,11 @@ def attack(url: str, seconds: float, out: str) -> None:
     signal.signal(signal.SIGTERM, lambda *_: until.update(t=0.0))  # (the benchmark's word: stop now)
 
     async def main():
-        await asyncio.gather(_big(host, int(port), until, counts),
-                             *(_slow(host, int(port), until, counts) for _ in range(32)),
-                             *(_storm(url, until, counts, k) for k in range(8)))
+        chosen = attacks.split(",") if isinstance(attacks, str) else list(attacks)
+        await asyncio.gather(*([_big(host, int(port), until, counts)] if "big" in chosen else []),
+                             *(_slow(host, int(port), until, counts) for _ in range(32 if "slow" in chosen else 0)),
+                             *(_storm(host, int(port), until, counts, k) for k in range(8 if "storm" in chosen else 0)),
+                             *(_storm_first(url, until, counts, k) for k in range(8 if "storm_first" in chosen else 0)))
     asyncio.run(main())
     Path(out).write_text(json.dumps(counts))
 
@@ -150,7 +200,9 @@ def attack(url: str, seconds: float, out: str) -> None:
 # -- the benchmark ---------------------------------------------------------------------------------------------------
 def run(model: str = str(REPO.parent / "shared" / "models" / "tinystories-656k"), rounds: int = 3, streams: int = 16,
         max_tokens: int = 128, workdir: str = str(Path.home() / ".cache" / "pmx-runner" / "attack"),
-        json_path: str = str(REPO / "out" / "serve_attack.json"), header_timeout: float = 10.0, seed: int = 0) -> None:
+        json_path: str = str(REPO / "out" / "serve_attack.json"), header_timeout: float = 10.0, seed: int = 0,
+        attacks: str = "big,slow,storm") -> None:
+    """See the module docstring; `attacks`: some of big, slow, storm, storm_first (to see what each costs)."""
     from runner.pmx.convert import convert
     work = Path(workdir)
     pmx = work / Path(model).name
@@ -174,18 +226,24 @@ def run(model: str = str(REPO.parent / "shared" / "models" / "tinystories-656k")
             m = re.search(r"serving .* at (http://[\d.:]+)", log.read_text(errors="replace"))
             url = m.group(1) if m else None
         asyncio.run(_measure(url, _prompts(rng, streams), 16))  # warm-up
+        front = _children(proc.pid)[0]
         for r in range(rounds):
             for phase in (("quiet", "attacked") if r % 2 == 0 else ("attacked", "quiet")):
                 prompts = _prompts(rng, streams)
                 attacker, counts = None, work / "attack.json"
                 if phase == "attacked":
                     attacker = subprocess.Popen([sys.executable, __file__, "attack", "--url", url, "--seconds",
-                                                 "600", "--out", str(counts)], cwd=REPO)
+                                                 "600", "--out", str(counts), "--attacks", attacks], cwd=REPO)
                     time.sleep(1.5)
-                t0 = time.monotonic()
+                t0, steps0, cpu0 = time.monotonic(), _steps(url), (_cpu_s(proc.pid), _cpu_s(front))
                 res = asyncio.run(_measure(url, prompts, max_tokens))
+                steps1, cpu1 = _steps(url), (_cpu_s(proc.pid), _cpu_s(front))
+                n = max(steps1[0] - steps0[0], 1)
                 res.update(round=r + 1, phase=phase, seconds=round(time.monotonic() - t0, 2),
-                           loadavg_1m=os.getloadavg()[0])
+                           loadavg_1m=os.getloadavg()[0], engine_steps=n, tokens=steps1[1] - steps0[1],
+                           engine_cpu_s=round(cpu1[0] - cpu0[0], 3), front_cpu_s=round(cpu1[1] - cpu0[1], 3),
+                           engine_cpu_ms_per_step=round((cpu1[0] - cpu0[0]) * 1000 / n, 3),
+                           engine_wall_share=round((cpu1[0] - cpu0[0]) / (time.monotonic() - t0), 3))
                 if attacker is not None:
                     attacker.send_signal(signal.SIGTERM)
                     try:
@@ -197,7 +255,10 @@ def run(model: str = str(REPO.parent / "shared" / "models" / "tinystories-656k")
                     counts.unlink(missing_ok=True)
                 rows.append(res)
                 print(f"round {r + 1} {phase:8}: TTFT p50 {res['ttft_p50_ms']:.1f} p99 {res['ttft_p99_ms']:.1f} ms, "
-                      f"ITL p50 {res['itl_p50_ms']:.1f} p99 {res['itl_p99_ms']:.1f} ms, {res['ok']}/{streams} ok "
+                      f"ITL p50 {res['itl_p50_ms']:.1f} p99 {res['itl_p99_ms']:.1f} ms, {res['ok']}/{streams} ok; "
+                      f"engine {res['engine_steps']:.0f} steps, {res['tokens']:.0f} tokens, CPU "
+                      f"{res['engine_cpu_ms_per_step']:.2f} ms a step, {res['engine_wall_share']:.2f} of a core; front "
+                      f"end CPU {res['front_cpu_s']:.2f} s "
                       f"(load {res['loadavg_1m']:.1f}){'; attack ' + json.dumps(res.get('attack')) if attacker else ''}",
                       flush=True)
                 time.sleep(2)

@@ -295,6 +295,9 @@ class Api:
             raise ApiError(400, f"{len(job.prompts)} prompt(s) x n={job.params.n} make "
                                 f"{len(job.prompts) * job.params.n} sequences; this server queues at most "
                                 f"{self.ctx.max_waiting} (--max_waiting)", "n")
+        if await request.is_disconnected():  # (a client that sent its request and left: the engine never sees it)
+            _gone(request.scope, "before its request ran")
+            raise Gone()
         try:
             sub = self.ctx.client.submit(job.request_ids(), [ids for _, ids in job.prompts], job.params, job.arrival)
         except EngineRefused as e:
