@@ -146,9 +146,9 @@ def test_a_request_whose_sampling_fails_ends_alone(stories):
     """A sequence whose sampling raises ends with finish "error" and the reason; the request beside it in the same
     steps goes on to the reference text, and the engine serves the next one."""
     from runner import LLM
-    from runner.serve.output import OutputProcessor
+    from runner.serve.output import TextProcessor
     with LLM(str(stories["pmx"]), kv_cache_tokens=1024) as llm:
-        eng, out = llm.engine, OutputProcessor(llm.tokenizer)
+        eng, out = llm.engine, TextProcessor(llm.tokenizer)
         ids = llm.tokenizer.encode("Once upon a time")
         for rid, temperature in (("bad", 0.8), ("good", 0.0)):
             p = SamplingParams(max_tokens=40, temperature=temperature)

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from typing import AsyncIterator, Optional
 
 from runner.serve.channel import ChannelClosed, FrontEnd
-from runner.serve.output import OutputProcessor, TokenDelta
+from runner.serve.output import TextProcessor, TokenDelta
 from runner.serve.params import SamplingParams
 
 log = logging.getLogger("pmx.serve")
@@ -70,7 +70,7 @@ class EngineClient:
     """The front end's side of the engine: submit / cancel, and the task (:meth:`run`) that reads the engine's
     messages. `accepting` turns False when the engine drains; `stopped` is set when it has stopped (or gone)."""
 
-    def __init__(self, channel: FrontEnd, processor: OutputProcessor, metrics=None):
+    def __init__(self, channel: FrontEnd, processor: TextProcessor, metrics=None):
         self.channel, self.out, self.metrics = channel, processor, metrics
         self.subs: dict[str, Subscription] = {}
         self.accepting = True

@@ -222,7 +222,7 @@ async def _serve(cfg: FrontendConfig, sock: socket.socket, listener: socket.sock
     from runner.serve.channel import FrontEnd
     from runner.serve.client import EngineClient
     from runner.serve.metrics import FrontendMetrics
-    from runner.serve.output import OutputProcessor
+    from runner.serve.output import TextProcessor
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -231,7 +231,7 @@ async def _serve(cfg: FrontendConfig, sock: socket.socket, listener: socket.sock
 
     channel = await FrontEnd.open(sock)
     metrics = FrontendMetrics()
-    client = EngineClient(channel, OutputProcessor(tokenizer, metrics), metrics)
+    client = EngineClient(channel, TextProcessor(tokenizer, metrics), metrics)
     app = build_app(ApiContext(client, tokenizer, template, cfg.model_name, cfg.max_model_len, cfg.vocab_size,
                                cfg.max_waiting, metrics, cfg.created, cfg.max_request_bytes, cfg.body_timeout,
                                max_token_bytes))

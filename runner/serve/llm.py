@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 
 from runner.config import serving_config
 from runner.errors import PmxError
-from runner.serve.output import CompletionOutput, OutputProcessor, RequestOutput
+from runner.serve.output import CompletionOutput, RequestOutput, TextProcessor
 from runner.serve.loader import load
 from runner.serve.params import SamplingParams
 
@@ -90,7 +90,7 @@ class LLM:
             raise PmxError(f"{len(params)} sampling params for {len(encoded)} prompts")
         for (_, ids), p in zip(encoded, params):  # every rank checks, so a bad request fails on every rank
             self.engine.check(ids, p)
-        eng, out = self.engine, OutputProcessor(self.tokenizer)
+        eng, out = self.engine, TextProcessor(self.tokenizer)
         self._counter += 1
         results = {}
         for i, ((text, ids), p) in enumerate(zip(encoded, params)):

@@ -161,7 +161,7 @@ class _Request:
     engine_done: bool = False  # the engine's last delta came (with the prompt logprobs, where asked)
 
 
-class OutputProcessor:
+class TextProcessor:
     """Token deltas -> text deltas, for the requests `add`ed to it. `metrics`: the front end's
     (runner.serve.metrics.FrontendMetrics: time to first token, inter-token latency, requests by finish reason), or
     None."""
