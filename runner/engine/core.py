@@ -44,6 +44,7 @@ class Output:
     step_logits: torch.Tensor
     rows: object                 # an int, or a slice of a scored prompt's chunk
     finish: Optional[str] = None
+    error: Optional[str] = None  # finish "error": why the sequence could not go on (its sampling raised)
 
     @property
     def logits(self) -> torch.Tensor:
@@ -150,9 +151,9 @@ class EngineCore:
         `sampling` (its seed, or one derived from the shared base seed) and masked by `constraint` (structured
         output); `all_logits`: score the prompt instead."""
         seed = sampling.seed if sampling.seed is not None else self.next_seed()
-        i = next(self._ids)
-        seq = Sequence(i, list(prompt), len(prompt), min(len(prompt) + max_new_tokens, self.max_model_len), arrival=i,
-                       stop_ids=frozenset(stop_ids), sampler=Sampler(replace(sampling, seed=seed)),
+        i, tokens = next(self._ids), list(prompt)
+        seq = Sequence(i, tokens, len(prompt), min(len(prompt) + max_new_tokens, self.max_model_len), arrival=i,
+                       stop_ids=frozenset(stop_ids), sampler=Sampler(replace(sampling, seed=seed), tokens, len(prompt)),
                        all_logits=all_logits, state=state, constraint=constraint)
         self.scheduler.add(seq)
         return seq
@@ -202,8 +203,9 @@ class EngineCore:
         """Speculative decoding: each decoding sequence's guessed tokens, appended (the step verifies them)."""
         if self.proposer is None:
             return []
-        cands = [s for s in self.scheduler.running
-                 if s.decoding and not s.all_logits and s.constraint is None and s.max_len - len(s.tokens) > 0]
+        cands = [s for s in self.scheduler.running  # (penalties count the tokens so far: no guesses among them)
+                 if s.decoding and not s.all_logits and s.constraint is None and not s.sampler.params.adjusts
+                 and s.max_len - len(s.tokens) > 0]
         proposing = []
         for s, guess in zip(cands, self.proposer.propose_all(cands) if cands else ()):
             s.proposal = guess[: s.max_len - len(s.tokens)]
@@ -245,18 +247,23 @@ class EngineCore:
             self.finish(s, "length")
         if due:
             lg = logits if len(due) == len(items) and not wide else logits[[last[s.seq_id] for s in due]]
-            greedy = [k for k, s in enumerate(due) if s.sampler.params.temperature == 0 and s.constraint is None]
+            greedy = [k for k, s in enumerate(due) if s.sampler.plain_greedy and s.constraint is None]
             ids = [0] * len(due)
             if greedy:
                 for k, t in zip(greedy, greedy_ids(lg if len(greedy) == len(due) else lg[greedy])):
                     ids[k] = t
             for k, s in enumerate(due):
-                if s.constraint is not None:  # structured output: only what the grammar allows next
-                    ids[k] = int(s.sampler(s.constraint.mask(lg[k])[None])[0])
-                    self._take(s, ids[k], out, lg, k, stop=s.constraint.accept(ids[k]))
+                try:
+                    if s.constraint is not None:  # structured output: only what the grammar allows next
+                        ids[k] = int(s.sampler(s.constraint.mask(lg[k])[None])[0])
+                        self._take(s, ids[k], out, lg, k, stop=s.constraint.accept(ids[k]))
+                        continue
+                    if not s.sampler.plain_greedy:
+                        ids[k] = int(s.sampler(lg[k:k + 1])[0])
+                except Exception as e:  # noqa: BLE001 - one sequence's failure ends it, not the step of all
+                    self.finish(s, "error")
+                    out.append(Output(s, None, lg, k, "error", f"{type(e).__name__}: {e}"))
                     continue
-                if s.sampler.params.temperature != 0:
-                    ids[k] = int(s.sampler(lg[k:k + 1])[0])
                 self._take(s, ids[k], out, lg, k)
         for s in ready:
             if s.seq_id in verified:  # the accepted guesses (already in its tokens), then the verified token
