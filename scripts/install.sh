@@ -25,6 +25,6 @@ step "installing torch 2.13.0 (its CPU build)" .venv/bin/python -m pip install -
 step "installing pmx-runner (editable) with its test, MPI, Triton and structured-output extras, and MPICH" \
   .venv/bin/python -m pip install -q -e ".[test,mpi,triton,structured]" mpich
 step "checking the imports" \
-  .venv/bin/python -c "import torch, transformers, mpi4py, safetensors, sentencepiece, tokenizers, tiktoken, fire, triton, xgrammar, onnx, onnxruntime, onnxruntime_extensions"
+  .venv/bin/python -c "import torch, transformers, mpi4py, safetensors, sentencepiece, tokenizers, tiktoken, fire, triton, xgrammar, onnx, onnxruntime, onnxruntime_extensions, pydantic, prometheus_client, msgspec, httptools, uvloop, hypothesis, schemathesis"
 touch "$stamp"
 echo "install: ready in $((SECONDS - start)) s (.venv)"

@@ -120,9 +120,9 @@ class EngineCore:
         `sampling` (its seed, or one derived from the shared base seed) and masked by `constraint` (structured
         output); `all_logits`: score the prompt instead."""
         seed = sampling.seed if sampling.seed is not None else self.next_seed()
-        i = next(self._ids)
-        seq = Sequence(i, list(prompt), len(prompt), min(len(prompt) + max_new_tokens, self.max_model_len), arrival=i,
-                       stop_ids=frozenset(stop_ids), sampler=Sampler(replace(sampling, seed=seed)),
+        i, tokens = next(self._ids), list(prompt)
+        seq = Sequence(i, tokens, len(prompt), min(len(prompt) + max_new_tokens, self.max_model_len), arrival=i,
+                       stop_ids=frozenset(stop_ids), sampler=Sampler(replace(sampling, seed=seed), tokens, len(prompt)),
                        all_logits=all_logits, state=state, constraint=constraint)
         self.scheduler.add(seq)
         return seq

@@ -37,8 +37,10 @@ UNALIGNED_PROMPTS = (  # ppl.pmx's unaligned batch: prompts of different lengths
 
 
 def run_meta(sess) -> dict:
-    """What a replay needs to run a dumped step as it ran: engine config, dtype, device, ranks."""
+    """What a replay needs to run a dumped step as it ran: engine config, dtype (compute, and the linear weights'),
+    device, ranks."""
     return {"options": asdict(sess.model.config), "dtype": dtype_name(sess.model.dtype),
+            "weight_dtype": dtype_name(sess.model.weight_dtype),
             "device": sess.device.type, "world_size": sess.env.world_size,
             "kv_replication": sess.model.params.kv_replication}
 

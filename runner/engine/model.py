@@ -27,16 +27,17 @@ from runner.kernels.quant_linear import cat_weights, make_linear, pop_weight
 from runner.kernels.sets import KernelSet, Layers, kernel_set
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, SeqParallel
 from runner.pmx.params import PmxParams, shard_file
-from runner.pmx.quant import is_quant_tensor, quantize, scheme_of, tensor_dtype
+from runner.pmx.quant import is_matrix_weight, is_quant_tensor, quantize, scheme_of, tensor_dtype
 from runner.pmx.schema import pmx_tensors
 from runner.pmx.shard import shard_shape
 from runner.pmx.store import SafetensorsReader
 
 
 def load_shard(ckpt_dir: Path, rank: int, device: torch.device, dtype: torch.dtype,
-               on_tensor=None) -> tuple[PmxParams, dict]:
-    """Params and rank `rank`'s tensors, with strict checks: every expected tensor, no other, right shapes.
-    `on_tensor(nbytes)`, when given, is called after each tensor is read (progress)."""
+               on_tensor=None, matrix_dtype: Optional[torch.dtype] = None) -> tuple[PmxParams, dict]:
+    """Params and rank `rank`'s tensors, with strict checks: every expected tensor, no other, right shapes. Float
+    tensors in `dtype`, the linear layers', output's and embedding's weights (quant.is_matrix_weight) in `matrix_dtype`
+    where given. `on_tensor(nbytes)`, when given, is called after each tensor is read (progress)."""
     params = PmxParams.load(ckpt_dir)
     if params.num_shards <= rank:
         raise PmxError(f"{ckpt_dir}: holds {params.num_shards} shard(s), rank {rank} has none; split the model "
@@ -57,15 +58,18 @@ def load_shard(ckpt_dir: Path, rank: int, device: torch.device, dtype: torch.dty
                                f"{tensor_dtype(params, name, dtype)} for {params.quantization}")
             weights[name] = rd.get(name).to(device=device)
         else:
-            weights[name] = rd.get(name).to(device=device, dtype=dtype)
+            weights[name] = rd.get(name).to(device=device, dtype=matrix_dtype if matrix_dtype is not None
+                                            and is_matrix_weight(name) else dtype)
         if on_tensor is not None:
             on_tensor(rd.nbytes(name))
     return params, weights
 
 
-def random_shard(params: PmxParams, rank: int, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
+def random_shard(params: PmxParams, rank: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 matrix_dtype: Optional[torch.dtype] = None) -> dict:
     """Random weights in the shapes of rank `rank`'s shard (for benchmarks without a checkpoint): matrices
-    N(0, 0.02^2), norms 1, biases 0, so activations stay in range as in a trained model."""
+    N(0, 0.02^2) (in `matrix_dtype` where given, as load_shard), norms 1, biases 0, so activations stay in range as in
+    a trained model."""
     g = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
     out, scheme, fp = {}, scheme_of(params), params.replace(quantization=None)
     for name, full in pmx_tensors(fp).items():
@@ -79,7 +83,8 @@ def random_shard(params: PmxParams, rank: int, device: torch.device, dtype: torc
             out[f"{base}.qweight"], out[f"{base}.scale"] = quantize(torch.randn(shape, generator=g, device=device)
                                                                     * 0.02, scheme)
         else:
-            out[name] = (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype)
+            out[name] = (torch.randn(shape, generator=g, device=device) * 0.02).to(
+                matrix_dtype if matrix_dtype is not None and is_matrix_weight(name) else dtype)
     return out
 
 
@@ -337,7 +342,9 @@ class Transformer(nn.Module):
         if p.num_experts and p.ffn_bias:
             raise PmxError("mixture-of-experts models with MLP biases are not supported")
         w = weights
-        self.dtype, self.device = w["norm.weight"].dtype, w["norm.weight"].device
+        self.dtype, self.device = w["norm.weight"].dtype, w["norm.weight"].device  # the compute dtype
+        # the float matrices' (a CPU engine keeps a half-precision checkpoint's at their width)
+        self.weight_dtype = next((t.dtype for n, t in w.items() if is_matrix_weight(n)), self.dtype)
         self.num_params = sum(t.numel() for t in w.values())
         self.ops = ops = ops or kernel_set(c.kernels, self.device, self.dtype)
         kinds = ops.layers or ENGINE_LAYERS

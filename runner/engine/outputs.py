@@ -12,8 +12,9 @@ guess). In that order :meth:`OutputProcessor.process`:
 4. samples the next token of every sequence that is due one (the greedy ones together, in one argmax);
 5. gives each verified sequence its accepted guesses, then the verified token.
 
-A sequence ends on a stop id (not appended; a guessed stop ends it before the guess) or at its max_len ("length");
-an ended sequence leaves the scheduler and frees its cache at once.
+A sequence ends on a stop id (not appended; a guessed stop ends it before the guess), at its max_len ("length"), or
+where its sampling raises ("error", with the reason: one sequence's failure ends it, not the step of all); an ended
+sequence leaves the scheduler and frees its cache at once.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Output:
     step_logits: torch.Tensor
     rows: object                 # an int, or a slice of a scored prompt's chunk
     finish: Optional[str] = None
+    error: Optional[str] = None  # finish "error": why the sequence could not go on (its sampling raised)
 
     @property
     def logits(self) -> torch.Tensor:
@@ -93,18 +95,23 @@ class OutputProcessor:
     def _sample(due: list, logits: torch.Tensor, out: list, scheduler: Scheduler) -> None:
         """The next token of each sequence in `due` from its row of `logits`: greedy rows in one argmax, sampled rows
         by their own samplers, structured output masked by its grammar."""
-        greedy = [k for k, s in enumerate(due) if s.sampler.params.temperature == 0 and s.constraint is None]
+        greedy = [k for k, s in enumerate(due) if s.sampler.plain_greedy and s.constraint is None]
         ids = [0] * len(due)
         if greedy:
             for k, t in zip(greedy, greedy_ids(logits if len(greedy) == len(due) else logits[greedy])):
                 ids[k] = t
         for k, s in enumerate(due):
-            if s.constraint is not None:  # structured output: only what the grammar allows next
-                ids[k] = int(s.sampler(s.constraint.mask(logits[k])[None])[0])
-                _take(s, ids[k], out, logits, k, scheduler, stop=s.constraint.accept(ids[k]))
+            try:
+                if s.constraint is not None:  # structured output: only what the grammar allows next
+                    ids[k] = int(s.sampler(s.constraint.mask(logits[k])[None])[0])
+                    _take(s, ids[k], out, logits, k, scheduler, stop=s.constraint.accept(ids[k]))
+                    continue
+                if not s.sampler.plain_greedy:
+                    ids[k] = int(s.sampler(logits[k:k + 1])[0])
+            except Exception as e:  # noqa: BLE001 - one sequence's failure ends it, not the step of all
+                _end(s, "error", scheduler)
+                out.append(Output(s, None, logits, k, "error", f"{type(e).__name__}: {e}"))
                 continue
-            if s.sampler.params.temperature != 0:
-                ids[k] = int(s.sampler(logits[k:k + 1])[0])
             _take(s, ids[k], out, logits, k, scheduler)
 
     @staticmethod

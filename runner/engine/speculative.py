@@ -113,9 +113,11 @@ def _common_prefix(a: list, b: list) -> int:
 
 def propose(proposer, running: list) -> list:
     """Each decoding sequence's guessed tokens, appended to its tokens (the step verifies them); returns the sequences
-    that guessed. Sequences that score a prompt, follow a grammar or are at their max_len do not guess."""
-    cands = [s for s in running
-             if s.decoding and not s.all_logits and s.constraint is None and s.max_len - len(s.tokens) > 0]
+    that guessed. Sequences that score a prompt, follow a grammar, adjust their logits by the tokens so far
+    (penalties) or are at their max_len do not guess."""
+    cands = [s for s in running  # (penalties count the tokens so far: no guesses among them)
+             if s.decoding and not s.all_logits and s.constraint is None and not s.sampler.params.adjusts
+             and s.max_len - len(s.tokens) > 0]
     proposing = []
     for s, guess in zip(cands, proposer.propose_all(cands) if cands else ()):
         s.proposal = guess[: s.max_len - len(s.tokens)]

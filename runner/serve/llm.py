@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 
 from runner.config import serving_config
 from runner.errors import PmxError
-from runner.serve.engine import CompletionOutput, RequestOutput
+from runner.serve.output import CompletionOutput, RequestOutput, TextProcessor
 from runner.serve.loader import load
 from runner.serve.params import SamplingParams
 
@@ -90,14 +90,19 @@ class LLM:
             raise PmxError(f"{len(params)} sampling params for {len(encoded)} prompts")
         for (_, ids), p in zip(encoded, params):  # every rank checks, so a bad request fails on every rank
             self.engine.check(ids, p)
-        eng = self.engine
+        eng, out = self.engine, TextProcessor(self.tokenizer)
         self._counter += 1
         results = {}
         for i, ((text, ids), p) in enumerate(zip(encoded, params)):
             rid = f"{self._counter}-{i}"
             results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(k) for k in range(p.n)])
             eng.add_request(rid, ids, p)
+            out.add(rid, ids, p)
         while eng.has_work():
-            for d in eng.step():
-                results[d.request_id].apply(d, self.tokenizer.token_text)
+            token_deltas = eng.step()
+            while token_deltas:  # (completions that stop strings ended are cancelled before the next step)
+                deltas, cancels = out.process(token_deltas)
+                for d in deltas:
+                    results[d.request_id].apply(d, self.tokenizer.token_text)
+                token_deltas = [td for rid, i in cancels for td in eng.cancel(rid, i)]
         return list(results.values())
