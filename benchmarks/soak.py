@@ -471,7 +471,8 @@ def _drain(url: str, proc: subprocess.Popen, marker: str, drain_timeout: float) 
     out: dict = {"failures": []}
 
     async def streams() -> list:
-        first = asyncio.Event()
+        started = [asyncio.Event() for _ in range(4)]  # (SIGTERM once every stream is in: one still arriving is
+        # refused with 503, rightly)
 
         async def one(i: int):
             try:
@@ -480,10 +481,11 @@ def _drain(url: str, proc: subprocess.Popen, marker: str, drain_timeout: float) 
                             "prompt": PROMPTS[i], "max_tokens": 300, "ignore_eos": True, "stream": True,
                             "seed": i}) as r:
                         if r.status_code != 200:
+                            started[i].set()
                             return f"status {r.status_code}"
                         end = None
                         async for line in r.aiter_lines():
-                            first.set()
+                            started[i].set()
                             if "shutting down" in line:
                                 end = "cancelled"
                             elif line.startswith("data: {"):
@@ -491,10 +493,11 @@ def _drain(url: str, proc: subprocess.Popen, marker: str, drain_timeout: float) 
                                     end = ch.get("finish_reason") or end
                         return end or "no end"
             except httpx.HTTPError as e:
+                started[i].set()
                 return f"{type(e).__name__}"
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(4)]
-        await asyncio.wait_for(first.wait(), 60)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
         os.killpg(proc.pid, signal.SIGTERM)  # (what a terminal's Ctrl-C or a process manager's stop does)
         return await asyncio.gather(*tasks)
 

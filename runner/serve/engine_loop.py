@@ -79,7 +79,9 @@ class EngineLoop:
                 continue
             deltas = eng.step_with(events)
             heard = time.monotonic()
-            self._send(errors, deltas, force=not eng.has_work())
+            # (the stats go with every round that admitted, cancelled or finished a request: /metrics agrees with what
+            # a client has seen, whatever the period)
+            self._send(errors, deltas, force=bool(events) or not eng.has_work() or any(d.done for d in deltas))
 
     def _take(self, msg: list, events: list, errors: list) -> None:
         """A message of the front end into this round's events, or an error for it."""
@@ -109,7 +111,7 @@ class EngineLoop:
 
     def _send(self, errors: list, deltas: list, force: bool = False) -> None:
         """A round's answer: the refused adds, the token deltas, and the engine's stats when STATS_PERIOD_S has
-        passed since the last (or `force`: the engine went idle)."""
+        passed since the last (or `force`: the requests changed, or the engine went idle)."""
         now = time.monotonic()
         stats = None
         if self.stats is not None and (force or now - self._stats_at >= STATS_PERIOD_S):

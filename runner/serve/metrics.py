@@ -2,7 +2,7 @@
 
 Two processes keep them. The engine (rank 0) counts what its steps do (:class:`EngineStats`: tokens, preemptions, the
 prefix cache, speculative decoding, the queue and the KV cache) and sends a snapshot to the front end with its output
-(at most every STATS_PERIOD_S, and whenever it goes idle). The front end (:class:`FrontendMetrics`) counts what its
+(every STATS_PERIOD_S, whenever a request is admitted, cancelled or finished, and when it goes idle). The front end (:class:`FrontendMetrics`) counts what its
 clients see: requests by finish reason, refusals, HTTP responses by status code, time to first token and between
 tokens (measured where the tokens reach the HTTP side); it serves the engine's latest snapshot beside its own.
 """
