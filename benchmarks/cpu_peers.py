@@ -7,6 +7,15 @@ Systems (`--systems`, comma-separated; default all):
   transformers  AutoModelForCausalLM, fp32, torch.set_num_threads(THREADS), greedy generate
   ct2           CTranslate2 float32, Generator(intra_threads=THREADS, inter_threads=1)
   llama.cpp     F32 GGUF: llama-bench (batch 1, prefill) and llama-batched-bench (batch 16), -t THREADS
+  openvino      OpenVINO GenAI, fp32 weights, INFERENCE_PRECISION_HINT f32  } each in a venv of its own
+  vllm          vLLM CPU, dtype float32                                      } (benchmarks/peer_venvs.py, torch
+  ortgenai      ONNX Runtime GenAI, its builder's -p fp32 -e cpu model         } pinned to 2.13.0)
+Half-precision weights (the bfloat16 copy of the checkpoint, hf-bf16: the same weights rounded):
+  pmx1-bf16 / pmx2-bf16   pmx-runner on it (--dtype auto: float32 compute, linear weights kept in bfloat16)
+  llama.cpp-bf16          convert_hf_to_gguf.py --outtype bf16
+  openvino-bf16           optimum-cli --weight-format fp16, INFERENCE_PRECISION_HINT bf16 (f32 on a CPU without
+                          bfloat16 arithmetic)
+  vllm-bf16               vLLM CPU, dtype bfloat16
 Weight-only quantised, the same weights (each quantised by its own tool, lm head included):
   pmx1-int8 / pmx1-int4    pmx-runner TP=1 on `python -m runner quantize --quantize int8|int4` (lm head and embedding
                            quantised too, the default)
@@ -17,7 +26,10 @@ Metrics: decode tokens/s at batch 1 and 16 after an 8-token prompt (prefill time
 tokens/s of one 512-token prompt. Every round runs each system once, in its own subprocess, in a
 rotated order; the table gives medians over the rounds and the JSON every raw number (and the best
 round, the least disturbed on a shared box), the versions, thread counts, model shape and the 1-minute
-load average at start and end. About 2 minutes a round for base on 2 cores, plus one-off conversions.
+load average at start and end. Each round also measures the bytes per second the box reads (2 threads summing 1 GiB,
+best of 5), and the tables give batch-1 decode's weight bytes per second beside it; float32, half-precision and
+quantised systems are printed in tables of their own. About 2 minutes a round for base on 2 cores, plus one-off
+conversions.
 
     python benchmarks/cpu_peers.py [--shape base|gqa] [--rounds 5] [--threads 2] [--decode_tokens 32]
         [--systems pmx1,pmx2,transformers,ct2,llama.cpp] [--engine_options '{"prepack": false}']
@@ -109,11 +121,16 @@ SHAPES = {"base": dict(hidden_dim=768, intermediate_dim=2048, num_layers=12, num
           "gqa": dict(hidden_dim=1024, intermediate_dim=2816, num_layers=10, num_heads=16, num_kv_heads=4,
                       vocab_size=32000)}
 LABELS = {"pmx1": "pmx-runner TP=1", "pmx2": "pmx-runner TP=2", "transformers": "transformers",
-          "ct2": "CTranslate2", "llama.cpp": "llama.cpp",
+          "ct2": "CTranslate2", "llama.cpp": "llama.cpp", "openvino": "OpenVINO GenAI", "vllm": "vLLM CPU",
+          "ortgenai": "ONNX Runtime GenAI",
+          "pmx1-bf16": "pmx-runner TP=1 bf16", "pmx2-bf16": "pmx-runner TP=2 bf16", "llama.cpp-bf16": "llama.cpp BF16",
+          "openvino-bf16": "OpenVINO GenAI fp16 (bf16 hint)", "vllm-bf16": "vLLM CPU bf16",
           "pmx1-int8": "pmx-runner TP=1 int8", "pmx1-int4": "pmx-runner TP=1 int4",
           "pmx2-int8": "pmx-runner TP=2 int8", "pmx2-int4": "pmx-runner TP=2 int4", "ct2-int8": "CTranslate2 int8",
           "llama.cpp-q8_0": "llama.cpp Q8_0", "llama.cpp-q4_0": "llama.cpp Q4_0"}
 METRICS = ("decode_b1", "decode_b16", "prefill_512")
+HALF = {"pmx1-bf16", "pmx2-bf16", "llama.cpp-bf16", "openvino-bf16", "vllm-bf16"}  # half-precision weights
+VENV_PEERS = {"openvino", "openvino-bf16", "vllm", "vllm-bf16", "ortgenai"}  # benchmarks/peer_venvs.py
 PROMPT, LONG_PROMPT = 8, 512
 
 
@@ -178,7 +195,8 @@ def open_engine(model: str, engine_options="{}") -> SimpleNamespace:
         EngineConfig = None
     if EngineConfig is not None:
         sess = open_session(model, EngineConfig(**opts))
-        generate, stepper = sess.engine.generate, sess.stepper
+        core = sess.core if hasattr(sess, "core") else sess.engine  # (Session.engine in trees before issue 37)
+        generate, stepper = core.generate, sess.stepper
     else:  # before issue 24 (5ae015a and earlier)
         from runner.engine.generator import Generator
         from runner.engine.model import EngineOptions
@@ -225,6 +243,12 @@ def worker(system: str, model: str, out: str, decode_tokens: int = 32, threads: 
     """One measurement of one system (run by main in a subprocess; pmx under mpirun on every rank)."""
     if system == "pmx":
         res = _pmx_numbers(model, decode_tokens, engine_options)
+    elif system == "read":
+        res = {"read_gbps": _read_bandwidth(threads), "threads": threads}
+    elif system in VENV_PEERS:  # (run by the peer environment's Python)
+        import peer_venvs
+        gen, info = peer_venvs.generator(system, model, threads)
+        res = {**_measure(gen, decode_tokens), "threads": threads, "peer": info}
     else:
         res = {"transformers": _transformers_numbers, "ct2": _ct2_numbers}[system](model, decode_tokens, threads)
     if res:
@@ -233,28 +257,59 @@ def worker(system: str, model: str, out: str, decode_tokens: int = 32, threads: 
 
 # ---- preparation: checkpoints, conversions, peers; each returns a function measuring one round ----
 
-def _worker_round(cmd_head: list, system: str, model: Path, a: dict, env_threads: int):
+def _read_bandwidth(threads: int, gib: int = 1, reps: int = 5) -> float:
+    """The bytes per second this box reads with `threads` threads: the best of `reps` sums of a `gib` GiB float32
+    array (torch's vectorised reduction, one pass over memory; far larger than the caches)."""
+    import torch
+    torch.set_num_threads(threads)
+    x = torch.ones(gib << 28)
+    best = 0.0
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - t0))
+    return best / 1e9
+
+
+def _worker_round(cmd_head: list, system: str, model: Path, a: dict, env_threads: int, python=None,
+                  env: dict | None = None):
     def run() -> dict:
         out = a["work"] / f"{system}.result.json"
         out.unlink(missing_ok=True)
-        cmd = cmd_head + [sys.executable, SELF, "worker", system, "--model", model, "--out", out,
+        cmd = cmd_head + [python or sys.executable, SELF, "worker", system, "--model", model, "--out", out,
                           "--decode_tokens", a["decode_tokens"], "--threads", a["threads"],
                           "--engine_options", json.dumps(a["engine_options"])]
-        _run(cmd, f"{system} worker", env={**os.environ, "OMP_NUM_THREADS": str(env_threads)}, cwd=REPO)
+        _run(cmd, f"{system} worker", env={**os.environ, "OMP_NUM_THREADS": str(env_threads), **(env or {})},
+             cwd=REPO)
         res = json.loads(out.read_text())
         out.unlink()
         return res
+    run.python, run.model = python or sys.executable, model
     return run
 
 
 def _pmx_model(n: int, a: dict, quant: str | None = None) -> Path:
+    """The HF checkpoint converted for n ranks: quantised (quant int8 / int4), or quant "bf16": the bfloat16
+    checkpoint (hf_bf16: the same weights rounded) as it is."""
     from runner.pmx.convert import convert
     from runner.pmx.quant import scheme_from_flags
-    pmx, scheme = a["work"] / (f"pmx{n}-{quant}" if quant else f"pmx{n}"), scheme_from_flags(quant)
+    half = quant == "bf16"
+    pmx, scheme = a["work"] / (f"pmx{n}-{quant}" if quant else f"pmx{n}"), scheme_from_flags(None if half else quant)
     params = pmx / "pmx_params.json"  # a cached conversion of another scheme (older defaults) is made again
     if not params.exists() or json.loads(params.read_text()).get("quantization") != (scheme and scheme.to_dict()):
-        convert(str(a["hf"]), str(pmx), num_shards=n, overwrite=True, progress=False, quant=scheme)
+        convert(str(hf_bf16(a) if half else a["hf"]), str(pmx), num_shards=n, overwrite=True, progress=False,
+                quant=scheme)
     return pmx
+
+
+def hf_bf16(a: dict) -> Path:
+    """The bfloat16 copy of the shape's random checkpoint (make_random_model with the same seed: the float32 weights
+    rounded), made once beside it."""
+    from runner.pmx.random_model import make_random_model
+    out = a["work"] / "hf-bf16"
+    if not (out / "config.json").exists():
+        make_random_model(str(out), **SHAPES[a["work"].name], dtype="bfloat16", overwrite=True)
+    return out
 
 
 def _prepare_pmx(n: int, a: dict, quant: str | None = None):
@@ -274,6 +329,21 @@ def _pip_install(package: str, module: str, a: dict) -> None:
         raise Skip(f"{package} is not installed; run: {cmd}")
     print(f"installing: {cmd}", file=sys.stderr)
     _run(cmd.split(), f"pip install {package}")
+
+
+def _prepare_venv_peer(system: str, a: dict):
+    """A peer of benchmarks/peer_venvs.py: its environment, its conversion (fp32 from hf; the half-precision ones from
+    hf_bf16, the same weights rounded), and its worker run by its environment's Python."""
+    import peer_venvs
+    half = system in HALF
+    if system.startswith("openvino"):
+        py, model = peer_venvs.openvino_model(a["work"], hf_bf16(a) if half else a["hf"], "fp16" if half else "fp32",
+                                             a["install"])
+    elif system == "ortgenai":
+        py, model = peer_venvs.ortgenai_model(a["work"], a["hf"], a["install"], a["threads"])
+    else:
+        py, model = peer_venvs.peer_python(a["work"], "vllm", a["install"]), hf_bf16(a) if half else a["hf"]
+    return _worker_round([], system, model, a, a["threads"], python=py, env=peer_venvs.peer_env(system, a["threads"]))
 
 
 def _prepare_ct2(a: dict, quant: str = "float32"):
@@ -347,24 +417,26 @@ def _sentencepiece_model(path: Path) -> None:
 
 
 def _llama_cpp_model(a: dict, quant: str | None = None, tools: tuple = BENCH_TOOLS) -> tuple[Path, Path]:
-    """(llama.cpp's bin dir holding `tools`, the GGUF): built, converted and quantised once, then cached."""
+    """(llama.cpp's bin dir holding `tools`, the GGUF): built, converted and quantised once, then cached. quant "bf16":
+    the bfloat16 checkpoint converted with --outtype bf16."""
     src = _llama_cpp_source()
-    bindir = _llama_cpp_bin(src, a["llama_cpp"], tools + (("llama-quantize",) if quant else ()))
-    gguf = a["work"] / "model-f32.gguf"
+    half = quant == "bf16"
+    bindir = _llama_cpp_bin(src, a["llama_cpp"], tools + (("llama-quantize",) if quant and not half else ()))
+    gguf = a["work"] / ("model-bf16.gguf" if half else "model-f32.gguf")
     if not gguf.exists():
-        copy = a["work"] / "gguf-src"
+        copy = a["work"] / ("gguf-src-bf16" if half else "gguf-src")
         shutil.rmtree(copy, ignore_errors=True)
         copy.mkdir()
         for f in ("config.json", "model.safetensors"):
-            (copy / f).symlink_to(a["hf"] / f)
+            (copy / f).symlink_to((hf_bf16(a) if half else a["hf"]) / f)
         _sentencepiece_model(copy / "tokenizer.model")
         lcpp = src / "vendor" / "llama.cpp"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(lcpp / "gguf-py"),
                                                                          os.environ.get("PYTHONPATH")]))}
-        _run([sys.executable, lcpp / "convert_hf_to_gguf.py", copy, "--outtype", "f32", "--outfile",
-              gguf.with_suffix(".tmp")], "convert_hf_to_gguf.py", env=env)
+        _run([sys.executable, lcpp / "convert_hf_to_gguf.py", copy, "--outtype", "bf16" if half else "f32",
+              "--outfile", gguf.with_suffix(".tmp")], "convert_hf_to_gguf.py", env=env)
         gguf.with_suffix(".tmp").rename(gguf)
-    if quant:
+    if quant and not half:
         qgguf = a["work"] / f"model-{quant}.gguf"
         if not qgguf.exists():
             _run([bindir / "llama-quantize", gguf, qgguf.with_suffix(".tmp"), quant.upper(), a["threads"]],
@@ -390,6 +462,13 @@ def _prepare_llama_cpp(a: dict, quant: str | None = None):
         return {"decode_b1": tg["avg_ts"], "decode_b16": bb["speed_tg"], "prefill_512": pp["avg_ts"],
                 "threads": tg["n_threads"]}
     return run
+
+
+def _batched_bench(bindir: Path, gguf: Path, threads: str, n: str) -> float:
+    """llama-batched-bench's decode tokens/s of 16 sequences making n tokens each after PROMPT-token prompts."""
+    out = _run([bindir / "llama-batched-bench", "-m", gguf, "-c", "4096", "-npp", str(PROMPT), "-ntg", n, "-npl", "16",
+                "-t", threads, "--output-format", "jsonl"], "llama-batched-bench")
+    return [json.loads(line) for line in (out.stdout + out.stderr).splitlines() if '"speed_tg"' in line][0]["speed_tg"]
 
 
 def _llama_bench(bindir: Path, gguf: Path, threads: str, *args) -> dict:
@@ -436,8 +515,11 @@ def main(shape: str = "base", rounds: int = 5, threads: int = 2, decode_tokens: 
                "ct2-int8": lambda: _prepare_ct2(a, "int8"),
                "llama.cpp-q8_0": lambda: _prepare_llama_cpp(a, "q8_0"),
                "llama.cpp-q4_0": lambda: _prepare_llama_cpp(a, "q4_0")}
-    for n, q in ((1, "int8"), (1, "int4"), (2, "int8"), (2, "int4")):
+    for n, q in ((1, "int8"), (1, "int4"), (2, "int8"), (2, "int4"), (1, "bf16"), (2, "bf16")):
         prepare[f"pmx{n}-{q}"] = (lambda n, q: lambda: _prepare_pmx(n, a, q))(n, q)
+    prepare["llama.cpp-bf16"] = lambda: _prepare_llama_cpp(a, "bf16")
+    for s in VENV_PEERS:
+        prepare[s] = (lambda s: lambda: _prepare_venv_peer(s, a))(s)
     ready, skipped = {}, {}
     for s in chosen:
         try:
@@ -446,8 +528,12 @@ def main(shape: str = "base", rounds: int = 5, threads: int = 2, decode_tokens: 
             skipped[s] = str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {e}"
     load_start = os.getloadavg()[0]
     raw = {s: [] for s in ready}
+    read = _worker_round([], "read", hf, a, threads)  # the box's read bandwidth, once a round
+    reads = []
     t_start = time.time()
     for r in range(rounds):
+        reads.append(read()["read_gbps"])
+        print(f"round {r + 1}/{rounds} read bandwidth: {reads[-1]:.1f} GB/s", file=sys.stderr, flush=True)
         order = list(ready)[r % max(len(ready), 1):] + list(ready)[:r % max(len(ready), 1)]
         for s in order:
             if s in skipped:
@@ -466,17 +552,30 @@ def main(shape: str = "base", rounds: int = 5, threads: int = 2, decode_tokens: 
           for s in med}
 
     p = SHAPES[shape]
+    read_gbps = statistics.median(reads) if reads else float("nan")
     print(f"\nshape {shape}: dim {p['hidden_dim']}, {p['num_layers']} layers, {p['num_heads']} heads / "
-          f"{p['num_kv_heads']} KV, intermediate {p['intermediate_dim']}, vocab {p['vocab_size']}, fp32; "
+          f"{p['num_kv_heads']} KV, intermediate {p['intermediate_dim']}, vocab {p['vocab_size']}; "
           f"{rounds} rounds, medians; load avg {load_start:.2f} -> {load_end:.2f}; "
-          f"{(time.time() - t_start) / 60:.1f} min\n")
-    print("| system | threads | decode b=1 tok/s | decode b=16 tok/s | prefill 512 tok/s |")
-    print("|---|---|---|---|---|")
-    for s, m in med.items():
-        print(f"| {LABELS[s]} | {th[s]} | " + " | ".join(f"{m[k]:.1f}" for k in METRICS) + " |")
+          f"{(time.time() - t_start) / 60:.1f} min; the box read {read_gbps:.1f} GB/s ({threads} threads, median of "
+          f"the rounds' best of 5 sums of 1 GiB)")
+    for title, group, width in (("float32 weights, float32 compute", lambda s: s not in HALF and "-" not in s, 4),
+                                ("half-precision weights (bf16 / fp16)", lambda s: s in HALF, 2),
+                                ("weight-only quantised", lambda s: s not in HALF and "-" in s, None)):
+        rows = [s for s in med if group(s)]
+        if not rows:
+            continue
+        gb = f"weights read at batch 1 ({read_bytes(shape, width) / 1e6:.0f} MB a token)" if width else ""
+        print(f"\n{title}\n\n| system | threads | decode b=1 tok/s | decode b=16 tok/s | prefill 512 tok/s |"
+              + (f" {gb}: GB/s, % of the box's read |" if width else ""))
+        print("|---|---|---|---|---|" + ("---|" if width else ""))
+        for s in rows:
+            m = med[s]
+            bw = m["decode_b1"] * read_bytes(shape, width) / 1e9 if width else None
+            print(f"| {LABELS[s]} | {th[s]} | " + " | ".join(f"{m[k]:.1f}" for k in METRICS) + " |"
+                  + (f" {bw:.1f} ({100 * bw / read_gbps:.0f}%) |" if width else ""))
     for s, why in skipped.items():
         print(f"SKIPPED {LABELS[s]}: {why}")
-    report = {"shape": {"name": shape, **p}, "dtype": "float32", "threads": threads,
+    report = {"shape": {"name": shape, **p}, "threads": threads, "read_gbps": reads,
               "threads_per_system": {LABELS[s]: t for s, t in th.items()},
               "decode_tokens": decode_tokens, "prompt_tokens": PROMPT, "prefill_tokens": LONG_PROMPT,
               "rounds": rounds, "engine_options": a["engine_options"],
@@ -484,12 +583,21 @@ def main(shape: str = "base", rounds: int = 5, threads: int = 2, decode_tokens: 
               "cpu": {"cores": os.cpu_count(), "machine": platform.machine(), "processor": _cpu_name()},
               "median": {LABELS[s]: m for s, m in med.items()},
               "best": {LABELS[s]: {m: max(x[m] for x in raw[s]) for m in METRICS} for s in med},
-              "raw": {LABELS[s]: raw[s] for s in raw},
+              "raw": {LABELS[s]: raw[s] for s in raw}, "half_precision": [LABELS[s] for s in HALF if s in raw],
               "skipped": {LABELS[s]: why for s, why in skipped.items()}}
     path = Path(json_path or REPO / "out" / f"cpu_peers_{shape}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     print(f"\nraw numbers: {path}")
+
+
+def read_bytes(shape: str, width: int) -> int:
+    """Bytes of weights a batch-1 decode step of `shape` reads at `width` bytes a weight: every linear layer's and the
+    output's (the embedding gives one row)."""
+    p = SHAPES[shape]
+    d, f, hd = p["hidden_dim"], p["intermediate_dim"], p["hidden_dim"] // p["num_heads"]
+    layer = d * hd * (2 * p["num_heads"] + 2 * p["num_kv_heads"]) + 3 * d * f
+    return width * (p["num_layers"] * layer + p["vocab_size"] * d)
 
 
 def _point_rate(gen, metric: str, tokens: int) -> float:
@@ -525,34 +633,45 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
     import torch
     from runner.pmx.random_model import make_random_model
     quant = pmx.split("-", 1)[1] if "-" in pmx else None
-    peers = ("llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "ct2", "ct2-int8")
-    if shape not in SHAPES or pmx not in ("pmx1", "pmx1-int8", "pmx1-int4") or peer not in peers or \
-            point not in ("decode_b1", "prefill_512"):
-        raise SystemExit(f"paired: --shape base|gqa, --pmx pmx1|pmx1-int8|pmx1-int4, --peer {'|'.join(peers)}, "
-                         f"--point decode_b1|prefill_512")
+    peers = ("llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "llama.cpp-bf16", "ct2", "ct2-int8", *sorted(VENV_PEERS))
+    pmxs = ("pmx1", "pmx1-int8", "pmx1-int4", "pmx1-bf16")
+    if shape not in SHAPES or pmx not in pmxs or peer not in peers or point not in METRICS:
+        raise SystemExit(f"paired: --shape base|gqa, --pmx {'|'.join(pmxs)}, --peer {'|'.join(peers)}, "
+                         f"--point {'|'.join(METRICS)}")
     work = Path(workdir).expanduser() / shape
     if not (work / "hf" / "config.json").exists():
         make_random_model(str(work / "hf"), **SHAPES[shape], overwrite=True)
     a = dict(work=work, hf=work / "hf", threads=threads, install=install,
              llama_cpp=llama_cpp or os.environ.get("PMX_LLAMA_CPP"))
-    if peer.startswith("ct2"):  # both in jobs of their own (in one process, the two OpenMP runtimes collide)
-        try:
-            ct2_dir = _ct2_model(a, "int8" if peer == "ct2-int8" else "float32")
+    if peer.startswith("ct2") or peer in VENV_PEERS:  # both in jobs of their own (in one process, two OpenMP runtimes
+        try:                                           # collide), a venv peer's run by its environment's Python
+            if peer.startswith("ct2"):
+                py, model, env = sys.executable, _ct2_model(a, "int8" if peer == "ct2-int8" else "float32"), {}
+            else:
+                import peer_venvs
+                run = _prepare_venv_peer(peer, a)  # (installs and converts; its worker command is rebuilt here)
+                py, model = run.python, run.model
+                env = peer_venvs.peer_env(peer, threads)
         except Skip as e:
             raise SystemExit(f"paired: {LABELS[peer]} is not available: {e}") from None
-        head = [sys.executable, SELF, "job_worker", "--tokens", tokens, "--threads", threads]
-        rates, ratios = _alternate({"ct2": (head + ["ct2", ct2_dir], threads),
-                                    "pmx": (head + ["pmx", _pmx_model(1, a, quant), "--engine_options",
-                                                    json.dumps(_engine_options(engine_options))], threads)},
+        head = ["job_worker", "--tokens", tokens, "--threads", threads]
+        rates, ratios = _alternate({"peer": ([py, SELF, *head, peer, model], threads, env, REPO),
+                                    "pmx": ([sys.executable, SELF, *head, "pmx", _pmx_model(1, a, quant),
+                                             "--engine_options", json.dumps(_engine_options(engine_options))],
+                                            threads)},
                                    [point], pairs)
-        print(f"shape {shape}, {pairs} pairs, {LABELS[pmx]} / {LABELS[peer]}, {threads} threads each:")
-        _summary(rates, ratios, "ct2", "pmx")
+        print(f"shape {shape}, {pairs} pairs, {LABELS[pmx]} / {LABELS[peer]}, {threads} threads each; the box read "
+              f"{_read_bandwidth(threads):.1f} GB/s after:")
+        _summary(rates, ratios, "peer", "pmx")
         return
     try:
         bindir, gguf = _llama_cpp_model(a, peer.split("-", 1)[1] if "-" in peer else None)
         args = ("-p", "0", "-n", str(tokens), "-d", str(PROMPT)) if point == "decode_b1" else \
             ("-p", str(LONG_PROMPT), "-n", "0")
-        peer_rate = lambda: _llama_bench(bindir, gguf, str(threads), *args)["avg_ts"]  # noqa: E731
+        if point == "decode_b16":
+            peer_rate = lambda: _batched_bench(bindir, gguf, str(threads), str(tokens // 2))  # noqa: E731
+        else:
+            peer_rate = lambda: _llama_bench(bindir, gguf, str(threads), *args)["avg_ts"]  # noqa: E731
     except Skip as e:
         raise SystemExit(f"paired: {LABELS[peer]} is not available: {e}") from None
     torch.set_num_threads(threads)
@@ -590,6 +709,10 @@ def job_worker(system: str, model: str, ctl: str, tokens: int = 64, threads: int
                      if v in os.environ), "0")
         (ctl / f"info.{rank}.json").write_text(json.dumps({"rank": int(rank), "runner": eng.runner, "api": eng.api,
                                                            "threads": torch.get_num_threads(), "pid": os.getpid()}))
+    elif system in VENV_PEERS:
+        import peer_venvs
+        gen, _ = peer_venvs.generator(system, model, threads)
+        close = lambda: None  # noqa: E731
     else:
         import ctranslate2
         ct2 = ctranslate2.Generator(model, device="cpu", intra_threads=threads, inter_threads=1)
@@ -758,8 +881,8 @@ def tp_paired(shape: str = "gqa", pairs: int = 12, tokens: int = 64, threads: in
     """
     from runner.pmx.random_model import make_random_model
     chosen = metrics.split(",") if isinstance(metrics, str) else list(metrics)
-    if shape not in SHAPES or quant not in (None, "int8", "int4") or not chosen or set(chosen) - set(METRICS):
-        raise SystemExit(f"tp_paired: --shape base|gqa, --quant int8|int4 (or none), --metrics some of "
+    if shape not in SHAPES or quant not in (None, "int8", "int4", "bf16") or not chosen or set(chosen) - set(METRICS):
+        raise SystemExit(f"tp_paired: --shape base|gqa, --quant int8|int4|bf16 (or none), --metrics some of "
                          f"{','.join(METRICS)}")
     work = Path(workdir).expanduser() / shape
     if not (work / "hf" / "config.json").exists():
@@ -876,8 +999,8 @@ def versions(base: str, shape: str = "gqa", tp="1,2", quant="none,int8", pairs: 
     shapes = list(SHAPES) if shape == "all" else _csv(shape)
     tps, quants, chosen = _csv(tp), _csv(quant), _csv(metrics)
     if set(shapes) - set(SHAPES) or not shapes or set(tps) - {"1", "2"} or not tps or \
-            set(quants) - {"none", "int8", "int4"} or not quants or set(chosen) - set(VERSION_POINTS) or not chosen:
-        raise SystemExit(f"versions: --shape base|gqa|all, --tp some of 1,2, --quant some of none,int8,int4, "
+            set(quants) - {"none", "int8", "int4", "bf16"} or not quants or set(chosen) - set(VERSION_POINTS) or not chosen:
+        raise SystemExit(f"versions: --shape base|gqa|all, --tp some of 1,2, --quant some of none,int8,int4,bf16, "
                          f"--metrics some of {','.join(VERSION_POINTS)}")
     if not (before / "runner" / "__init__.py").is_file():
         raise SystemExit(f"versions: --base {before} holds no runner/ (a checkout of pmx-runner, e.g. a git worktree)")

@@ -300,12 +300,12 @@ def main(layers: int = 32, batches: str = "1 2 4 8 16 32 64 128 256", input_len:
     work = Path(tempfile.mkdtemp(prefix="pmx-gpu-bench-"))
     params = str(_params_file(s, work))
     common = dict(random_weights=True, input_len=input_len, gen_len=gen_len, progress=True)
-    engine = EngineConfig(device="cuda", dtype="float16", kernels=kernels, cuda_graphs=cuda_graphs)
-    rows = bench(params, batch_sizes=batch_list, engine=engine, **common)
+    config = EngineConfig(device="cuda", dtype="float16", kernels=kernels, cuda_graphs=cuda_graphs)
+    rows = bench(params, batch_sizes=batch_list, config=config, **common)
     _free()
     eager = None
     if cuda_graphs and 1 in batch_list:
-        eager = engine_rows(bench(params, batch_sizes=[1], engine=replace(engine, cuda_graphs=False), **common), s,
+        eager = engine_rows(bench(params, batch_sizes=[1], config=replace(config, cuda_graphs=False), **common), s,
                             context, tbs)[0]
         _free()
     result = dict(date=time.strftime("%Y-%m-%d"), versions=v, hbm_tbs=tbs, hbm_part=part, shape=asdict(s),

@@ -34,7 +34,7 @@ def main(layers: int = 32, batch: int = 1, gen_len: int = 48, hbm_tbs: float = 3
     for graphs, linears in ((False, True), (True, True), (True, False), (True, True)):
         sess = open_session(params, EngineConfig(kernels=kernels, cuda_graphs=graphs, decode_linears=linears,
                                                  device="cuda", dtype=dtype, max_batch=batch), random_weights=True)
-        gen = sess.engine
+        gen = sess.core
         gen.generate(prompts, 8)                                     # warm-up: Triton compiles, graphs captured
         if not graphs:
             from torch.profiler import ProfilerActivity, profile

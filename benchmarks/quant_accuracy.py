@@ -38,7 +38,7 @@ MODELS = {"stories260k": [QuantScheme("int8"), QuantScheme("int8", **FLOAT_ENDS)
 
 
 def _engine(path: Path):
-    return open_session(str(path), EngineConfig(compile="off")).engine
+    return open_session(str(path), EngineConfig(compile="off")).core
 
 
 def all_logits(engine, ids: list) -> torch.Tensor:

@@ -4,8 +4,8 @@ same weights, streamed /v1/completions on 127.0.0.1, every request greedy with a
 
     python benchmarks/serve_bench.py [all] [--model base] [--rounds 3] [--json_path out/serve_bench.json]
     python benchmarks/serve_bench.py agree  [--model base] [--agree_tokens 64]
-    python benchmarks/serve_bench.py sweep  [--concurrency 1,4,16,64] [--systems pmx1,llama.cpp[,pmx2]] [--rounds 3]
-                                            [--input_len 128] [--output_len 128]
+    python benchmarks/serve_bench.py sweep  [--concurrency 1,4,16,64] [--systems pmx1,llama.cpp[,pmx2][,base1]]
+                                            [--rounds 3] [--input_len 128] [--output_len 128] [--baseline DIR]
     python benchmarks/serve_bench.py prefix [--prefix_len 1500] [--questions 8] [--prefix_output_len 32]
     python benchmarks/serve_bench.py spec   [--spec_output_len 200] [--rounds 3]
     python benchmarks/serve_bench.py spec --model ../shared/models/tinystories-656k     (real weights; pmx only)
@@ -27,7 +27,8 @@ Parts (`all` runs them in this order and prints every table):
           4 --prompt_lookup_max 4 --prompt_lookup_min 1` and without, outputs checked token for token, the
           acceptance rate from /metrics (pmx_spec_decode_accepted_tokens_total / ..._draft_tokens_total).
 
-Systems: pmx1 (one process, THREADS threads), pmx2 (scripts/mpirun.sh -np 2, THREADS/2 threads a rank) and llama.cpp
+Systems: pmx1 (one process, THREADS threads), pmx2 (scripts/mpirun.sh -np 2, THREADS/2 threads a rank), base1 (pmx1
+from the checkout --baseline DIR, e.g. a worktree of main, to measure a change against) and llama.cpp
 (llama-server -t THREADS -tb THREADS, -np slots >= the concurrency, one unified KV pool -kvu, --cont-batching,
 --cache-prompt; its default f16 KV cache). The pmx servers run this checkout's runner (PYTHONPATH). In every part the
 systems take turns (A, B, A, B, ... rotating who goes first), all of them loaded meanwhile; the tables give medians
@@ -79,10 +80,10 @@ ID_RANGE = (3, 400)  # prompt token ids: ordinary pieces of both tokenizers
 class Server:
     """A server in its own process group (its log in WORK/NAME.log); ready() waits for it, stop() ends the group."""
 
-    def __init__(self, name: str, cmd: list, env: dict, log: Path, url_of):
+    def __init__(self, name: str, cmd: list, env: dict, log: Path, url_of, cwd: Path = REPO):
         self.name, self.log, self.url_of, self.url = name, log, url_of, None
         self._out = open(log, "w")
-        self.proc = subprocess.Popen([str(c) for c in cmd], stdout=self._out, stderr=subprocess.STDOUT, cwd=REPO,
+        self.proc = subprocess.Popen([str(c) for c in cmd], stdout=self._out, stderr=subprocess.STDOUT, cwd=cwd,
                                      start_new_session=True, env={**os.environ, **env})
 
     def ready(self, timeout: float = 900) -> "Server":
@@ -128,7 +129,7 @@ def servers(specs: dict, setup: dict):
         for name, (kind, extra) in specs.items():
             try:
                 started.append(start_llama(name, setup, extra) if kind == "llama.cpp" else
-                               start_pmx(name, int(kind[3:]), setup, extra))
+                               start_pmx(name, int(kind[-1]), setup, extra))
             except Skip as e:
                 setup["skipped"][name] = str(e)
                 print(f"skipping {name}: {e}", file=sys.stderr, flush=True)
@@ -151,15 +152,20 @@ def _pmx_url(text: str):
 
 
 def start_pmx(name: str, ranks: int, setup: dict, extra: tuple) -> Server:
+    """pmx1 / pmx2: this checkout's server on 1 / 2 ranks; base1: --baseline's checkout on 1 rank (its own .venv's
+    Python where it has one)."""
     model = _pmx_model(ranks, setup["a"])
-    cmd = [sys.executable, "-m", "runner", "serve", "--ckpt_dir", model, "--port", 0, "--served_model_name", "model",
+    root = setup["baseline"] if name == "base1" else REPO
+    python = root / ".venv" / "bin" / "python" if name == "base1" and (root / ".venv" / "bin" / "python").exists() \
+        else Path(sys.executable)
+    cmd = [python, "-m", "runner", "serve", "--ckpt_dir", model, "--port", 0, "--served_model_name", "model",
            *extra, *setup.get("pmx_extra", ())]
     if ranks > 1:
-        cmd = [REPO / "scripts" / "mpirun.sh", "-np", ranks, *cmd]
+        cmd = [root / "scripts" / "mpirun.sh", "-np", ranks, *cmd]
     env = {"OMP_NUM_THREADS": str(max(1, setup["threads"] // ranks)),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     print(f"starting {name}: {' '.join(map(str, cmd))} (OMP_NUM_THREADS={env['OMP_NUM_THREADS']})", file=sys.stderr)
-    return Server(name, cmd, env, setup["work"] / f"{name}.log", _pmx_url)
+    return Server(name, cmd, env, setup["work"] / f"{name}.log", _pmx_url, cwd=root)
 
 
 def _free_port() -> int:
@@ -394,25 +400,30 @@ def part_sweep(setup: dict, systems: list, levels: list, rounds: int, input_len:
 
 
 def sweep_table(sw: dict) -> str:
-    head = ("| C | system | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) | pmx1 / "
-            "llama.cpp tok/s | pmx1 / llama.cpp ITL p99 |\n|---|---|---|---|---|---|---|---|---|\n")
+    against = [b for b in ("llama.cpp", "base1") if b in sw["systems"]]
+    head = ("| C | system | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) | " +
+            "".join(f"pmx1 / {b} tok/s | pmx1 / {b} ITL p99 | " for b in against) + "\n|" +
+            "---|" * (7 + 2 * len(against)) + "\n")
     out = []
     for c in sw["levels"]:
         rows = {s: [x for x in sw["runs"] if x["system"] == s and x["concurrency"] == c] for s in sw["systems"]}
-        ratio = itl = "-"
-        if rows.get("pmx1") and rows.get("llama.cpp"):
-            pairs = list(zip(sorted(rows["pmx1"], key=lambda x: x["round"]),
-                             sorted(rows["llama.cpp"], key=lambda x: x["round"])))
-            ratio = spread([a["out_tok_s"] / b["out_tok_s"] for a, b in pairs], "{:.2f}")
-            itl = spread([a["itl_p99_ms"] / b["itl_p99_ms"] for a, b in pairs], "{:.2f}")
+        ratios = []
+        for b in against:  # (paired by round: the systems of a round ran one after another)
+            ratio = itl = "-"
+            if rows.get("pmx1") and rows.get(b):
+                pairs = list(zip(sorted(rows["pmx1"], key=lambda x: x["round"]),
+                                 sorted(rows[b], key=lambda x: x["round"])))
+                ratio = spread([a["out_tok_s"] / y["out_tok_s"] for a, y in pairs], "{:.2f}")
+                itl = spread([a["itl_p99_ms"] / y["itl_p99_ms"] for a, y in pairs], "{:.2f}")
+            ratios += [ratio, itl]
         for k, (s, xs) in enumerate(rows.items()):
             if not xs:
                 continue
             out.append(f"| {c} | {s} | {spread([x['out_tok_s'] for x in xs], '{:.1f}')} | "
                        f"{spread([x['ttft_p50_ms'] for x in xs])} | {spread([x['ttft_p99_ms'] for x in xs])} | "
                        f"{spread([x['itl_p50_ms'] for x in xs], '{:.1f}')} | "
-                       f"{spread([x['itl_p99_ms'] for x in xs], '{:.1f}')} | {ratio if k == 0 else ''} | "
-                       f"{itl if k == 0 else ''} |")
+                       f"{spread([x['itl_p99_ms'] for x in xs], '{:.1f}')} | " +
+                       "".join(f"{r if k == 0 else ''} | " for r in ratios))
     return head + "\n".join(out) + "\n"
 
 
@@ -614,18 +625,24 @@ def run(parts: str = "agree,sweep,prefix,spec", model: str = "base", systems: st
         concurrency: str = "1,4,16,64", rounds: int = 3, input_len: int = 128, output_len: int = 128,
         prefix_len: int = 1500, questions: int = 8, prefix_output_len: int = 32, spec_output_len: int = 200,
         spec_prompts_n: int = 4, agree_tokens: int = 64, threads: int = 2, llama_cpp: str | None = None,
-        seed: int = 0, workdir: str = str(CACHE), json_path: str | None = None, pmx_extra: str = "") -> None:
+        seed: int = 0, workdir: str = str(CACHE), json_path: str | None = None, pmx_extra: str = "",
+        baseline: str | None = None) -> None:
     """Runs the parts asked for (see the module's docstring); prints their tables; writes the raw JSON.
-    `pmx_extra`: flags added to every pmx-runner server (e.g. "--context_chunk_size 128")."""
+    `pmx_extra`: flags added to every pmx-runner server (e.g. "--context_chunk_size 128"). `baseline`: another
+    checkout of pmx-runner (e.g. a worktree of main), served as the system base1 (one rank) to compare pmx1 with."""
     known = ("agree", "sweep", "prefix", "spec")
     chosen = list(known) if _csv(parts) == ["all"] else _csv(parts)
     if not chosen or set(chosen) - set(known):
         raise SystemExit(f"--parts: all, or some of {','.join(known)}, got {parts!r}")
     sysl = _csv(systems)
-    if set(sysl) - {"pmx1", "pmx2", "llama.cpp"} or not sysl:
-        raise SystemExit(f"--systems: some of pmx1,pmx2,llama.cpp, got {systems!r}")
+    if set(sysl) - {"pmx1", "pmx2", "llama.cpp", "base1"} or not sysl:
+        raise SystemExit(f"--systems: some of pmx1,pmx2,llama.cpp,base1, got {systems!r}")
+    if ("base1" in sysl) != (baseline is not None) or (baseline and not (Path(baseline) / "runner").is_dir()):
+        raise SystemExit(f"--systems base1 and --baseline DIR (a pmx-runner checkout) go together, got --baseline "
+                         f"{baseline!r}")
     levels = [int(c) for c in _csv(concurrency)]
     setup = make_setup(model, threads, workdir, llama_cpp)
+    setup["baseline"] = Path(baseline).resolve() if baseline else None
     setup["pmx_extra"] = tuple(shlex.split(pmx_extra))
     report = {"command": sys.argv[1:], "loadavg_start": os.getloadavg()}
     path = Path(json_path or REPO / "out" / f"serve_bench_{Path(model).name}.json")

@@ -20,8 +20,9 @@ from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP
 class EngineConfig:
     # where and in what precision
     device: Device = flag("auto", "auto, cpu or cuda (rank r uses cuda:local_rank)")
-    dtype: Dtype = flag("auto", "compute dtype: auto (float32 on CPU, the checkpoint's on GPU; replay: the dumped "
-                                "run's), float32, float16, bfloat16")
+    dtype: Dtype = flag("auto", "compute dtype: auto (the checkpoint's on GPU; on CPU float32, with a bfloat16 / "
+                                "float16 checkpoint's linear weights kept at their width; replay: the dumped run's), "
+                                "float32 (weights too), float16, bfloat16")
     comm_backend: CommBackend = flag("auto", "auto (none for one rank, mpi4py on CPU under mpirun, else NCCL on CUDA / "
                                              "gloo on CPU), mpi, torch, nccl or gloo (gloo lets ranks share a GPU)")
     collective_timeout: Optional[Seconds] = flag(None, "seconds a collective may wait for the other ranks (default "
@@ -39,7 +40,8 @@ class EngineConfig:
     quantized_cache: bool = flag(False, "int8 KV cache (groups of 8, float16 scales)")
     cache_layout: CacheLayout = flag(0, "ppl.pmx's KV cache layout, 0..3")
     cache_mode: CacheMode = flag(0, "0 offset (a region per sequence), 1 paged (pages of 128 tokens)")
-    prepack: bool = flag(True, "CPU float32: weights repacked once at load for this project's linear kernel")
+    prepack: bool = flag(True, "CPU float32: weights repacked once at load for this project's linear kernel (false: "
+                               "plain float32 F.linear)")
     decode_linears: bool = flag(True, "CUDA float16/bfloat16: batch-1 decode linears on the Triton GEMV kernel")
     # how steps run (runner.engine.runners)
     fused_decode: bool = flag(True, "CPU float32: a decode step as one C++ call, collectives included")

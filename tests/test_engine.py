@@ -146,6 +146,72 @@ def test_tensor_parallel_matches_transformers(make_hf, tmp_path, arch, n):
             engine(tmp_path / "pmx", quantized_cache=True)
 
 
+HALF_CPU_SHAPE = dict(hidden_size=128, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      vocab_size=300)  # every linear packed (>= PREPACK_MIN_NUMEL), N and K off multiples of 64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoint_keeps_its_width_on_cpu(make_hf, tmp_path, dtype):
+    """--dtype auto on CPU keeps a bfloat16 / float16 checkpoint's linear weights and embedding at their width, packed
+    for this project's kernels, with norms, activations and the KV cache in float32: the logits match transformers
+    computing in float32 on the same weights, on the eager step and the one-call C++ decode step alike; --dtype float32
+    upcasts every weight, to the same logits up to float32 summation order."""
+    from runner.engine.session import open_session
+    from runner.kernels.linear import Linear
+    src, model = make_hf("llama_gqa_odd", **HALF_CPU_SHAPE)
+    convert(str(src), str(tmp_path / "pmx"), dtype=str(dtype).removeprefix("torch."), progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    ref = hf_logits(model.to(dtype).float(), prompts, conts)  # (the checkpoint's values, float32 arithmetic)
+    got = {}
+    for flag, fused in (("auto", True), ("auto", False), ("float32", True)):
+        sess = open_session(str(tmp_path / "pmx"), EngineConfig(dtype=flag, fused_decode=fused))
+        m = sess.model
+        linears = [x for x in m.modules() if isinstance(x, Linear)]
+        want = dtype if flag == "auto" else torch.float32
+        assert (m.dtype, m.weight_dtype, m.new_cache(8)[0].dtype) == (torch.float32, want, torch.float32)
+        assert len(linears) == 9 and all(x.kernel == "pmx" and x.packed.dtype == want for x in linears)
+        assert m.tok_embeddings.weight.dtype == want and m.norm.weight.dtype == torch.float32
+        assert ("one-call C++ decode" in sess.stepper.describe()) == fused
+        got[flag, fused] = torch.stack(teacher_forced_logits(sess.stepper, prompts, conts))
+        assert rel_err(got[flag, fused], ref) < 1e-4, (flag, fused, rel_err(got[flag, fused], ref))
+        sess.close()
+    assert rel_err(got["auto", True], got["float32", True]) < 1e-5
+
+
+def test_matrix_dtype_is_the_checkpoints_only_where_the_cpu_kernels_read_it(monkeypatch):
+    """auto on CPU: a half-precision checkpoint's own width for the linear weights where this project's kernels are
+    built and prepacking is on; otherwise (and for --dtype float32, a float32 checkpoint) the compute dtype."""
+    from runner.engine import session
+    from runner.kernels.cpu_ext import cpu_ops
+    cpu = torch.device("cpu")
+    want = torch.bfloat16 if cpu_ops() is not None else torch.float32
+    assert session.pick_matrix_dtype("auto", "bfloat16", cpu) == want
+    assert session.pick_matrix_dtype("auto", "float16", cpu) == (torch.float16 if want != torch.float32 else want)
+    for flags in (("float32", "bfloat16", cpu), ("auto", "float32", cpu)):
+        assert session.pick_matrix_dtype(*flags) == torch.float32
+    assert session.pick_matrix_dtype("auto", "bfloat16", cpu, prepack=False) == torch.float32
+    assert session.pick_matrix_dtype("auto", "bfloat16", torch.device("cuda")) == torch.bfloat16  # (compute dtype)
+    monkeypatch.setattr(session, "cpu_ops", lambda: None)
+    assert session.pick_matrix_dtype("auto", "bfloat16", cpu) == torch.float32
+
+
+def test_half_precision_tensor_parallel_matches_one_rank(make_hf, tmp_path):
+    """A bfloat16 checkpoint at TP = 2 (weights at their width on each rank, the one-call step and sequence
+    parallelism) against TP = 1 and transformers in float32."""
+    src, model = make_hf("llama_gqa_odd", **HALF_CPU_SHAPE)
+    convert(str(src), str(tmp_path / "pmx"), dtype="bfloat16", progress=False)
+    reshard(str(tmp_path / "pmx"), str(tmp_path / "pmx2"), 2, progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    ref = hf_logits(model.to(torch.bfloat16).float(), prompts, conts)
+    tp1 = run_tp(tmp_path, tmp_path / "pmx", 1, [{}], prompts, conts)[0]
+    options = [{}, {"fused_decode": False}, {"fused_decode": False, "seq_parallel": False}]
+    tp2, info = run_tp(tmp_path, tmp_path / "pmx2", 2, options, prompts, conts, with_info=True)
+    assert [i["weight_dtype"] for i in info] == ["torch.bfloat16"] * 3
+    assert [(i["fused_decode"], i["seq_parallel"]) for i in info] == [(True, True), (False, True), (False, False)]
+    for got in tp2:
+        assert rel_err(got, tp1) < 1e-5 and rel_err(got, ref) < 1e-4
+
+
 def test_tensor_parallel_under_torchrun(make_hf, tmp_path):
     src, model = make_hf("llama_gqa_odd")
     convert(str(src), str(tmp_path / "pmx2"), num_shards=2, progress=False)
@@ -176,19 +242,19 @@ def test_cpu_cache_budget_is_shared_by_the_ranks_of_a_host_and_counts_the_draft(
     """Without --kv_cache_tokens a CPU cache gets a quarter of the host's available memory: shared by the ranks on
     each host (every rank's cache is written at a server's start), a draft model's cache of as many rows counted in."""
     from types import SimpleNamespace
-    from runner.engine import core as core_mod
-    from runner.engine.core import CPU_CACHE_MEMORY_FRACTION
+    from runner.engine import cache as cache_mod
+    from runner.engine.cache import CPU_CACHE_MEMORY_FRACTION, CacheBudget
     from runner.kernels.reference import PAGE_SIZE
-    monkeypatch.setattr(core_mod, "_available_memory", lambda: 1 << 34)
+    monkeypatch.setattr(cache_mod, "available_memory", lambda: 1 << 34)
     page = 1 << 20
 
     def budget(world, machines, draft_page=None):
-        draft = None if draft_page is None else SimpleNamespace(page_bytes=lambda: draft_page)
+        draft = [] if draft_page is None else [SimpleNamespace(page_bytes=lambda: draft_page)]
         me = SimpleNamespace(config=SimpleNamespace(kv_cache_tokens=None, paged=True),
                              model=SimpleNamespace(device=torch.device("cpu")),
                              comm=SimpleNamespace(world_size=world, machines=machines, broadcast_=lambda t: t),
-                             page_bytes=lambda: page, draft=lambda: draft)
-        return EngineCore.budget_rows(me, 10 ** 9)
+                             page_bytes=lambda: page)
+        return CacheBudget.rows(me, 10 ** 9, draft)
 
     alone = budget(1, 1)
     assert alone == int((1 << 34) * CPU_CACHE_MEMORY_FRACTION // page) * PAGE_SIZE

@@ -15,8 +15,8 @@ from runner.config import EngineConfig
 from runner.engine.plan import StepLengths, step_inputs
 from runner.engine.session import open_session
 from runner.errors import PmxError
-from runner.onnx.export import export
-from runner.onnx.opmx import DB, OPMX, PPL_STANDARD_OPS
+from runner.kernels.opmx_export import DB, OPMX
+from runner.onnx.export import PPL_STANDARD_OPS, export
 from runner.pmx.convert import convert, quantize_model, reshard
 from runner.pmx.params import PmxParams
 from runner.pmx.quant import QuantScheme
@@ -107,7 +107,11 @@ def dump_and_replay(ckpt: Path, tmp_path, n: int, flags: list):
 
 
 @pytest.mark.parametrize("n,flags", [(1, []), (2, ["--quantized_cache", "true", "--cache_mode", "1", "--cache_layout", "3"]),
-                                     (4, ["--cache_layout", "2"])])
+                                     (4, ["--cache_layout", "2"]),
+                                     # an explicit mask: a decode step's dump holds none (attn_mask [0]), the graph
+                                     # declares it [rows, cols] and takes it as [0, 0]
+                                     (1, ["--auto_causal", "false", "--fused_kvcache", "false", "--fused_qkv",
+                                          "false", "--fused_ffn_glu", "false"])])
 def test_benchmark_sh_replays_dumped_prefill_and_decode_in_onnxruntime(real, tmp_path, n, flags):
     dump_and_replay(real["stories260k"] / ("pmx" if n == 1 else f"pmx_{n}"), tmp_path, n, flags)
 
@@ -181,7 +185,7 @@ def test_onnxruntime_step_matches_the_engine(make_hf, tmp_path, arch, opts, quan
         quantize_model(str(pmx), str(tmp_path / "q"), quant, progress=False)
         pmx = tmp_path / "q"
     cfg = EngineConfig(**opts)
-    export(str(pmx), str(tmp_path / "onnx"), progress=False, engine=cfg)
+    export(str(pmx), str(tmp_path / "onnx"), progress=False, config=cfg)
     check_slices(tmp_path / "onnx", 1)
     b = MIXED if not cfg.paged else StepLengths(MIXED.tokens, MIXED.seqlens, MIXED.start, [[128], [256], [0, 384]], 1)
     got, want, feeds, ours = onnxruntime_against_the_engine(pmx, tmp_path / "onnx", cfg, b)
@@ -235,7 +239,7 @@ def test_families_export_and_run_as_the_engine(families, tmp_path, name, opts, q
         pmx = tmp_path / "q"
     p = PmxParams.load(pmx)
     cfg = EngineConfig(**opts)
-    export(str(pmx), str(tmp_path / "onnx"), progress=False, engine=cfg)
+    export(str(pmx), str(tmp_path / "onnx"), progress=False, config=cfg)
     check_slices(tmp_path / "onnx", 1)
     nodes = {nd.op_type: {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute}
              for nd in onnx.load(str(tmp_path / "onnx" / "model_slice_0" / "model.onnx")).graph.node}
@@ -286,15 +290,14 @@ def test_alibi_family_at_tp2_int8_replays_through_benchmark_sh(families, tmp_pat
 
 
 def test_external_data_and_refusals(make_hf, tmp_path):
-    from runner.onnx.graph import save
-    from runner.onnx.opmx import OpmxExport
     from runner.engine.model import load_shard
-    from runner.pmx.params import PmxParams
+    from runner.onnx.export import export_model, trace
+    from runner.onnx.graph import save
+    from runner.parallel.comm import SingleComm
     src, _ = make_hf("llama_mha")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
-    p = PmxParams.load(tmp_path / "pmx")
-    _, w = load_shard(tmp_path / "pmx", 0, torch.device("cpu"), torch.float32)
-    model = OpmxExport(p, w, EngineConfig(), torch.float32).build().model()
+    p, w = load_shard(tmp_path / "pmx", 0, torch.device("cpu"), torch.float32)
+    model = trace(export_model(p, w, EngineConfig(), SingleComm(), "opmx"), "opmx")
     (tmp_path / "ext").mkdir()
     save(model, tmp_path / "ext", external_data=True)   # (what a model past 2 GB gets)
     assert (tmp_path / "ext" / "model.onnx.data").stat().st_size > (tmp_path / "ext" / "model.onnx").stat().st_size
@@ -348,7 +351,7 @@ def test_moe_exports_ppl_pmx_moe_ops_and_replays_at_tp_1_and_2(make_hf, tmp_path
     for opts in ({}, dict(fused_ffn_glu=False, fused_kvcache=False, quantized_cache=True)):
         cfg = EngineConfig(**opts)
         out = tmp_path / f"onnx{len(opts)}"
-        export(str(pmx), str(out), progress=False, engine=cfg)
+        export(str(pmx), str(out), progress=False, config=cfg)
         check_slices(out, 1)
         m = onnx.load(str(out / "model_slice_0" / "model.onnx"))
         nodes = [(nd.op_type, nd.domain, {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute})
@@ -419,7 +422,7 @@ def test_standard_ops_export_runs_in_a_stock_session_and_follows_the_engine_for_
         export(str(real["stories260k"] / "pmx_2"), str(tmp_path / "std2"), opset="standard", progress=False)
     with pytest.raises(PmxError, match="--opset standard does not take --quantized_cache true"):
         export(str(pmx), str(tmp_path / "std3"), opset="standard", progress=False,
-               engine=EngineConfig(quantized_cache=True))
+               config=EngineConfig(quantized_cache=True))
 
 
 # --- per-layer dumps and compare ---------------------------------------------------------------------------------
@@ -474,3 +477,95 @@ def test_per_layer_tp1_against_tp2_and_the_onnx_replay(real, tmp_path, capsys):
     assert rc == 0, out + err[-2000:]
     assert compare(str(tmp_path / "d2"), str(tmp_path / "r2"), per_layer=True, threshold=80.0) == 0
     assert "every layer and op passes" in capsys.readouterr().out
+
+
+# --- the exports trace the model: a feature written in the model appears in both ----------------------------------
+class SandwichBlock(torch.nn.Module):
+    """A toy feature, written here and nowhere else: Gemma 2's sandwich norm (the attention's output normed by a weight
+    of its own, through the kernel set's rms_norm, before the residual add) over an engine Block's modules."""
+
+    def forward(self, x, residual, plan, cache, sp=None):
+        h, residual = self.attention_norm(x, residual, sp)
+        a = self.attention.ops.rms_norm(self.attention(h, plan, cache, sp), self.post_attention_norm, 1e-6)
+        h, residual = self.ffn_norm(a, residual, sp)
+        return self.feed_forward(h, sp), residual
+
+
+class SoftCapped(torch.nn.Module):
+    """A second toy feature, plain torch: the logits soft-capped, cap * tanh(logits / cap) (Gemma 2's)."""
+
+    def __init__(self, output, cap: float):
+        super().__init__()
+        self.output, self.cap = output, cap
+
+    def forward(self, h):
+        return self.cap * torch.tanh(self.output(h) / self.cap)
+
+
+def with_toy_features(model, norms: list):
+    from runner.engine.model import Block
+    for layer, w in zip(model.layers, norms):
+        layer.__class__ = type("Sandwich", (SandwichBlock, Block), {})
+        layer.register_buffer("post_attention_norm", w.clone(), persistent=False)
+    model.output = SoftCapped(model.output, 2.0)
+    return model
+
+
+def test_a_feature_added_to_the_model_appears_in_both_exports(make_hf, tmp_path):
+    """Toy features set up by this test in the engine's model only (a sandwich norm in every layer, soft-capped
+    logits): both exports trace them with nothing changed in runner/onnx. The opmx graph holds one more RMSNorm per
+    layer (skip_term 0, its weight an initializer named after the module) and the cap's Tanh; onnxruntime's step of each
+    export is within 1e-5 (opmx) / 1e-4 (standard) of the engine running the same features, and far from the engine
+    without them. An op the export kernel set lacks is an error naming it."""
+    import onnxruntime as ort
+    from runner.engine.model import load_shard
+    from runner.onnx.export import export_model, trace
+    from runner.onnx.graph import save
+    from runner.onnx.ort import OpmxSession
+    from runner.parallel.comm import SingleComm
+    src, _ = make_hf("llama_gqa_odd")
+    pmx = tmp_path / "pmx"
+    convert(str(src), str(pmx), progress=False)
+    p, cfg = PmxParams.load(pmx), EngineConfig()
+    g = torch.Generator().manual_seed(0)
+    norms = [1 + 0.5 * torch.randn(p.hidden_dim, generator=g) for _ in range(p.num_layers)]
+    sess = open_session(str(pmx), cfg)
+    t = step_inputs(MIXED, None, torch.float32)
+    kv, _ = sess.model.new_cache(512)
+    kv.normal_(generator=g)
+    plain = sess.stepper.forward(**t, kv_cache=kv.clone())
+    with_toy_features(sess.model, norms)
+    want = sess.stepper.forward(**t, kv_cache=kv.clone())   # (a mixed step: the eager runner, module by module)
+    assert rel(plain, want) > 0.05                           # the features change the logits
+    for opset in ("opmx", "standard"):
+        model = with_toy_features(export_model(p, load_shard(pmx, 0, torch.device("cpu"), torch.float32)[1], cfg,
+                                               SingleComm(), opset), norms)
+        (tmp_path / opset).mkdir()
+        path = save(trace(model, opset), tmp_path / opset)
+        nodes = onnx.load(str(path)).graph.node
+        ops = [(n.domain, n.op_type) for n in nodes]
+        assert ("", "Tanh") in ops
+        if opset == "opmx":
+            norm_ops = [n for n in nodes if n.op_type == "RMSNorm"]
+            post = [n for n in norm_ops if n.input[1] == "layers.0.post_attention_norm"]
+            assert len(norm_ops) == 3 * p.num_layers + 1 and len(post) == 1
+            assert {a.name: onnx.helper.get_attribute_value(a) for a in post[0].attribute}["skip_term"] == 0
+            got = OpmxSession(tmp_path / opset, sess.comm).run(dict(t, kv_cache=kv.clone()))["logits"]
+            assert rel(got, want) <= 1e-5, rel(got, want)
+        else:
+            assert {d for d, _ in ops} == {""}
+            s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            got = torch.from_numpy(s.run(["logits"], {**{k: v.numpy() for k, v in t.items()},
+                                                      "kv_cache": kv.clone().numpy()})[0])
+            assert rel(got, want) <= 1e-4, rel(got, want)
+
+    class UsesAttend(SandwichBlock):  # a feature calling an op the export kernel sets lack
+        def forward(self, x, residual, plan, cache, sp=None):
+            x = self.attention.ops.attend(x[None, None], x[None, None], x[None, None], None, False)[0, 0]
+            return super().forward(x, residual, plan, cache, sp)
+
+    model = with_toy_features(export_model(p, load_shard(pmx, 0, torch.device("cpu"), torch.float32)[1], cfg,
+                                           SingleComm(), "opmx"), norms)
+    model.layers[1].__class__ = type("UsesAttend", (UsesAttend, type(model.layers[1])), {})
+    with pytest.raises(PmxError, match="kernel set 'onnx export \\(opmx\\)' has no 'attend' op"):
+        trace(model, "opmx")

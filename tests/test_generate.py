@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runner.engine.core import EngineCore
-from runner.engine.sampler import Sampler, SamplingParams
+from runner.engine.sampler import NonFiniteLogits, Sampler, SamplingParams
 from runner.engine.tokenizer import Tokenizer
 from runner.pmx.convert import convert, reshard
 from test_engine import core
@@ -120,7 +120,7 @@ def test_eos_stops_and_frees(split_models):
     p = tok.encode("Once upon a time")
     out = eng.generate([p, p], 40, stop_ids=[REFERENCE["stories260k"][10]])
     assert out == [REFERENCE["stories260k"][:10]] * 2
-    assert eng.scheduler.cache.used == 0 and not eng.has_work()
+    assert eng.scheduler.allocator.used == 0 and not eng.has_work()
 
 
 def test_progress_counts_the_tokens_the_summary_counts(split_models):
@@ -171,11 +171,14 @@ def test_sampling_safe_at_extreme_temperatures(temperature):
 
 def test_sampling_survives_nonfinite_logits():
     logits = torch.randn(3, 16)
-    logits[0] = float("nan")
-    logits[1] = float("-inf")
+    logits[1] = float("-inf")  # (every token forbidden: its greedy token, not an exception)
     logits[2, 3] = float("inf")
     tok = Sampler(SamplingParams(temperature=0.7, seed=0))(logits)
     assert tok.shape == (3,) and tok[2].item() == 3 and all(0 <= t < 16 for t in tok.tolist())
+    logits[0, 5] = float("nan")  # a broken model: said so, for a sampled row and an adjusted greedy one
+    for params in (SamplingParams(temperature=0.7, seed=0), SamplingParams(temperature=0, presence_penalty=1.0)):
+        with pytest.raises(NonFiniteLogits, match="logits are NaN in 1 of 3 row"):
+            Sampler(params, history=[1, 2])(logits)
 
 
 def test_sampled_generation_same_on_all_ranks(split_models):

@@ -152,22 +152,27 @@ def test_parallel_layers_single_rank():
 LINEAR_KERNELS = (["pmx"] if cpu_ops() is not None else []) + (["onednn"] if torch.backends.mkldnn.is_available() else [])
 
 
-# rows 1..6 are the kernel's register tiles, 10 and 40 several passes, k 2049 and 4100 more than one k chunk
+# rows 1..6 are the kernel's register tiles, 10, 17 and 32 several passes over k chunks of a streamed block, 40 and 70
+# prefill (k chunks in L2, half precision widened per chunk; 70: a last pass of 4 rows), k 2049 and 4100 more than one
+# k chunk, n off multiples of 64 and of the 16-channel panels
 @pytest.mark.parametrize("shape", [(1, 1031, 517), (3, 700, 1111), (17, 2049, 257), (2, 5, 777, 1024),
-                                   (40, 4100, 130), (6, 64, 64)])
+                                   (40, 4100, 130), (6, 64, 64), (32, 300, 200), (70, 520, 100)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("kernel", LINEAR_KERNELS)
-def test_linear_prepacked_matches_f_linear(shape, bias, kernel):
+@pytest.mark.parametrize("kernel,dtype", [(k, torch.float32) for k in LINEAR_KERNELS] + (
+    [("pmx", torch.bfloat16), ("pmx", torch.float16)] if "pmx" in LINEAR_KERNELS else []))
+def test_linear_prepacked_matches_f_linear(shape, bias, kernel, dtype):
+    """float32 inputs on a weight packed at its width (float32, or bfloat16 / float16 widened in registers) against
+    F.linear in float32 on the weight's values."""
     *lead, n_in, n_out = shape
-    w, b, x = torch.randn(n_out, n_in), torch.randn(n_out) if bias else None, torch.randn(*lead, n_in)
+    w, b, x = torch.randn(n_out, n_in).to(dtype), torch.randn(n_out) if bias else None, torch.randn(*lead, n_in)
     lin = Linear(w, b, kernel=kernel)
     assert lin.kernel == kernel and lin.packed is not None and lin.weight is None
-    assert torch.equal(lin.dense_weight(), w)
+    assert lin.packed.dtype == dtype and torch.equal(lin.dense_weight(), w)
     y = lin(x)
-    assert y.shape == (*lead, n_out)
-    ref = torch.nn.functional.linear(x, w, b)
+    assert y.shape == (*lead, n_out) and y.dtype == torch.float32
+    ref = torch.nn.functional.linear(x, w.float(), b)
     assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()  # fp32 summation order only
-    assert torch.equal(Linear(w, b, prepack=False)(x), torch.nn.functional.linear(x, w, b))
+    assert torch.equal(Linear(w.float(), b, prepack=False)(x), torch.nn.functional.linear(x, w.float(), b))
 
 
 def test_linear_picks_this_projects_kernel_on_cpu():
@@ -191,12 +196,20 @@ def test_linear_falls_back_to_onednn_without_the_extension(monkeypatch):
         Linear(w, kernel="pmx")
 
 
-def test_linear_keeps_plain_weight_for_half_precision_and_small_weights():
+def test_linear_packs_half_precision_at_its_width_and_keeps_small_weights_plain():
+    """A half-precision weight packs at its width for this project's kernel (oneDNN's takes float32 only); a small one
+    stays plain and, under float32 inputs, is widened on each call."""
     w = torch.randn(1024, 1024, dtype=torch.bfloat16)
-    assert Linear(w).packed is None and Linear(w).weight is w
+    if cpu_ops() is not None:
+        assert Linear(w).kernel == "pmx" and Linear(w).packed.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="does not take torch.bfloat16"):
+        Linear(w, kernel="onednn")
     small = torch.randn(64, 100)
     assert Linear(small).packed is None
     torch.testing.assert_close(Linear(small)(torch.ones(2, 100)), torch.ones(2, 100) @ small.T)
+    half = small.half()
+    assert Linear(half).kernel == "plain" and Linear(half)(torch.ones(2, 100)).dtype == torch.float32
+    torch.testing.assert_close(Linear(half)(torch.ones(2, 100)), torch.ones(2, 100) @ half.float().T)
 
 
 def test_row_parallel_sums_partials_then_adds_bias_once():

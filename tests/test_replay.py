@@ -238,3 +238,28 @@ def test_bench_script_with_a_checkpoint_and_a_tokens_file(stories, tmp_path):
     assert res.returncode == 2 and "bad:1: expected token ids" in res.stderr
     res = run([sys.executable, "-m", "runner", "bench", stories / "pmx", "--batch_sizes", "1,0"])
     assert res.returncode == 2 and "--batch_sizes must be positive integers" in res.stderr
+
+
+def test_a_half_precision_checkpoint_replays_as_it_ran(tmp_path):
+    """A bfloat16 checkpoint's run on CPU (auto: float32 compute, linear weights at their width) records both dtypes
+    in its dump's meta, and replay runs its steps the same way (auto again, not float32 weights): bit for bit."""
+    from runner.engine.demo import run_meta
+    from runner.engine.replay import dumped_dtype
+    from runner.engine.session import open_session
+    from runner.pmx.convert import convert
+    from runner.pmx.random_model import make_random_model
+    make_random_model(str(tmp_path / "hf"), hidden_dim=128, intermediate_dim=200, num_heads=4, num_kv_heads=2,
+                      vocab_size=512, dtype="bfloat16")
+    convert(str(tmp_path / "hf"), str(tmp_path / "pmx"), progress=False)
+    sess = open_session(str(tmp_path / "pmx"))
+    meta = run_meta(sess)
+    assert (meta["dtype"], meta["weight_dtype"], dumped_dtype(meta)) == ("float32", "bfloat16", "auto")
+    sess.core.generate([[1, 403, 407, 261], [1, 300, 301]], 6,
+                         dumper=TensorDumper(str(tmp_path / "dump"), 0, [0, 3], meta=meta))
+    sess.close()
+    for step in (0, 3):
+        assert replay(str(tmp_path / "pmx"), str(tmp_path / "dump"), step, str(tmp_path / "out"), warmup=0,
+                      min_profiling_seconds=0) == 0
+        got, want = (read_dump_file(next((d / "rank_0").glob(f"step{step}_logits-*"))) for d in (tmp_path / "out",
+                                                                                                  tmp_path / "dump"))
+        assert torch.equal(got, want)

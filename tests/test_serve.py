@@ -13,7 +13,7 @@ import pytest
 from runner.engine import sampler
 from runner.errors import PmxError
 from runner.kernels.reference import PAGE_SIZE
-from runner.serve.metrics import Metrics
+from runner.serve.metrics import EngineStats, FrontendMetrics
 from runner.serve.params import ParamError, SamplingParams
 
 REFERENCE_IDS = [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410, 408, 419, 292,
@@ -116,7 +116,7 @@ def test_chat_template_special_tokens_and_errors(stories):
 
 def test_incremental_detokenizer_matches_whole_decode(stories):
     from runner.engine.tokenizer import Tokenizer
-    from runner.serve.engine import IncrementalDetokenizer
+    from runner.serve.output import IncrementalDetokenizer
     tok = Tokenizer(str(stories["pmx"]))
     prompt = tok.encode("Once upon a time")
     rng = random.Random(1)
@@ -128,16 +128,30 @@ def test_incremental_detokenizer_matches_whole_decode(stories):
 
 
 def test_metrics_render_prometheus_text():
-    m = Metrics()
-    m.inc("requests_total", label="stop")
-    m.set(kv_pages_used=3, kv_pages_free=5)
-    m.observe(ttft=[0.03, 0.3], itl=[0.002])
-    text = m.render()
-    assert 'pmx_requests_total{reason="stop"} 1' in text and "pmx_kv_pages_used 3" in text
-    assert 'pmx_time_to_first_token_seconds_bucket{le="0.04"} 1' in text
-    assert 'pmx_time_to_first_token_seconds_bucket{le="+Inf"} 2' in text
-    assert "pmx_time_to_first_token_seconds_count 2" in text
+    """The front end's metrics (prometheus_client) with the engine's latest snapshot among them, under the same
+    names as ever, and HTTP responses counted by status code."""
+    from prometheus_client.parser import text_string_to_metric_families
+    stats = EngineStats()
+    stats.set(kv_pages_used=3, kv_pages_free=5)
+    stats.inc("generation_tokens_total", 7)
+    with pytest.raises(KeyError):
+        stats.inc("kv_pages_used")  # a gauge is set, not counted
+    m = FrontendMetrics()
+    m.finished("stop")
+    m.observe_latency(ttft=0.03, itl=None)
+    m.observe_latency(ttft=0.3, itl=None)
+    m.observe_latency(ttft=None, itl=0.002, more=2)
+    m.responses.labels("400").inc()
+    m.update_engine(stats.snapshot())
+    text = m.render().decode()
+    assert 'pmx_requests_total{reason="stop"} 1.0' in text and "pmx_kv_pages_used 3.0" in text
+    assert "pmx_generation_tokens_total 7.0" in text and 'pmx_http_responses_total{code="400"} 1.0' in text
+    assert 'pmx_time_to_first_token_seconds_bucket{le="0.04"} 1.0' in text
+    assert 'pmx_time_to_first_token_seconds_bucket{le="+Inf"} 2.0' in text
+    assert "pmx_time_to_first_token_seconds_count 2.0" in text and "pmx_inter_token_latency_seconds_count 3.0" in text
     assert "# TYPE pmx_inter_token_latency_seconds histogram" in text
+    kinds = {f.name: f.type for f in text_string_to_metric_families(text)}  # (it parses as Prometheus text)
+    assert kinds["pmx_requests"] == "counter" and kinds["pmx_requests_waiting"] == "gauge"
 
 
 # -- the offline API ------------------------------------------------------------------------------
@@ -189,7 +203,7 @@ def test_llm_preemption_gives_the_same_tokens(stories, llm):
     with LLM(str(stories["pmx"]), kv_cache_tokens=2 * PAGE_SIZE, max_batch=4, max_num_batched_tokens=64) as small:
         got = [o.outputs[0].token_ids for o in small.generate(prompts, p)]
         assert small.engine.core.scheduler.preemptions > 0
-        assert small.engine.core.scheduler.cache.free == 2
+        assert small.engine.core.scheduler.allocator.free == 2
         with pytest.raises(ParamError, match="3 KV-cache pages of 128 tokens; this server's cache has 2"):
             small.generate("Once", SamplingParams(max_tokens=300))  # could never run alone
     assert got == want
@@ -240,7 +254,7 @@ def test_llm_prefix_caching_reuses_a_shared_prompt_and_keeps_the_tokens(stories,
     with contextlib.ExitStack() as stack:
         if options:
             llm = stack.enter_context(LLM(str(stories["pmx"]), kv_cache_tokens=16 * PAGE_SIZE, **options))
-        cache = llm.engine.core.scheduler.cache
+        cache = llm.engine.core.scheduler.allocator
         hits = cache.hits
         got = [[o.outputs[0].token_ids for o in llm.generate([q], p)] for q in prompts]
     assert got == want

@@ -122,11 +122,11 @@ def test_structured_output(srv):
 @pytest.mark.parametrize("body, field, needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format", "does not compile"),
-    ({"response_format": {"type": "xml"}}, "response_format", "json_object or json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format", "'json_object' or 'json_schema'"),
     ({"guided_choice": []}, "guided_choice", "non-empty array"),
     ({"guided_regex": "(", "max_tokens": 5}, "guided_regex", "does not compile"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "give one of"),
-    ({"tools": [{"type": "function"}]}, "tools", "each tool must be"),
+    ({"tools": [{"type": "function"}]}, "tools", "tools.0.function: Field required"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "weather"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
@@ -231,7 +231,7 @@ def test_echo_with_logprobs_scores_the_prompt(srv, stories):
     assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     got = torch.tensor(lp["token_logprobs"][1:len(ids)])
     want = []
-    open_session(str(stories["pmx"])).engine.score(
+    open_session(str(stories["pmx"])).core.score(
         [ids], lambda i, first, logits: want.extend(torch.log_softmax(logits.float(), -1)[
             torch.arange(logits.shape[0]), torch.tensor(ids[first + 1:first + 1 + logits.shape[0]] + [0] * max(
                 0, first + 1 + logits.shape[0] - len(ids)))].tolist()))

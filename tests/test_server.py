@@ -7,6 +7,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import sys
 import time
 
@@ -74,7 +75,8 @@ def offline(stories):
 def server(stories, tmp_path_factory):
     """One process, the chat-template copy of stories260k."""
     srv = start(tmp_path_factory.mktemp("srv1"), "single", 1, stories["chat"], "--served_model_name", "stories",
-                "--kv_cache_tokens", 4096, "--max_batch", 16, "--max_num_batched_tokens", 256)
+                "--kv_cache_tokens", 4096, "--max_batch", 16, "--max_num_batched_tokens", 256, "--max_waiting", 64,
+                "--max_request_bytes", 1 << 20, "--header_timeout", 1, "--body_timeout", 1, "--max_connections", 48)
     try:
         yield srv
         assert srv.stop() < 15
@@ -218,7 +220,8 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server):
                          ("stop", [1]), ("seed", "x"), ("logprobs", True)]:
         post("/v1/completions", {**ok, field: value}, 400, field)
     for field, value in [("max_tokens", 0), ("temperature", -1), ("top_p", 1.5), ("n", 0), ("logprobs", 30),
-                         ("top_k", -2), ("presence_penalty", 0.5)]:
+                         ("top_k", -2), ("presence_penalty", 2.5), ("min_p", 1.5), ("logit_bias", {"x": 1}),
+                         ("logit_bias", {"5000": 1}), ("repetition_penalty", 0)]:
         post("/v1/completions", {**ok, field: value}, 400, field)
     post("/v1/completions", {"prompt": [1] * 600}, 400, "prompt", "maximum context length is 512")
     post("/v1/completions", {"prompt": "Lily", "max_tokens": 600}, 400, "max_tokens", "maximum context length")
@@ -238,6 +241,149 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server):
     r = server.client.completions.create(model="stories", prompt="Once upon a time", max_tokens=40, temperature=0)
     assert r.choices[0].text == REFERENCE_TEXT
     assert server.metric("requests_rejected_total") >= 20
+
+
+def raw_http(url: str, data: bytes, wait: float = 10, then_close: bool = False) -> tuple[bytes, float]:
+    """Sends `data` on a fresh connection and reads until the server closes it (or `wait` seconds): (what came, the
+    seconds it took). `then_close`: close at once after sending (a client that leaves)."""
+    host, port = url.removeprefix("http://").split(":")
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=wait) as s:
+        s.sendall(data)
+        if then_close:
+            return b"", time.monotonic() - t0
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except (socket.timeout, ConnectionResetError):
+            pass
+    return got, time.monotonic() - t0
+
+
+def json_error(raw: bytes) -> tuple[int, dict]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def test_every_reproduction_is_a_json_4xx_within_a_second(server):
+    """The requests that once answered 500 in plain text (or hung): a 4xx in OpenAI's shape, naming the field, within
+    a second each; the 50 MB body a 413 from its Content-Length, before it is read. The server serves on."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    chat = [{"role": "user", "content": "hi"}]
+    cases = [
+        ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 4}', "prompt"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", '
+                                 b'"content": "\\udc00"}], "echo": true}', "messages"),
+        ("/tokenize", b'{"prompt": "a\\ud800b"}', "prompt"),
+        ("/v1/completions", b'{"model": "\\ud800", "prompt": "x"}', "model"),
+        ("/v1/completions", b'{"prompt": ' + deep + b"}", None),
+        ("/v1/completions", b'{"prompt": "x", "unknown": ' + deep + b"}", None),
+        *[("/v1/chat/completions", json.dumps({"messages": chat, "chat_template_kwargs": {k: 1}}).encode(),
+           "chat_template_kwargs") for k in ("messages", "add_generation_prompt", "self")],
+        ("/tokenize", json.dumps({"messages": chat, "chat_template_kwargs": {"messages": 1}}).encode(),
+         "chat_template_kwargs"),
+        ("/v1/completions", b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", "temperature"),
+        ("/v1/completions", json.dumps({"prompt": [[1, 2, 3]] * 64, "n": 64}).encode(), "n"),
+        ("/v1/completions", b'{"prompt": "a\\u0000b"}', "prompt"),
+        ("/v1/completions", b'{"prompt": [1, 5000]}', "prompt"),
+        ("/v1/completions", json.dumps({"prompt": "Once " * 5000}).encode(), "prompt"),  # (never tokenized)
+    ]
+    for path, body, param in cases:
+        t0 = time.monotonic()
+        r = httpx.post(f"{server.url}{path}", content=body, headers={"content-type": "application/json"}, timeout=10)
+        took = time.monotonic() - t0
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == 400 and err["param"] == param and err["message"], (path, r.text)
+        assert "\n" not in err["message"] and took < 1.0, (path, took)
+    big = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: " + \
+        str(50 * 10 ** 6).encode() + b"\r\n\r\n" + b'{"prompt": "' + b"a" * 300_000
+    raw, took = raw_http(server.url, big)
+    status, err = json_error(raw)
+    assert status == 413 and "--max_request_bytes" in err["message"] and took < 1.0, (raw[:300], took)
+    r = server.client.completions.create(model="stories", prompt="Once upon a time", max_tokens=40, temperature=0)
+    assert r.choices[0].text == REFERENCE_TEXT
+
+
+def test_the_server_outlives_every_admitted_sampling_value(server):
+    """temperature 1e-300 (which once stopped the server) and the other extremes of what the request models admit:
+    each answered 200 with its tokens, streamed or not; then the reference text as ever."""
+    extremes = [dict(temperature=1e-300), dict(temperature=5e-324), dict(temperature=1e300), dict(top_p=5e-324),
+                dict(min_p=1.0), dict(min_p=1e-300), dict(top_k=2 ** 31 - 1), dict(top_k=1),
+                dict(presence_penalty=2, frequency_penalty=-2), dict(presence_penalty=-2, frequency_penalty=2),
+                dict(repetition_penalty=5e-324), dict(repetition_penalty=1.7e308),
+                dict(logit_bias={str(i): 100 for i in range(0, 512, 7)}),
+                dict(logit_bias={str(i): -100 for i in range(512)}),
+                dict(temperature=0, repetition_penalty=1e-300, logit_bias={"5": -100})]
+    for i, extra in enumerate(extremes):
+        body = {"model": "stories", "prompt": "Once", "max_tokens": 4, "seed": i, "ignore_eos": True, **extra}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, (extra, r.text)
+        streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=30).text
+        assert streamed.endswith("data: [DONE]\n\n") and '"error"' not in streamed, (extra, streamed[-300:])
+    r = server.client.completions.create(model="stories", prompt="Once upon a time", max_tokens=40, temperature=0)
+    assert r.choices[0].text == REFERENCE_TEXT
+
+
+def test_slow_and_vanishing_clients(server):
+    """A client that trickles its headers, or its body, is answered 408 and dropped after --header_timeout /
+    --body_timeout (1 s here); one that leaves mid-body or mid-stream is one log line, no traceback; past
+    --max_connections (48) a connection is answered 503 (JSON, Retry-After) and closed; the server serves on."""
+    before = server.job.stderr.count("went away")
+    raw, took = raw_http(server.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    status, err = json_error(raw)
+    assert status == 408 and "headers" in err["message"] and 0.9 < took < 5, (raw, took)
+    raw, took = raw_http(server.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    status, err = json_error(raw)
+    assert status == 408 and "body" in err["message"] and 0.9 < took < 5, (raw, took)
+    raw_http(server.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{", then_close=True)
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30, json={
+            "model": "stories", "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        next(r.iter_bytes())
+    idle = [socket.create_connection(server.url.removeprefix("http://").split(":")) for _ in range(48)]
+    try:
+        time.sleep(0.2)
+        raw, _ = raw_http(server.url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, err = json_error(raw)
+        assert status == 503 and b"retry-after: 1" in raw.lower() and "--max_connections" in err["message"]
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 10
+    while server.job.stderr.count("went away") < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = server.job.stderr
+    assert log.count("went away") == before + 2 and "Traceback" not in log and "Exception in ASGI" not in log, log[-3000:]
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_fuzzed_requests_get_no_5xx(server):
+    """schemathesis against /openapi.json, bounded: requests that follow the schema and requests that break it, on
+    every endpoint; none is answered 5xx, every refusal is JSON in OpenAI's shape."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis import GenerationMode
+
+    doc = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    ops = [r.ok() for r in schemathesis.openapi.from_dict(doc).get_all_operations()]
+    assert {(o.method, o.path) for o in ops} >= {("post", "/v1/completions"), ("post", "/v1/chat/completions"),
+                                                 ("post", "/tokenize"), ("post", "/detokenize")}
+    seen = {}
+    for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+        for op in [o for o in ops if mode == GenerationMode.POSITIVE or o.method == "post"]:
+            @settings(max_examples=12 if op.method == "post" else 1, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=mode))
+            def call(case):
+                r = case.call(base_url=server.url, timeout=60)
+                seen[r.status_code] = seen.get(r.status_code, 0) + 1
+                assert r.status_code < 500, (case.as_curl_command(), r.text)
+                if r.status_code >= 400:
+                    assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+            call()
+    assert seen.get(400, 0) > 20 and seen.get(200, 0) > 3, seen
 
 
 # -- mpirun -np 2 -------------------------------------------------------------------------------
@@ -298,10 +444,10 @@ def test_tp2_sigterm_drains_then_cancels_and_every_rank_exits(tp2_server):
     first = asyncio.Event()
 
     async def one(client, i):
-        stream = await client.completions.create(model=tp2_server.model, prompt="Lily", max_tokens=250, seed=i,
-                                                 stream=True, extra_body={"ignore_eos": True})
         reason = None
-        try:
+        try:  # (a request cancelled before its first token is a 503; one cancelled mid-stream, an error event)
+            stream = await client.completions.create(model=tp2_server.model, prompt="Lily", max_tokens=250, seed=i,
+                                                     stream=True, extra_body={"ignore_eos": True})
             async for chunk in stream:
                 first.set()
                 reason = chunk.choices[0].finish_reason or reason
@@ -340,30 +486,3 @@ def test_torchrun_server(stories, tmp_path):
         assert "Traceback" not in srv.job.stderr, srv.job.stderr  # 25-line traceback
     finally:
         srv.job.cleanup()
-
-
-def test_a_step_wakes_the_handlers_loop_once_for_all_its_streams():
-    """The engine thread hands a step's deltas to every stream in one wake-up of the handlers' loop (each wake-up is
-    a socket write, after which the engine thread may wait for the GIL), and each stream gets its own deltas."""
-    import asyncio
-    from runner.serve.api import Subscription
-
-    class Loop:  # the handlers' loop as the engine thread sees it
-        def __init__(self):
-            self.calls = []
-
-        def call_soon_threadsafe(self, fn, *args):
-            self.calls.append((fn, args))
-
-    one, other = Loop(), Loop()
-    subs = []
-    for loop in (one, one, one, other):
-        sub = Subscription.__new__(Subscription)
-        sub.loop, sub.queue = loop, asyncio.Queue()
-        subs.append(sub)
-    Subscription.deliver_all([(s, [f"delta {i}"]) for i, s in enumerate(subs)])
-    assert len(one.calls) == 1 and len(other.calls) == 1
-    for loop in (one, other):
-        fn, args = loop.calls[0]
-        fn(*args)
-    assert [s.queue.get_nowait() for s in subs] == [["delta 0"], ["delta 1"], ["delta 2"], ["delta 3"]]

@@ -128,11 +128,11 @@ def test_draft_model_speculation_gives_the_same_tokens(stories, tmp_path, option
     tok = Tokenizer(str(pmx))
     prompts = [tok.encode("Once upon a time"), tok.encode("Lily and Tom went to the park. They"),
                tok.encode("The cat sat on the mat.")]
-    want = open_session(str(pmx), EngineConfig(**options)).engine.generate(prompts, 48)
+    want = open_session(str(pmx), EngineConfig(**options)).core.generate(prompts, 48)
     noisy = noisy_copy(pmx, tmp_path / "noisy", 0.15)
     for draft, lo, hi in ((pmx, 0.9, 1.0), (noisy, 0.1, 0.8)):
         eng = open_session(str(pmx), EngineConfig(speculative="draft", speculative_model=str(draft),
-                                                  **options)).engine
+                                                  **options)).core
         stats = {}
         assert eng.generate(prompts, 48, stats=stats) == want
         assert lo <= eng.accepted / eng.proposed <= hi, (draft, eng.accepted, eng.proposed)

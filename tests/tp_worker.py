@@ -65,7 +65,8 @@ def main(ckpt: str, out: str, options: str, prompts: str, comm_backend: str = "a
     results, info = [], []
     for opts in option_sets:  # one launch, every option set: the same shard under each engine setting
         config = EngineConfig(**opts, comm_backend=comm_backend)
-        weights = load_shard(ckpt, sess.env.rank, sess.device, sess.model.dtype)[1]
+        weights = load_shard(ckpt, sess.env.rank, sess.device, sess.model.dtype,
+                             matrix_dtype=sess.model.weight_dtype)[1]
         stepper = Stepper(Transformer(sess.model.params, weights, sess.comm, config), config)
         calls = {"reduce_norm": 0, "in_place": 0}
         shm = sess.comm.shm
@@ -79,7 +80,8 @@ def main(ckpt: str, out: str, options: str, prompts: str, comm_backend: str = "a
         if shm is not None:
             del shm.reduce_norm
         info.append({"fused_decode": any(isinstance(r, OneCallDecode) for r in stepper.runners),
-                     "seq_parallel": stepper.runners[-1].sp is not None, **calls})
+                     "seq_parallel": stepper.runners[-1].sp is not None,
+                     "weight_dtype": str(stepper.model.weight_dtype), **calls})
         if spec.get("generate"):
             generator = EngineCore(stepper.model, stepper, config)
             info[-1]["generated"] = generator.generate(spec["prompts"], spec["generate"])

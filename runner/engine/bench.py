@@ -67,7 +67,7 @@ def peak_memory_gib(device: torch.device) -> float:
 def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 16 32 64 128 256",
           input_len: PositiveInt = 8, tokens_file: Optional[str] = None, gen_len: PositiveInt = 256,
           warmup_loops: Count = 1, benchmark_loops: PositiveInt = 1, seed: int = 0, csv: Optional[str] = None,
-          progress: Progress = True, engine: EngineConfig = EngineConfig()) -> list[dict]:
+          progress: Progress = True, config: EngineConfig = EngineConfig()) -> list[dict]:
     """Throughput per batch size (ppl.llm.serving's benchmark_llama); one CSV line per batch size:
     batch,prefill(ms),decode(ms),avg(ms),tps,mem(gib). Run under mpirun -np N for tensor parallelism.
 
@@ -84,7 +84,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
         csv: also write the CSV to this file.
     """
     batches = int_list(batch_sizes, "batch_sizes", minimum=1, allow_empty=False)
-    sess = open_session(model, engine, random_weights=random_weights, seed=seed, progress=progress)
+    sess = open_session(model, config, random_weights=random_weights, seed=seed, progress=progress)
     p = sess.model.params
     if tokens_file:
         pool = read_tokens_file(tokens_file, p.vocab_size)
@@ -111,7 +111,7 @@ def bench(model: str, random_weights: bool = False, batch_sizes: str = "1 2 4 8 
             k, of = (loop + 1, warmup_loops) if warm else (loop - warmup_loops + 1, benchmark_loops)
             say(f"batch {b} ({bi + 1}/{len(batches)}) {'warm-up' if warm else 'run'} {k}/{of}")
             stats: dict = {}
-            sess.engine.generate(prompts, gen_len, stats=stats)
+            sess.core.generate(prompts, gen_len, stats=stats)
             if not warm:
                 runs.append((stats["step_seconds"], stats["prefill_steps"]))
         if any(len(r) != gen_len + k - 1 for r, k in runs):

@@ -37,8 +37,10 @@ UNALIGNED_PROMPTS = (  # ppl.pmx's unaligned batch: prompts of different lengths
 
 
 def run_meta(sess) -> dict:
-    """What a replay needs to run a dumped step as it ran: engine config, dtype, device, ranks."""
+    """What a replay needs to run a dumped step as it ran: engine config, dtype (compute, and the linear weights'),
+    device, ranks."""
     return {"options": asdict(sess.model.config), "dtype": dtype_name(sess.model.dtype),
+            "weight_dtype": dtype_name(sess.model.weight_dtype),
             "device": sess.device.type, "world_size": sess.env.world_size,
             "kv_replication": sess.model.params.kv_replication}
 
@@ -63,7 +65,7 @@ def generate(
     show_ids: bool = False,
     chat: bool = False,
     progress: Progress = True,
-    engine: EngineConfig = EngineConfig(),
+    config: EngineConfig = EngineConfig(),
 ) -> None:
     """Generate text with a PMX model on 1 or N ranks (mpirun / torchrun).
 
@@ -130,7 +132,7 @@ def generate(
     if env.rank == 0:
         print(f"prepared {len(prompts)} prompts", flush=True)
 
-    sess = open_session(ckpt_dir, engine, progress=progress)
+    sess = open_session(ckpt_dir, config, progress=progress)
     if dump_layers:
         dumper = LayerDumper(dump_tensor_path, env.rank, sess.model, sess.stepper, steps)
     if dumper is not None:
@@ -140,7 +142,7 @@ def generate(
     bar = GenerationProgress(len(prompts), show=progress and sess.is_main)
     t0 = time.perf_counter()
     try:
-        outs = sess.engine.generate(prompts, max_gen_len, sampling, sorted(eos), dumper, stats, bar)
+        outs = sess.core.generate(prompts, max_gen_len, sampling, sorted(eos), dumper, stats, bar)
     finally:
         bar.close()
     dt = time.perf_counter() - t0

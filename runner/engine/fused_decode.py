@@ -14,7 +14,7 @@ import torch
 
 from runner.kernels import reference as ref
 from runner.kernels.cpu_ext import cpu_ops, pack_blocks
-from runner.kernels.linear import PREPACK_MIN_NUMEL, Linear
+from runner.kernels.linear import PACKED_DTYPES, PREPACK_MIN_NUMEL, Linear
 from runner.kernels.quant_linear import CPU_KERNEL_MAX_ROWS, QuantWeight, packed_args
 from runner.parallel.layers import RowParallelLinear
 
@@ -25,7 +25,8 @@ class LayerFeatures:
     position: str         # "rotary": interleaved pairs of all head_dim; "rotary_partial": of its first dims; "alibi":
                           # no rotary, a bias per head on the scores
     mlp: str              # "swiglu" (FeedForward) or "moe"
-    linears: str          # "packed_linears": this project's CPU kernels (float32, int8, int4); else "other_linears"
+    linears: str          # "packed_linears": this project's CPU kernels (float32, bf16, fp16, int8, int4); else
+                          # "other_linears"
     split_qkv: bool       # q, k, v in linears of their own (fused_qkv off)
     split_gate_up: bool   # gate and up in linears of their own (fused_ffn_glu off)
     qkv_bias: bool
@@ -40,9 +41,10 @@ class LayerFeatures:
 
 
 def _packable(lin) -> bool:
-    """On this project's packed CPU kernels (float32, int8, int4), or float32 left plain for its size (packed here)."""
+    """On this project's packed CPU kernels (float32, bfloat16, float16, int8, int4), or a float weight left plain for
+    its size (packed here)."""
     return packed_args(lin) is not None or (isinstance(lin, Linear) and lin.kernel == "plain" and lin.weight.dtype
-                                            == torch.float32 and lin.weight.numel() < PREPACK_MIN_NUMEL)
+                                            in PACKED_DTYPES and lin.weight.numel() < PREPACK_MIN_NUMEL)
 
 
 def layer_features(model, i: int) -> LayerFeatures:
@@ -75,7 +77,8 @@ def decode_reads_cache_in_place(model) -> bool:
 def _linear(m, what: str):
     """The pmx_cpu.Linear of a column- or row-parallel layer `m` (row-parallel: its bias added after the sum)."""
     reduced, bias = isinstance(m, RowParallelLinear), m.bias if isinstance(m, RowParallelLinear) else m.linear.bias
-    w, scale, kind, group = packed_args(m.linear) or (pack_blocks(m.linear.weight), torch.empty(0), 32, 0)
+    w, scale, kind, group = packed_args(m.linear) or (
+        pack_blocks(m.linear.weight), torch.empty(0), 32 if m.linear.weight.dtype == torch.float32 else 16, 0)
     return torch.classes.pmx_cpu.Linear(weight=w, scale=scale, bias=None if bias is None else bias.float().contiguous(),
                                         kind=kind, group=group, out_features=m.linear.out_features, reduced=reduced,
                                         what=what)

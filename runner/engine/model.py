@@ -24,19 +24,20 @@ from runner.errors import PmxError
 from runner.kernels import reference as ref
 from runner.kernels.linear import Linear
 from runner.kernels.quant_linear import cat_weights, make_linear, pop_weight, stored_alike
-from runner.kernels.sets import kernel_set
+from runner.kernels.sets import KernelSet, Layers, kernel_set
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, SeqParallel
 from runner.pmx.params import PmxParams, shard_file
-from runner.pmx.quant import is_quant_tensor, quant_parts, quantize, scheme_of, tensor_dtype
+from runner.pmx.quant import is_matrix_weight, is_quant_tensor, quant_parts, quantize, scheme_of, tensor_dtype
 from runner.pmx.schema import pmx_tensors
 from runner.pmx.shard import shard_shape
 from runner.pmx.store import SafetensorsReader
 
 
 def load_shard(ckpt_dir: Path, rank: int, device: torch.device, dtype: torch.dtype,
-               on_tensor=None) -> tuple[PmxParams, dict]:
-    """Params and rank `rank`'s tensors, with strict checks: every expected tensor, no other, right shapes.
-    `on_tensor(nbytes)`, when given, is called after each tensor is read (progress)."""
+               on_tensor=None, matrix_dtype: Optional[torch.dtype] = None) -> tuple[PmxParams, dict]:
+    """Params and rank `rank`'s tensors, with strict checks: every expected tensor, no other, right shapes. Float
+    tensors in `dtype`, the linear layers', output's and embedding's weights (quant.is_matrix_weight) in `matrix_dtype`
+    where given. `on_tensor(nbytes)`, when given, is called after each tensor is read (progress)."""
     params = PmxParams.load(ckpt_dir)
     if params.num_shards <= rank:
         raise PmxError(f"{ckpt_dir}: holds {params.num_shards} shard(s), rank {rank} has none; split the model "
@@ -57,15 +58,18 @@ def load_shard(ckpt_dir: Path, rank: int, device: torch.device, dtype: torch.dty
                                f"{tensor_dtype(params, name, dtype)} for {params.quantization}")
             weights[name] = rd.get(name).to(device=device)
         else:
-            weights[name] = rd.get(name).to(device=device, dtype=dtype)
+            weights[name] = rd.get(name).to(device=device, dtype=matrix_dtype if matrix_dtype is not None
+                                            and is_matrix_weight(name) else dtype)
         if on_tensor is not None:
             on_tensor(rd.nbytes(name))
     return params, weights
 
 
-def random_shard(params: PmxParams, rank: int, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
+def random_shard(params: PmxParams, rank: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 matrix_dtype: Optional[torch.dtype] = None) -> dict:
     """Random weights in the shapes of rank `rank`'s shard (for benchmarks without a checkpoint): matrices
-    N(0, 0.02^2), norms 1, biases 0, so activations stay in range as in a trained model."""
+    N(0, 0.02^2) (in `matrix_dtype` where given, as load_shard), norms 1, biases 0, so activations stay in range as in
+    a trained model."""
     g = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
     out, scheme, fp = {}, scheme_of(params), params.replace(quantization=None)
     for name, full in pmx_tensors(fp).items():
@@ -79,7 +83,8 @@ def random_shard(params: PmxParams, rank: int, device: torch.device, dtype: torc
             parts = quantize(torch.randn(shape, generator=g, device=device) * 0.02, leaf)
             out.update({f"{base}.{part}": t for part, t in zip(quant_parts(leaf), parts)})
         else:
-            out[name] = (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype)
+            out[name] = (torch.randn(shape, generator=g, device=device) * 0.02).to(
+                matrix_dtype if matrix_dtype is not None and is_matrix_weight(name) else dtype)
     return out
 
 
@@ -102,22 +107,31 @@ class Attention(nn.Module):
     """Self-attention of one layer over the step's packed tokens, reading and writing the KV cache.
 
     Positions enter as rotary (q and k rotated on the plan's cos / sin, whose width says how many dims turn) or, where
-    `alibi` holds this rank's heads' slopes, as ALiBi's bias slope_h x (j - i) on the scores; with the plan's
-    `q_scale` (logn scaling) each query is scaled by its position's factor."""
+    the spec has ALiBi heads, as ALiBi's bias slope_h x (j - i) on the scores; with the plan's `q_scale` (logn
+    scaling) each query is scaled by its position's factor. A traced step (plan.inputs: an export) rotates and attends
+    with the kernel set's step ops, which read ppl.pmx's step inputs themselves."""
 
-    def __init__(self, layer: int, qkv: list, wo, q_norm, k_norm, heads: tuple, eps: float,
-                 sliding_window: Optional[int], config: EngineConfig, ops, alibi: Optional[torch.Tensor] = None):
+    def __init__(self, spec: ref.AttentionSpec, qkv: list, wo, q_norm, k_norm, eps: float,
+                 rotary: Optional[ref.Rotary], config: EngineConfig, ops, device: torch.device):
         super().__init__()
-        self.layer, (self.heads, self.kv_heads, self.head_dim) = layer, heads   # this rank's (H, KV, head_dim)
+        self.spec, self.layer, self.heads, self.kv_heads, self.head_dim = (spec, spec.layer, spec.heads,
+                                                                           spec.kv_heads, spec.head_dim)
         self.qkv, self.wo = nn.ModuleList(qkv), wo
         self.register_buffer("q_norm", q_norm, persistent=False)
         self.register_buffer("k_norm", k_norm, persistent=False)
-        self.register_buffer("alibi", alibi, persistent=False)                   # (H,) float32 slopes, or None
-        self.eps, self.window, self.ops = eps, sliding_window, ops
+        alibi = spec.alibi_slopes()
+        self.register_buffer("alibi", None if alibi is None else alibi.to(device), persistent=False)     # (H,)
+        self.eps, self.window, self.rotary, self.ops = eps, spec.sliding_window or None, rotary, ops
         self.friendly_gqa, self.cache_mode = config.friendly_gqa, config.cache_mode
 
     def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None
                 ) -> torch.Tensor:
+        if plan.inputs is not None:                                               # a traced step
+            q, k, v = self._qkv(x)
+            if self.alibi is None:
+                q, k = self.ops.rotary_step(q, k, plan.inputs, self.rotary)
+            out = self.ops.cache_attention(q, k, v, plan.inputs, cache, self.spec)
+            return self.wo(out.reshape(-1, self.heads * self.head_dim), sp=sp)
         q, k, v = self._qkv_stored(x, plan, cache)                                # (T, H|KV|KV, D)
         if plan.q_scale is not None:                                              # logn scaling of the queries
             q = q * plan.q_scale[:, None, None].to(q.dtype)
@@ -150,14 +164,14 @@ class Attention(nn.Module):
     def _qkv(self, x):
         """q, k, v (T, H|KV|KV, D) before rotary: views of the fused GEMM's output where fused; q/k normed
         when the model has q/k norms."""
-        T, H, KV, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
         if len(self.qkv) == 1:
             q, k, v = self.qkv[0](x).split([H * D, KV * D, KV * D], dim=-1)
         else:
             q, k, v = (lin(x) for lin in self.qkv)
-        q, k, v = q.view(T, H, D), k.view(T, KV, D), v.view(T, KV, D)
+        q, k, v = q.view(-1, H, D), k.view(-1, KV, D), v.view(-1, KV, D)
         if self.q_norm is not None:
-            q, k = ref.rms_norm(q, self.q_norm, self.eps), ref.rms_norm(k, self.k_norm, self.eps)
+            q, k = self.ops.rms_norm(q, self.q_norm, self.eps), self.ops.rms_norm(k, self.k_norm, self.eps)
         return q, k, v
 
     def _qkv_rotated(self, x, plan):
@@ -241,9 +255,8 @@ class FeedForward(nn.Module):
             gate_up = self.gate_up[0](x)
             if getattr(self.w2, "takes_swiglu", None) is not None and self.w2.takes_swiglu(gate_up):
                 return w2(gate_up, swiglu=True)  # SwiGLU computed as the down projection loads its input
-            gate, up = gate_up.chunk(2, dim=-1)
-        else:
-            gate, up = (lin(x) for lin in self.gate_up)
+            return w2(self.ops.swiglu_packed(gate_up))
+        gate, up = (lin(x) for lin in self.gate_up)
         return w2(self.ops.swiglu(gate, up))
 
 
@@ -257,6 +270,18 @@ class MoE(nn.Module):
         self.register_buffer("router", router, persistent=False)
         self.experts, self.top_k, self.comm = nn.ModuleList(experts), top_k, comm
 
+    @classmethod
+    def build(cls, router: torch.Tensor, w1, w3, w2, top_k: int, comm, fused_glu: bool, prepack: bool, ops,
+              names=()) -> "MoE":
+        """Each expert cut like a dense MLP (w1, w3 [E, F/n, D], w2 [E, D, F/n]), a plain linear each (the block
+        all-reduces once, not per expert)."""
+        def linears(ws):
+            if fused_glu and len(ws) > 1 and stored_alike(ws):
+                return [make_linear(cat_weights(ws), None, prepack)]
+            return [make_linear(wt, None, prepack) for wt in ws]
+        return cls(router, [FeedForward(linears([w1[e], w3[e]]), linears([w2[e]])[0], ops)
+                            for e in range(w1.shape[0])], top_k, comm)
+
     def forward(self, h: torch.Tensor, sp: None = None) -> torch.Tensor:  # (a MoE model runs without SeqParallel)
         probs = F.linear(h, self.router).float().softmax(-1)                     # (T, E)
         weight, chosen = probs.topk(self.top_k, dim=-1)                           # (T, k)
@@ -266,6 +291,17 @@ class MoE(nn.Module):
             tok, slot = (chosen == e).nonzero(as_tuple=True)
             out.index_add_(0, tok, self.experts[e](h[tok]) * weight[tok, slot, None])
         return self.comm.all_reduce_(out)
+
+
+def _unnamed(kind):
+    """The engine's layer `kind`, built without the PMX names the export sets take."""
+    def build(*args, names=(), **kwargs):
+        return kind(*args, **kwargs)
+    return build
+
+
+ENGINE_LAYERS = Layers(column=_unnamed(ColumnParallelLinear), row=_unnamed(RowParallelLinear),
+                       embedding=_unnamed(ParallelEmbedding), moe=MoE.build)
 
 
 class Block(nn.Module):
@@ -289,7 +325,10 @@ class Transformer(nn.Module):
     prepacking never hold two copies of the whole model.
     """
 
-    def __init__(self, params: PmxParams, weights: dict, comm, config: EngineConfig = EngineConfig()):
+    def __init__(self, params: PmxParams, weights: dict, comm, config: EngineConfig = EngineConfig(),
+                 ops: Optional[KernelSet] = None):
+        """`ops`: the kernel set (default: config.kernels' for the weights' device and dtype; an export passes its
+        own, runner.onnx.export)."""
         super().__init__()
         p, c = params, config
         self.params, self.comm, self.config = p, comm, c
@@ -304,50 +343,49 @@ class Transformer(nn.Module):
         if p.num_experts and p.ffn_bias:
             raise PmxError("mixture-of-experts models with MLP biases are not supported")
         w = weights
-        self.dtype, self.device = w["norm.weight"].dtype, w["norm.weight"].device
+        self.dtype, self.device = w["norm.weight"].dtype, w["norm.weight"].device  # the compute dtype
+        # the float matrices' (a CPU engine keeps a half-precision checkpoint's at their width)
+        self.weight_dtype = next((t.dtype for n, t in w.items() if is_matrix_weight(n)), self.dtype)
         self.num_params = sum(t.numel() for t in w.values())
-        self.ops = ops = kernel_set(c.kernels, self.device, self.dtype)
+        self.ops = ops = ops or kernel_set(c.kernels, self.device, self.dtype)
+        kinds = ops.layers or ENGINE_LAYERS
         self.rotary = ref.Rotary(p.rotary_dims, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
-        rank, H = comm.rank, self.heads
-        alibi = (torch.tensor(ref.alibi_slopes(p.num_heads), dtype=torch.float32)[rank * H: (rank + 1) * H]
-                 .to(self.device) if p.position_embedding == "alibi" else None)   # this rank's heads' slopes
-        column, row = partial(ColumnParallelLinear, comm=comm), partial(RowParallelLinear, comm=comm)
+        alibi = (p.num_heads, comm.rank * self.heads) if p.position_embedding == "alibi" else ()  # this rank's heads
         weight = partial(pop_weight, w, scheme=scheme_of(p), kernels=c.kernels)  # float, or weight-only quantised
-        self.tok_embeddings = ParallelEmbedding(weight("tok_embeddings"), p.hidden_dim, comm, self.dtype,
-                                                ops.quant_embedding)
+        self.tok_embeddings = kinds.embedding(weight("tok_embeddings"), p.hidden_dim, comm, self.dtype,
+                                              ops.quant_embedding, names=["tok_embeddings"])
 
-        def take(names, bias_on):
-            """Pops the weights (and biases, when the model has them) of `names`."""
-            return [weight(n) for n in names], [w.pop(f"{n}.bias") for n in names] if bias_on else None
-
-        def linears(kind, ws, bs, fuse=True):
-            """One GEMM over the concatenated weights `ws` when `fuse` (and they are stored alike), else one each."""
-            parts = [(cat_weights(ws), torch.cat(bs) if bs else None)] if fuse and len(ws) > 1 and stored_alike(ws) \
-                else list(zip(ws, bs or [None] * len(ws)))
-            return [kind(wt, bt, prepack=c.prepack) for wt, bt in parts]
+        def linears(kind, names, bias_on, fuse=True, **kw):
+            """The layers of the weights (and biases, when the model has them) of `names`, popped: one GEMM over
+            their concatenation when `fuse` (and they are stored alike), else one GEMM each."""
+            ws, bs = [weight(n) for n in names], [w.pop(f"{n}.bias") for n in names] if bias_on else None
+            if fuse and len(ws) > 1 and stored_alike(ws):
+                return [kind(cat_weights(ws), torch.cat(bs) if bs else None, comm, prepack=c.prepack, names=names,
+                             **kw)]
+            return [kind(wt, bt, comm, prepack=c.prepack, names=[nm], **kw)
+                    for wt, bt, nm in zip(ws, bs or [None] * len(ws), names)]
 
         layers = []
         for i in range(p.num_layers):
             a, m = f"layers.{i}.attention", f"layers.{i}.feed_forward"
+            spec = ref.AttentionSpec(i, self.heads, self.kv_heads, self.head_dim, p.sliding_window or 0, alibi,
+                                     p.logn_scaling or 0)
             attention = Attention(
-                i, linears(column, *take([f"{a}.wq", f"{a}.wk", f"{a}.wv"], p.qkv_bias), c.fused_qkv),
-                linears(row, *take([f"{a}.wo"], p.o_bias))[0], w.pop(f"{a}.q_norm.weight", None),
-                w.pop(f"{a}.k_norm.weight", None), (self.heads, self.kv_heads, self.head_dim), p.norm_eps,
-                p.sliding_window, c, ops, alibi)
-            if p.num_experts:  # each expert cut like a dense MLP; the MoE block all-reduces once, not per expert
-                w1, w3, w2 = (weight(f"{m}.{x}") for x in ("w1", "w3", "w2"))  # [E, F/n, D], [E, D, F/n]
-                ffn = MoE(w.pop(f"{m}.gate.weight"), [
-                    FeedForward(linears(make_linear, [w1[e], w3[e]], None, c.fused_ffn_glu),
-                                linears(make_linear, [w2[e]], None)[0], ops) for e in range(p.num_experts)],
-                          p.num_experts_per_token, comm)
+                spec, linears(kinds.column, [f"{a}.wq", f"{a}.wk", f"{a}.wv"], p.qkv_bias, c.fused_qkv),
+                linears(kinds.row, [f"{a}.wo"], p.o_bias)[0], w.pop(f"{a}.q_norm.weight", None),
+                w.pop(f"{a}.k_norm.weight", None), p.norm_eps, None if alibi else self.rotary, c, ops, self.device)
+            if p.num_experts:  # the experts' weights stacked: [E, F/n, D], [E, D, F/n]
+                ffn = kinds.moe(w.pop(f"{m}.gate.weight"), *(weight(f"{m}.{x}") for x in ("w1", "w3", "w2")),
+                                p.num_experts_per_token, comm, c.fused_ffn_glu, c.prepack, ops,
+                                names=[f"{m}.{x}" for x in ("gate", "w1", "w3", "w2")])
             else:
-                ffn = FeedForward(linears(column, *take([f"{m}.w1", f"{m}.w3"], p.ffn_bias), c.fused_ffn_glu),
-                                  linears(row, *take([f"{m}.w2"], p.ffn_bias))[0], ops)
+                ffn = FeedForward(linears(kinds.column, [f"{m}.w1", f"{m}.w3"], p.ffn_bias, c.fused_ffn_glu),
+                                  linears(kinds.row, [f"{m}.w2"], p.ffn_bias)[0], ops)
             layers.append(Block(SkipRMSNorm(w.pop(f"layers.{i}.attention_norm.weight"), p.norm_eps, ops), attention,
                                 SkipRMSNorm(w.pop(f"layers.{i}.ffn_norm.weight"), p.norm_eps, ops), ffn))
         self.layers = nn.ModuleList(layers)
         self.norm = SkipRMSNorm(w.pop("norm.weight"), p.norm_eps, ops)
-        self.output = ColumnParallelLinear(weight("output"), None, comm, gather_output=True, prepack=c.prepack)
+        self.output = linears(kinds.column, ["output"], False, gather_output=True)[0]
         if c.decode_linears and self.device.type == "cuda" and ops.decode_linear is not None:
             for mod in self.modules():
                 if isinstance(mod, Linear) and mod.kernel == "plain" and mod.weight.dtype in (torch.float16,

@@ -37,7 +37,7 @@ def windows(n: int, window: int, stride: int):
             break
 
 
-def evaluate(engine, ids: list[int], window: int, stride: int) -> dict:
+def evaluate(core, ids: list[int], window: int, stride: int) -> dict:
     """{"perplexity", "nll", "tokens" (scored), "forward_tokens", "seconds"} of `ids` under the engine core: every
     window a prompt of its own, scored by continuous batching."""
     spans = list(windows(len(ids), window, stride))
@@ -51,7 +51,7 @@ def evaluate(engine, ids: list[int], window: int, stride: int) -> dict:
             nll[0] += float(F.cross_entropy(logits[lo - first: hi - first], targets, reduction="sum"))
 
     t0 = time.perf_counter()
-    engine.score([ids[b:e] for b, e, _ in spans], add)
+    core.score([ids[b:e] for b, e, _ in spans], add)
     seconds = time.perf_counter() - t0
     scored = sum(e - f for _, e, f in spans)
     return {"perplexity": math.exp(nll[0] / scored), "nll": nll[0] / scored, "tokens": scored,
@@ -60,7 +60,7 @@ def evaluate(engine, ids: list[int], window: int, stride: int) -> dict:
 
 def perplexity(ckpt_dir: CkptDir, text_file: str, tokenizer_path: TokenizerPath = None, window: PositiveInt = 256,
                stride: Optional[PositiveInt] = None, max_tokens: Optional[PositiveInt] = None,
-               engine: EngineConfig = EngineConfig()) -> dict:
+               config: EngineConfig = EngineConfig()) -> dict:
     """Perplexity (sliding window) and tokens/s of a PMX model, float or quantised, over a text file. Prints one
     line on rank 0 and returns the numbers.
 
@@ -87,9 +87,9 @@ def perplexity(ckpt_dir: CkptDir, text_file: str, tokenizer_path: TokenizerPath 
     ids = tok.encode(text)[:max_tokens]
     if len(ids) < 2:
         raise PmxError(f"{text_file}: too short, it holds {len(ids)} token(s); perplexity needs at least 2")
-    sess = open_session(ckpt_dir, engine)
-    sess.engine.score([ids[: min(len(ids), 8)]], lambda *_: None)  # warm-up (kernel set-up) outside the timing
-    res = evaluate(sess.engine, ids, window, stride)
+    sess = open_session(ckpt_dir, config)
+    sess.core.score([ids[: min(len(ids), 8)]], lambda *_: None)  # warm-up (kernel set-up) outside the timing
+    res = evaluate(sess.core, ids, window, stride)
     quant = params.quantization["method"] if params.quantization else params.dtype
     if sess.is_main:
         print(f"perplexity {res['perplexity']:.4f} over {res['tokens']} tokens of {text_file} ({ckpt_dir}, {quant}, "

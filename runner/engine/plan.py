@@ -1,9 +1,9 @@
 """The plan of one engine step, made on the host from the batch's lengths (Python ints).
 
-A step has two halves (DESIGN.md, "The step inside"): this plan, and the device step that reads only the plan,
-the weights and the cache. Everything that depends on the sequences' lengths is worked out here, once per step:
-each new token's position and cache row, the rotary angles, the rows whose logits are wanted, and how attention
-runs:
+A step has two halves (docs/architecture.md, "Inside a step"): this plan, and the device step that reads only the
+plan, the weights and the cache. Everything that depends on the sequences' lengths is worked out here, once per
+step: each new token's position and cache row, the rotary angles, the rows whose logits are wanted, and how
+attention runs:
 
 - the decoding sequences (one new token each, packed first) attend together: one query row each against its
   history, read in place by kernels that walk the cache themselves (`PlanSpec.gather_decode` off: cachestarts and
@@ -71,17 +71,39 @@ class PackedHistory:
 
 
 @dataclass
+class StepInputs:
+    """A step as ppl.pmx's dynamic-batching inputs, tensors all (Stepper.forward documents them): what a traced step
+    reads. Nothing is planned on the host; the kernel set's step ops (KernelSet.rotary_step, cache_attention) work out
+    positions, cache rows and masks from these, as ppl.pmx's operators do (the export kernel sets)."""
+    seqstarts: torch.Tensor
+    kvstarts: torch.Tensor
+    cachestarts: torch.Tensor
+    decoding_batches: torch.Tensor
+    start_pos: torch.Tensor
+    max_seqlen: torch.Tensor
+    max_kvlen: torch.Tensor
+    attn_mask: torch.Tensor                # [T, sum kvlens] additive, or empty: causal (auto_causal)
+
+
+@dataclass
 class StepPlan:
     """Everything one step reads besides the token ids, the weights and the cache."""
-    slots: torch.Tensor                    # [T] int64: cache row of each new token
-    cos: torch.Tensor                      # [T, D/2] float32 rotary tables at each token's position
-    sin: torch.Tensor
+    slots: Optional[torch.Tensor]          # [T] int64: cache row of each new token
+    cos: Optional[torch.Tensor]            # [T, D/2] float32 rotary tables at each token's position
+    sin: Optional[torch.Tensor]
     last: Optional[torch.Tensor]           # rows whose logits are wanted (each sequence's last, or all of a
                                            # scored one's); None: every row
     decode: Optional[DecodeAttention] = None
     prefill: tuple = ()                    # PrefillGroup, ...
     packed: Optional[PackedHistory] = None
     q_scale: Optional[torch.Tensor] = None  # [T] float32: logn scaling of each query (None: every factor is 1)
+    inputs: Optional[StepInputs] = None     # a traced step: ppl.pmx's inputs instead of everything above but `last`
+
+    @classmethod
+    def traced(cls, inputs: StepInputs) -> "StepPlan":
+        """The plan of a traced step (an export): each sequence's last row wanted, everything else read from
+        `inputs` by the kernel set's step ops."""
+        return cls(None, None, None, inputs.seqstarts[1:] - 1, inputs=inputs)
 
     @property
     def decode_only(self) -> bool:

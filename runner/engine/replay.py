@@ -107,10 +107,16 @@ def check_dump_fits(params: PmxParams, o: EngineConfig, world_size: int, t: dict
                        f"[0, {params.vocab_size}): the dump was made with another model")
 
 
+def dumped_dtype(meta: dict) -> str:
+    """The --dtype that runs a step as the dumped run did: its compute dtype, or auto where that kept its linear
+    weights narrower than the compute (float32 on CPU over a half-precision checkpoint, which is what auto does)."""
+    return "auto" if meta.get("weight_dtype", meta["dtype"]) != meta["dtype"] else meta["dtype"]
+
+
 def replay(ckpt_dir: str, dump_dir: DumpDir, step: ReplayStep, output_dir: ReplayOutputDir = "out/replay", warmup: Warmup = 2,
            min_profiling_seconds: MinProfilingSeconds = 1.0, min_snr: float = 60.0,
            min_cosine: Annotated[float, Range(-1, 1)] = 0.9999,
-           engine: Annotated[EngineConfig, Fields("device", "dtype", "cache_layout", "comm_backend",
+           config: Annotated[EngineConfig, Fields("device", "dtype", "cache_layout", "comm_backend",
                                                   "collective_timeout")] = EngineConfig()) -> int:
     """Replay a dumped step on every rank (run it under the same mpirun -np N as the dump); time it and
     check its logits against the dump. Exit status 1 when a rank is beyond tolerance.
@@ -129,11 +135,11 @@ def replay(ckpt_dir: str, dump_dir: DumpDir, step: ReplayStep, output_dir: Repla
     rank_dir, meta, t = load_rank_step(dump_dir, step, env.rank, env.world_size, "replay")
     params = PmxParams.load(Path(ckpt_dir))
     check_world_size(ckpt_dir, params, env)
-    dumped = infer_options(params, env.world_size, t, meta, engine.cache_layout)
-    dtype = engine.dtype if engine.dtype != "auto" else (meta["dtype"] if meta else (
+    dumped = infer_options(params, env.world_size, t, meta, config.cache_layout)
+    dtype = config.dtype if config.dtype != "auto" else (dumped_dtype(meta) if meta else (
         "auto" if t["kv_cache"].dtype == torch.int8 else dtype_name(t["kv_cache"].dtype)))
-    options = replace(dumped, device=engine.device, dtype=dtype, comm_backend=engine.comm_backend,
-                      collective_timeout=engine.collective_timeout)
+    options = replace(dumped, device=config.device, dtype=dtype, comm_backend=config.comm_backend,
+                      collective_timeout=config.collective_timeout)
     _check_against_dump(options, t, rank_dir)
     check_dump_fits(params, options, env.world_size, t, rank_dir, ckpt_dir)
     sess = open_session(ckpt_dir, options)

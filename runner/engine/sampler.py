@@ -1,29 +1,26 @@
-"""Sampling: greedy (temperature 0), temperature, top-k and top-p (nucleus), with a seeded generator."""
+"""Sampling: greedy (temperature 0), temperature, top-k, top-p (nucleus) and min-p, with a seeded generator; and what
+a request may do to the logits first: a bias per token, and repetition, frequency and presence penalties over the
+tokens so far (vLLM's and OpenAI's meaning; the parameters: runner.engine.sampling_params). Every admitted value is
+numerically safe: the logits are shifted by their maximum before any division, and whatever an extreme value makes
+non-finite is read as the most (+inf) or least (-inf) likely, never left to reach the draw. NaN logits from the model
+itself are a broken model, not a sampling choice: they raise NonFiniteLogits naming the rows (the server ends that
+sequence alone with finish 'error'; a batch job stops with the message)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from runner.errors import PmxError
+from runner.engine.sampling_params import SamplingParams
+
+__all__ = ["SamplingParams", "Sampler", "NonFiniteLogits", "greedy_ids"]
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0   # 0: greedy
-    top_k: int = 0             # 0: no top-k cut
-    top_p: float = 1.0         # 1: no nucleus cut
-    seed: Optional[int] = None
+class NonFiniteLogits(RuntimeError):
+    """The model's logits hold NaN: its weights or activations are not finite (a corrupt checkpoint, an overflow)."""
 
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise PmxError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise PmxError(f"--top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise PmxError(f"--top_p must be in (0, 1], got {self.top_p}")
+FLOAT_MAX = torch.finfo(torch.float32).max
 
 
 def greedy_ids(logits: torch.Tensor) -> list:
@@ -35,21 +32,57 @@ def greedy_ids(logits: torch.Tensor) -> list:
 
 
 class Sampler:
-    """One sequence's sampling: greedy at temperature 0, else from softmax(logits / temperature) cut to the top k and
-    the top p, drawn with the sequence's own seeded generator."""
+    """One sequence's sampling: greedy at temperature 0, else from softmax(logits / temperature) cut to the top k, the
+    top p and min p, drawn with the sequence's own seeded generator. `history`: the sequence's tokens (its prompt's
+    `prompt_len` first, then what it generated; the caller's list, read at each draw), which the penalties count."""
 
-    def __init__(self, params: SamplingParams):
-        self.params = params
+    def __init__(self, params: SamplingParams, history: Optional[Sequence[int]] = None, prompt_len: int = 0):
+        self.params, self.history, self.prompt_len = params, history, prompt_len
         self.gen = torch.Generator() if params.temperature != 0 else None  # (greedy draws nothing)
         if self.gen is not None and params.seed is not None:
             self.gen.manual_seed(params.seed)
         elif self.gen is not None:
             self.gen.seed()
 
+    @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the model's logits as they are (what a batch's greedy rows take at once)."""
+        return self.params.temperature == 0 and not self.params.adjusts
+
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> float32 CPU logits after the bias and the penalties, every value finite or -inf (an
+        overflow to +inf reads as the largest float, NaN after the penalties as -inf); NaN from the model raises
+        NonFiniteLogits."""
+        p = self.params
+        out = logits.float().cpu()
+        nan_rows = out.isnan().any(-1)
+        if nan_rows.any():
+            raise NonFiniteLogits(f"the model's logits are NaN in {int(nan_rows.sum())} of {out.shape[0]} row(s): its "
+                                  "weights or activations are not finite (check the checkpoint, or try --dtype "
+                                  "float32)")
+        if not p.adjusts:
+            return out
+        out = out.clone()
+        vocab = out.shape[-1]
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long)
+            out[:, ids] += torch.tensor([b for t, b in p.logit_bias if t < vocab])
+        hist = [t for t in (self.history or ()) if 0 <= t < vocab]
+        if hist and p.repetition_penalty != 1:
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[torch.tensor(hist, dtype=torch.long)] = True
+            r = p.repetition_penalty
+            out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+        gen = hist[min(self.prompt_len, len(hist)):] if hist else []
+        if gen and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(gen, dtype=torch.long), minlength=vocab).float()
+            out = out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+        return out.nan_to_num(nan=float("-inf"), posinf=FLOAT_MAX)
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] -> the distribution [B, V] float32 (CPU) that a token is drawn from (temperature > 0)."""
         p = self.params
-        raw = logits.float().cpu()
+        raw = self.adjust(logits)
         # Shifted so that each row's largest logit is 0 before dividing: no temperature, however small (1e-300) or
         # large, can overflow it (the largest stays 0, the rest go to -inf at worst, so softmax stays a
         # distribution).
@@ -61,21 +94,26 @@ class Sampler:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         logits = logits / p.temperature
         probs = logits.softmax(-1)
+        if p.min_p > 0:  # (the largest probability is at least 1 / V: the cut never empties a row)
+            probs = probs.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), 0.0)
         if p.top_p < 1:
             sorted_p, idx = probs.sort(-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > p.top_p  # keep the smallest prefix whose mass reaches top_p
+            mass = p.top_p if p.min_p == 0 else p.top_p * sorted_p.sum(-1, keepdim=True)  # (min_p took some away)
+            drop = sorted_p.cumsum(-1) - sorted_p > mass  # keep the smallest prefix whose mass reaches top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        bad = ~(probs.isfinite().all(-1) & (probs.sum(-1) > 0))  # rows of NaN/inf logits, or every logit -inf
-        if bad.any():  # such a row takes its greedy token (NaN read as -inf), never an exception that ends the step
+        bad = ~(probs.isfinite().all(-1) & (probs.sum(-1) > 0))  # rows whose every logit is -inf
+        if bad.any():  # such a row takes its greedy token, never an exception that ends the step
             best = raw[bad].nan_to_num(nan=float("-inf")).argmax(-1)
             probs[bad] = torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype)
+        if p.top_p < 1 or p.min_p > 0:  # (what the cuts kept sums to 1 again: verify reads probabilities)
+            probs = probs / probs.sum(-1, keepdim=True)
         return probs
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] float32 -> next tokens [B] int64."""
         if self.params.temperature == 0:
-            return logits.argmax(-1)
+            return self.adjust(logits).argmax(-1) if self.params.adjusts else logits.argmax(-1)
         return torch.multinomial(self.probs(logits), 1, generator=self.gen).view(-1)
 
     def verify(self, logits: torch.Tensor, proposal: list, draft_probs: Optional[torch.Tensor] = None

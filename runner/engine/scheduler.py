@@ -4,14 +4,14 @@ Each step takes every running sequence that decodes (one token each, or its gues
 decoding guessed), then prefill chunks of running sequences, then waiting sequences in arrival order, while the
 batch (`max_batch`), the step's token budget (`max_step_tokens`, decoding tokens included; `prefill_chunk` prefill
 tokens, `decode_chunk` while any sequence decodes: a step that carries a long chunk delays every decoding sequence's
-next token by its whole length, so chunks are small while sequences decode) and the cache allow. The cache
-is one of two allocators, as ppl.pmx's cache modes: :class:`OffsetCache` reserves a sequence's whole region
-when it is admitted; :class:`PagedCache` hands out pages of PAGE_SIZE rows as it grows, and when a running
-sequence needs a page and none is free, the most recently arrived running sequence is preempted (its pages
+next token by its whole length, so chunks are small while sequences decode) and the cache allow. The cache's rows
+are handed out by one of two allocators, as ppl.pmx's cache modes: :class:`OffsetAllocator` reserves a sequence's
+whole region when it is admitted; :class:`PageAllocator` hands out pages of PAGE_SIZE rows as it grows, and when a
+running sequence needs a page and none is free, the most recently arrived running sequence is preempted (its pages
 freed, its tokens prefilled again later). A sequence never needs more than the whole cache (`fits` is checked
 when it is added), so every sequence finishes.
 
-Pure Python over ints: no tensors. The engine (runner.engine.core) runs the steps.
+Pure Python over ints: no tensors. The engine core (runner.engine.core) runs the steps.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class Sequence:
     proposal: list = field(default_factory=list)  # speculative decoding: guessed tokens, appended to `tokens` until
                                                   # the step that verifies them
     computed: int = 0            # tokens whose keys and values are in the cache
-    cache: Any = None            # the allocator's handle: a region (offset, rows) or a list of pages
+    region: Any = None           # its rows of the KV cache, as the allocator hands them out: (first row, rows)
+                                 # or a list of pages
     keyed: int = 0               # pages of it keyed for prefix caching, and the last one's key
     last_key: Any = None
     preemptions: int = 0
@@ -65,7 +66,7 @@ class Sequence:
         return self.tokens[self.prompt_len:]
 
 
-class PagedCache:
+class PageAllocator:
     """Pages of PAGE_SIZE rows, given to a sequence as it grows; page i is rows [i PAGE_SIZE, (i + 1) PAGE_SIZE).
 
     With `prefix_caching`, a page whose rows all hold computed tokens is keyed by those tokens and everything before
@@ -117,12 +118,12 @@ class PagedCache:
             if self._refs[page] == 0:
                 del self._evictable[page]
             self._refs[page] += 1
-        seq.cache, seq.computed, seq.keyed, seq.last_key = pages, len(pages) * PAGE_SIZE, len(pages), last
+        seq.region, seq.computed, seq.keyed, seq.last_key = pages, len(pages) * PAGE_SIZE, len(pages), last
         return seq.computed
 
     def grow(self, seq: Sequence, tokens: int) -> bool:
         """Pages for seq's first `tokens` positions; False (and nothing taken) if too few are free."""
-        pages = seq.cache if seq.cache is not None else []
+        pages = seq.region if seq.region is not None else []
         need = -(-tokens // PAGE_SIZE) - len(pages)
         if need > self.free:
             return False
@@ -134,7 +135,7 @@ class PagedCache:
                 del self._page_of[self._key_of.pop(page)]
             self._refs[page] = 1
             pages.append(page)
-        seq.cache = pages
+        seq.region = pages
         return True
 
     def computed(self, seq: Sequence) -> None:
@@ -144,24 +145,24 @@ class PagedCache:
         key = seq.last_key
         for i in range(seq.keyed, seq.computed // PAGE_SIZE):
             key = _page_key(key, seq.tokens, i)
-            if key not in self._page_of and seq.cache[i] not in self._key_of:  # (a twin of a cached page stays unkeyed)
-                self._page_of[key], self._key_of[seq.cache[i]] = seq.cache[i], key
+            if key not in self._page_of and seq.region[i] not in self._key_of:  # (a cached page's twin stays unkeyed)
+                self._page_of[key], self._key_of[seq.region[i]] = seq.region[i], key
             seq.keyed, seq.last_key = i + 1, key
 
     def release(self, seq: Sequence) -> None:
-        for page in reversed(seq.cache or ()):  # a chain's last pages first: they are evicted first
+        for page in reversed(seq.region or ()):  # a chain's last pages first: they are evicted first
             self._refs[page] -= 1
             if self._refs[page] == 0:
                 if page in self._key_of:
                     self._evictable[page] = None
                 else:
                     self._free.append(page)
-        seq.cache, seq.keyed, seq.last_key = None, 0, None
+        seq.region, seq.keyed, seq.last_key = None, 0, None
 
     @staticmethod
     def starts(seq: Sequence) -> list:
         """The cache rows where each of the sequence's pages starts (a row of the plan's cachestarts)."""
-        return [p * PAGE_SIZE for p in seq.cache]
+        return [p * PAGE_SIZE for p in seq.region]
 
 
 def _page_key(parent: Optional[tuple], tokens: list, i: int) -> tuple:
@@ -169,7 +170,7 @@ def _page_key(parent: Optional[tuple], tokens: list, i: int) -> tuple:
     return (hash(parent), tuple(tokens[i * PAGE_SIZE: (i + 1) * PAGE_SIZE]))
 
 
-class OffsetCache:
+class OffsetAllocator:
     """One contiguous region per sequence (ppl.pmx's offset mode), its max_len rows reserved at admission (first
     fit; freed regions merge). Nothing is shared: no prefix caching."""
     paged, queries, hits = False, 0, 0
@@ -198,29 +199,29 @@ class OffsetCache:
         pass
 
     def grow(self, seq: Sequence, tokens: int) -> bool:
-        if seq.cache is not None:
+        if seq.region is not None:
             return True
         for i, (s, n) in enumerate(self._free):
             if n >= seq.max_len:
                 self._free[i] = (s + seq.max_len, n - seq.max_len)
-                seq.cache = (s, seq.max_len)
+                seq.region = (s, seq.max_len)
                 return True
         return False
 
     def release(self, seq: Sequence) -> None:
-        if seq.cache is None:
+        if seq.region is None:
             return
         merged = []
-        for s, n in sorted(self._free + [seq.cache]):
+        for s, n in sorted(self._free + [seq.region]):
             if merged and merged[-1][0] + merged[-1][1] == s:
                 merged[-1] = (merged[-1][0], merged[-1][1] + n)
             elif n:
                 merged.append((s, n))
-        self._free, seq.cache = merged, None
+        self._free, seq.region = merged, None
 
     @staticmethod
     def starts(seq: Sequence) -> int:
-        return seq.cache[0]
+        return seq.region[0]
 
 
 @dataclass
@@ -235,14 +236,14 @@ class StepBatch:
 
 
 class Scheduler:
-    def __init__(self, cache, max_batch: int, max_step_tokens: Optional[int] = None,
+    def __init__(self, allocator, max_batch: int, max_step_tokens: Optional[int] = None,
                  prefill_chunk: Optional[int] = None, decode_chunk: Optional[int] = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_step_tokens is not None and max_step_tokens < max_batch:
             raise ValueError(f"the step token budget ({max_step_tokens}) must be at least max_batch ({max_batch}), "
                              f"so that every running sequence can decode in every step")
-        self.cache, self.max_batch = cache, max_batch
+        self.allocator, self.max_batch = allocator, max_batch
         self.max_step_tokens, self.prefill_chunk = max_step_tokens, prefill_chunk
         self.decode_chunk = decode_chunk
         self.waiting: list[Sequence] = []   # by arrival
@@ -250,9 +251,10 @@ class Scheduler:
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        if not self.cache.fits(seq.max_len):
-            raise ValueError(f"a sequence of {seq.max_len} tokens does not fit a KV cache of {self.cache.free + self.cache.used} "
-                             f"{'pages' if self.cache.paged else 'rows'}")
+        if not self.allocator.fits(seq.max_len):
+            a = self.allocator
+            raise ValueError(f"a sequence of {seq.max_len} tokens does not fit a KV cache of {a.free + a.used} "
+                             f"{'pages' if a.paged else 'rows'}")
         keys = [s.arrival for s in self.waiting]
         self.waiting.insert(bisect.bisect(keys, seq.arrival), seq)
 
@@ -262,7 +264,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.cache.release(seq)
+        self.allocator.release(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -276,7 +278,7 @@ class Scheduler:
         def place(seq: Sequence, n: int) -> bool:
             """Cache for seq's next n tokens, preempting later arrivals (or seq itself) when short."""
             nonlocal step_budget
-            while not self.cache.grow(seq, seq.computed + n):
+            while not self.allocator.grow(seq, seq.computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -302,10 +304,10 @@ class Scheduler:
                 step_budget, prefill = step_budget - n, prefill - n
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            self.cache.match(seq)  # (prefix caching: its cached prefix counts as computed)
+            self.allocator.match(seq)  # (prefix caching: its cached prefix counts as computed)
             n = min(seq.pending, step_budget, prefill)
-            if n <= 0 or not self.cache.grow(seq, seq.computed + n):
-                self.cache.release(seq)
+            if n <= 0 or not self.allocator.grow(seq, seq.computed + n):
+                self.allocator.release(seq)
                 seq.computed = 0
                 break  # arrival order: no later sequence overtakes it
             self.running.append(self.waiting.pop(0))
@@ -317,7 +319,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.cache.release(seq)
+        self.allocator.release(seq)
         seq.computed = 0
         seq.preemptions += 1
         self.preemptions += 1
@@ -330,7 +332,7 @@ class Scheduler:
         ready = []
         for seq, n in batch.items:
             seq.computed += n if kept is None else kept.get(seq.seq_id, n)
-            self.cache.computed(seq)
+            self.allocator.computed(seq)
             if seq.pending == 0:
                 ready.append(seq)
         return ready

@@ -14,6 +14,7 @@ from runner.engine.core import EngineCore
 from runner.engine.model import Transformer, load_shard, random_shard
 from runner.engine.runners import Stepper
 from runner.errors import PmxError
+from runner.kernels.cpu_ext import cpu_ops
 from runner.parallel.comm import SingleComm, collective_timeout, make_comm
 from runner.parallel.launch import LaunchEnv, detect, set_cpu_threads
 from runner.pmx.fingerprint import check_shards
@@ -30,7 +31,7 @@ class Session:
     comm: object
     model: Transformer
     stepper: Stepper       # plans and runs steps (stepper.forward: ppl.pmx's step contract)
-    engine: EngineCore     # continuous batching: generate, score, add / step
+    core: EngineCore       # continuous batching: generate, score, add / step
 
     @property
     def is_main(self) -> bool:
@@ -58,12 +59,25 @@ def pick_device(device: str, env: LaunchEnv) -> torch.device:
 
 
 def pick_dtype(dtype: str, params_dtype: str, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU (half-precision matmul is slow there), the checkpoint's dtype on GPU."""
+    """The compute dtype. auto: float32 on CPU (half-precision arithmetic is slow there), the checkpoint's dtype on
+    GPU."""
     if dtype == "auto":
         return torch.float32 if device.type == "cpu" else DTYPE_NAMES[params_dtype]
     if dtype not in DTYPE_NAMES:
         raise PmxError(f"--dtype must be auto, {', '.join(DTYPE_NAMES)}; got {dtype!r}")
     return DTYPE_NAMES[dtype]
+
+
+def pick_matrix_dtype(dtype: str, params_dtype: str, device: torch.device, prepack: bool = True) -> torch.dtype:
+    """The dtype of the linear layers', output's and embedding's weights (load_shard's matrix_dtype): with auto on CPU a
+    half-precision checkpoint's own, where this project's CPU kernels read it (they widen it to float32 in registers:
+    a decode step reads half the bytes); otherwise the compute dtype (pick_dtype's)."""
+    compute = pick_dtype(dtype, params_dtype, device)
+    stored = DTYPE_NAMES.get(params_dtype, compute)
+    if (dtype == "auto" and device.type == "cpu" and stored in (torch.bfloat16, torch.float16) and prepack
+            and cpu_ops() is not None):
+        return stored
+    return compute
 
 
 def check_world_size(ckpt_dir: str, params: PmxParams, env: LaunchEnv) -> None:
@@ -116,6 +130,7 @@ def open_session(ckpt_dir: str, config: EngineConfig = EngineConfig(), random_we
         check_shards(headers, params.num_shards)
     dev = pick_device(config.device, env)
     torch_dtype = pick_dtype(config.dtype, params.dtype, dev)
+    matrix_dtype = pick_matrix_dtype(config.dtype, params.dtype, dev, config.prepack)
     timeout_s = collective_timeout(config.collective_timeout)
     if dev.type == "cpu":
         set_cpu_threads(env)
@@ -123,11 +138,12 @@ def open_session(ckpt_dir: str, config: EngineConfig = EngineConfig(), random_we
         torch.cuda.set_device(dev)
     comm = make_comm(env, dev, config.comm_backend, timeout_s)
     if random_weights:
-        weights = random_shard(params, env.rank, dev, torch_dtype, seed)
+        weights = random_shard(params, env.rank, dev, torch_dtype, seed, matrix_dtype)
     else:
         own = headers[env.rank]
         with progress_bar(own.data_bytes(), f"loading {own.path.name}", show=progress and env.rank == 0) as bar:
-            _, weights = load_shard(Path(ckpt_dir), env.rank, dev, torch_dtype, on_tensor=bar.update)
+            _, weights = load_shard(Path(ckpt_dir), env.rank, dev, torch_dtype, on_tensor=bar.update,
+                                    matrix_dtype=matrix_dtype)
     draft = open_draft(config, params, Path(ckpt_dir), dev, torch_dtype) if config.speculative == "draft" else None
     comm.sync()
     model = Transformer(params, weights, comm, config)
@@ -162,7 +178,8 @@ def open_draft(config: EngineConfig, target: PmxParams, target_dir: Path, dev: t
         if mine.exists() and theirs.exists() and mine.read_bytes() != theirs.read_bytes():
             raise PmxError(f"--speculative_model {where}: {name} differs from the target's ({theirs}); a draft model "
                            f"needs the target's tokenizer")
-    _, weights = load_shard(where, 0, dev, dtype)
+    _, weights = load_shard(where, 0, dev, dtype, matrix_dtype=pick_matrix_dtype(config.dtype, params.dtype, dev,
+                                                                                  config.prepack))
     dc = replace(config, speculative="off", speculative_model=None, enable_prefix_caching=False)
     model = Transformer(params, weights, SingleComm(), dc)
     stepper = Stepper(model, dc)

@@ -111,6 +111,32 @@ def _common_prefix(a: list, b: list) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
+def propose(proposer, running: list) -> list:
+    """Each decoding sequence's guessed tokens, appended to its tokens (the step verifies them); returns the sequences
+    that guessed. Sequences that score a prompt, follow a grammar, adjust their logits by the tokens so far
+    (penalties) or are at their max_len do not guess."""
+    cands = [s for s in running  # (penalties count the tokens so far: no guesses among them)
+             if s.decoding and not s.all_logits and s.constraint is None and not s.sampler.params.adjusts
+             and s.max_len - len(s.tokens) > 0]
+    proposing = []
+    for s, guess in zip(cands, proposer.propose_all(cands) if cands else ()):
+        s.proposal = guess[: s.max_len - len(s.tokens)]
+        if s.proposal:
+            s.tokens += s.proposal
+            proposing.append(s)
+    return proposing
+
+
+def drop_unscheduled(batch, proposing: list) -> None:
+    """Guesses the step does not take (its budget cut them, or the sequence was preempted) are dropped."""
+    fed = {s.seq_id: n for s, n in batch.items}
+    for s in proposing:
+        keep = max(fed.get(s.seq_id, 0) - 1, 0)
+        if keep < len(s.proposal):
+            del s.tokens[len(s.tokens) - len(s.proposal) + keep:]
+            s.proposal = s.proposal[:keep]
+
+
 def make_proposer(config: EngineConfig, comm, draft=None) -> Optional[object]:
     """The proposer --speculative asks for (None: off); `draft` is the draft model's engine core."""
     if config.speculative == "ngram":

@@ -17,9 +17,10 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("json", "json_object", "regex", "grammar", "choice")
 
@@ -41,7 +42,7 @@ class Constraint:
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids)
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+    def mask(self, logits: "torch.Tensor") -> "torch.Tensor":
         """logits [vocab] with the tokens the grammar does not allow next set to -inf (a copy)."""
         self.matcher.fill_next_token_bitmask(self.bitmask, 0)
         out = logits.float().cpu().clone()[None]
@@ -74,6 +75,7 @@ class Grammars:
     def constraint(self, spec: dict) -> Constraint:
         """A fresh matcher for `spec` (compiled on first use; SpecError naming the key where it does not compile, or
         where no token of this vocabulary can begin it: a tokenizer without the characters it needs)."""
+        import torch  # (here, not at the top: checking a spec's shape, check_spec, needs no torch)
         c = Constraint(self.compiled(spec), self.vocab_size, self.stop_ids)
         if not torch.isfinite(c.mask(torch.zeros(self.vocab_size))).any():
             kind = next(iter(spec))

@@ -27,7 +27,7 @@
 // hangs). A wait past `timeout_s` raises an error naming the collective and the rank waited for.
 // Measured on the project's 2-core box, 768 floats between 2 ranks, called from Python: 2.8 us, against 4-5 us
 // for mpi4py's Allreduce, and ~30 us for that as a Python torch op inside the compiled step (benchmarks/RESULTS.md,
-// "Session 5").
+// "Tensor parallelism on CPU").
 
 #include <Python.h>
 

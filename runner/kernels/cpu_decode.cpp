@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/StringUtil.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -23,8 +24,8 @@
 
 namespace {
 
-// A linear layer on a packed weight (kind 32 float32, 8 int8, 4 int4; scale empty for float32; cpu_kernels.h's
-// PackedLinear) and its bias.
+// A linear layer on a packed weight (kind 32 float32, 16 bfloat16 / float16, 8 int8, 4 int4; scale empty for the float
+// kinds; cpu_kernels.h's PackedLinear) and its bias.
 // `reduced`: row-parallel, its partial sums all-reduced before the bias is added (once, as RowParallelLinear does).
 struct Linear : torch::CustomClassHolder {
   at::Tensor weight, scale, bias;  // held: p and b point into them
@@ -88,12 +89,12 @@ struct Layer : torch::CustomClassHolder {
   }
 };
 
-// This rank's columns of the token embedding, [V, Dn] (Dn = hidden / ranks), and one row of it dequantised as it is
-// gathered: float32; int8 with a scale per row (scale [V], the full row's) or, group > 0, per group of `group` columns
-// (scale [V, Dn / group]); int4 bytes [V, Dn / 2] (column 2j in the low nibble, 2j+1 in the high one, the value
-// nibble - 8) with a scale per group of `group` columns (scale [V, Dn / group]), or with offsets (scale
-// [2, V, Dn / group]: the scales, then the offsets; the value nibble * scale + offset). Each value is computed as
-// runner.pmx.quant.dequantize does.
+// This rank's columns of the token embedding, [V, Dn] (Dn = hidden / ranks), and one row of it widened or dequantised
+// as it is gathered: float32; bfloat16 or float16; int8 with a scale per row (scale [V], the full row's) or, group > 0,
+// per group of `group` columns (scale [V, Dn / group]); int4 bytes [V, Dn / 2] (column 2j in the low nibble, 2j+1 in
+// the high one, the value nibble - 8) with a scale per group of `group` columns (scale [V, Dn / group]), or with
+// offsets (scale [2, V, Dn / group]: the scales, then the offsets; the value nibble * scale + offset). Each value is
+// computed as runner.pmx.quant.dequantize does.
 struct Embedding {
   at::Tensor weight, scale;
   int64_t kind = 32, group = 0, V = 0, Dn = 0;
@@ -103,18 +104,20 @@ struct Embedding {
     TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "DecodeModel: embedding must be a contiguous matrix");
     V = weight.size(0);
     const auto st = weight.scalar_type();
-    kind = st == at::kFloat ? 32 : st == at::kChar ? 8 : st == at::kByte ? 4 : 0;
+    kind = st == at::kFloat ? 32 : st == at::kBFloat16 || st == at::kHalf ? 16 : st == at::kChar ? 8
+           : st == at::kByte ? 4 : 0;
     Dn = weight.size(1) * (kind == 4 ? 2 : 1);
-    TORCH_CHECK(kind != 0, "DecodeModel: embedding must be float32, int8 or int4 (uint8 bytes), not ", st);
+    TORCH_CHECK(kind != 0, "DecodeModel: embedding must be float32, bfloat16, float16, int8 or int4 (uint8 bytes), ",
+                "not ", st);
     const auto scale_ok = [&](std::vector<int64_t> shape) {
       return scale.defined() && scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.sizes() == shape;
     };
     const int64_t groups = Dn / (group > 0 ? group : 1);
     const bool grouped = group > 0 && Dn % group == 0 && scale_ok({V, groups});
     const bool with_offsets = kind == 4 && group > 0 && Dn % group == 0 && scale_ok({2, V, groups});
-    TORCH_CHECK(kind == 32 ? !scale.defined() : kind == 8 ? (group == 0 ? scale_ok({V}) : grouped) :
+    TORCH_CHECK(kind == 32 || kind == 16 ? !scale.defined() : kind == 8 ? (group == 0 ? scale_ok({V}) : grouped) :
                     grouped || with_offsets,
-                "DecodeModel: embedding scale must be absent (float32), float32 [V] (int8) or float32 [V, columns / ",
+                "DecodeModel: embedding scale must be absent (float), float32 [V] (int8) or float32 [V, columns / ",
                 "group] (int8 in groups, int4; [2, V, columns / group] for int4 with offsets)");
     if (with_offsets) offsets = scale.data_ptr<float>() + V * groups;
   }
@@ -122,6 +125,12 @@ struct Embedding {
   void row(int64_t t, float* out) const {
     if (kind == 32) {
       std::memcpy(out, weight.data_ptr<float>() + t * Dn, Dn * sizeof(float));
+    } else if (kind == 16 && weight.scalar_type() == at::kBFloat16) {
+      const c10::BFloat16* q = weight.data_ptr<c10::BFloat16>() + t * Dn;
+      for (int64_t d = 0; d < Dn; ++d) out[d] = static_cast<float>(q[d]);
+    } else if (kind == 16) {
+      const at::Half* q = weight.data_ptr<at::Half>() + t * Dn;
+      for (int64_t d = 0; d < Dn; ++d) out[d] = static_cast<float>(q[d]);
     } else if (kind == 8 && group > 0) {
       const int8_t* q = weight.data_ptr<int8_t>() + t * Dn;
       const float* s = scale.data_ptr<float>() + t * (Dn / group);

@@ -29,7 +29,7 @@ import torch
 from runner.parallel.launch import rank_from_environment
 from runner.progress import note
 
-SOURCES = ("cpu_linear.cpp", "cpu_step.cpp", "cpu_comm.cpp", "cpu_decode.cpp")
+SOURCES = ("cpu_linear.cpp", "cpu_gemm.cpp", "cpu_step.cpp", "cpu_comm.cpp", "cpu_decode.cpp")
 CFLAGS, LDFLAGS = ("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)
 BUILT = "built"  # written into the build directory once the library is complete
 CPU_BLOCK = 64  # output channels per block of the packed weights

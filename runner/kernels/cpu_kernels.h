@@ -3,33 +3,76 @@
 // Every function runs its own at::parallel_for where it is parallel.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
 namespace pmx_cpu {
 
-// The packed weight of a linear layer: kind 32 float32 blocks [N/64, K, 64]; kind 8 int8 blocks [N/64, K, 64] with
-// a float32 scale per channel [N] (group 0) or per group of `group` input columns [K/G, N/64*64]; kind 4 int4 blocks
-// in the layout int4_layout(group) gives, scales [K/G, N/64*64]. Where int4 has offsets (w = nibble * scale + offset,
-// GGUF's Q4_1) the scale tensor is [2, K/G, N/64*64]: the scales, then the offsets. cpu_linear.cpp's packing code
+// body(b0, b1) over [0, blocks) in chunks taken by whichever thread comes for the next one first, each a fair share of
+// what is left halved (OpenMP's "guided": long contiguous runs first, single blocks at the end to even the threads
+// out), so that a thread the OS preempts (another process, a server's HTTP thread) takes fewer blocks rather than
+// making the others wait for its fixed share; one thread, or a call from inside a parallel region, runs them all.
+template <typename F>
+inline void for_blocks(int64_t blocks, F&& body) {
+  const int64_t threads = std::min<int64_t>(at::in_parallel_region() ? 1 : at::get_num_threads(), blocks);
+  if (threads <= 1) {
+    body(0, blocks);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    int64_t b0 = next.load(std::memory_order_relaxed);
+    while (b0 < blocks) {
+      const int64_t n = std::max<int64_t>(1, (blocks - b0) / (2 * threads));
+      if (next.compare_exchange_weak(b0, b0 + n, std::memory_order_relaxed)) {
+        body(b0, b0 + n);
+        b0 = next.load(std::memory_order_relaxed);
+      }
+    }
+  });
+}
+
+// The element type of a packed float weight (cpu_gemm.cpp).
+enum class FloatWeight { f32, bf16, f16 };
+
+// y [M, N] = x [M, K] W^T for W packed in blocks [N/64, K, 64] of `type` (half precision widened to float32 in
+// registers, float32 accumulation): cpu_gemm.cpp.
+void float_linear_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
+                       int64_t N, float* y);
+
+// out[m, 0..ncols) = x [M, K] . block for one float32 block [K, 64] (a quantised block dequantised into a buffer: the
+// prefill path of cpu_linear.cpp), with the float32 GEMM's tiles; out row stride ldo.
+void block_panel_f32(const float* x, int64_t M, int64_t K, const float* block, float* out, int64_t ldo,
+                     int64_t ncols);
+
+// The packed weight of a linear layer: kind 32 float32 blocks [N/64, K, 64]; kind 16 bfloat16 or float16 blocks [N/64,
+// K, 64] (`half` says which); kind 8 int8 blocks [N/64, K, 64] with a float32 scale per channel [N] (group 0) or per
+// group of `group` input columns [K/G, N/64*64]; kind 4 int4 blocks in the layout int4_layout(group) gives, scales
+// [K/G, N/64*64]. Where int4 has offsets (w = nibble * scale + offset, GGUF's Q4_1) the scale tensor is
+// [2, K/G, N/64*64]: the scales, then the offsets. cpu_linear.cpp's packing code
 // (runner/kernels/cpu_ext.py, quant_linear.py) writes them.
 struct PackedLinear {
   const void* w = nullptr;
   const float* scale = nullptr;
   const float* offset = nullptr;  // int4 with offsets: [K/G, N/64*64], else null
   int64_t kind = 32, group = 0, n = 0, k = 0, blocks = 0;
+  FloatWeight half = FloatWeight::bf16;  // kind 16: bf16 or f16
 };
 
-// The PackedLinear of a packed weight `w` (and `scale`) of kind 32 / 8 / 4 for N = n outputs, after checking that
+// The PackedLinear of a packed weight `w` (and `scale`) of kind 32 / 16 / 8 / 4 for N = n outputs, after checking that
 // the tensors have that kind's layout (errors begin with `what`). Points into the tensors: the caller keeps them.
 PackedLinear packed_linear(const at::Tensor& w, const at::Tensor& scale, int64_t kind, int64_t group, int64_t n,
                            const std::string& what);
 
-// y [M, N] = x [M, K] W^T, with what the linear op of the layer's kind runs at M rows: linear_f32 / linear_int8 /
-// linear_int8_group / linear_int4, and for the quantised kinds above `dequant_above` rows linear_dequant (prefill).
+// y [M, N] = x [M, K] W^T, with what the linear op of the layer's kind runs at M rows: linear_f32 (float kinds) /
+// linear_int8 / linear_int8_group / linear_int4, and for the quantised kinds above `dequant_above` rows linear_dequant
+// (prefill sizes).
 void linear_into(const PackedLinear& lin, const float* x, int64_t M, float* y, int64_t dequant_above);
 
 int64_t int4_layout(int64_t group_size);

@@ -1,14 +1,14 @@
-// Linear layers for CPU: y[m, n] = sum_k x[m, k] * W[n, k], float32 activations, with W in float32
-// (linear_f32) or weight-only int8 / int4 (linear_int8 / linear_int4: y = x dequant(W)^T).
+// Linear layers for CPU: y[m, n] = sum_k x[m, k] * W[n, k], float32 activations, with W in float32, bfloat16 or
+// float16 (linear_f32; the GEMM itself is cpu_gemm.cpp's) or weight-only int8 / int4 (linear_int8 / linear_int4:
+// y = x dequant(W)^T).
 //
 // Decoding reads every weight once per step, so the kernels are built to stream weights at memory speed:
 // weights are repacked at load into blocks of 64 output channels, stored k-major inside a block
 // ([N/64, K, 64] float32 or int8, or [N/64, K, 32] bytes of two nibbles for int4), so one step of k reads one
 // contiguous run of 256 (float32), 64 (int8) or 32 (int4) bytes, converts it to floats in registers and
 // multiplies it into the accumulators of up to MR rows of x at once (x broadcast: no horizontal sums). Nothing
-// is dequantised into memory. The same float32 kernel serves prefill: a 6 x 64 register tile is the shape of a
-// GEMM micro-kernel, and for long k the block is walked in chunks that stay in L2 (measured faster than
-// oneDNN's prepacked GEMM at 1 to 512 rows on the project's CPU: benchmarks/RESULTS.md).
+// is dequantised into memory. Prefill on quantised weights dequantises each block once into a float32 buffer and
+// runs the float32 GEMM's tiles on it (cpu_gemm.cpp).
 // int8: the per-channel scale is applied once at the end; int8 in groups of G along k (GGUF's Q8_0): per group,
 // acc += scale[g, n] * sum_k x[m, k] * q[n, k]. int4 (symmetric, nibble = q + 8, groups of G along k): per group,
 // acc += scale[g, n] * (sum_k x[m, k] * nibble[n, k] - 8 * sum_k x[m, k]); with offsets (GGUF's Q4_1),
@@ -19,8 +19,7 @@
 // (layout 1, block_int4_vnni): a third of the instructions per weight of the float path; `int4_layout(G)` tells
 // the packing code which layout to write.
 // Threads: the blocks of 64 channels are handed out to torch's threads (OpenMP; torch.set_num_threads) a few at a
-// time as each asks for more (for_blocks), so that a thread the OS preempts (another process, a server's HTTP
-// thread) takes fewer blocks rather than making the others wait for its fixed share.
+// time as each asks for more (pmx_cpu::for_blocks, cpu_kernels.h).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,7 +30,6 @@
 
 #include "cpu_kernels.h"
 
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -101,44 +99,6 @@ inline void fma_rows(v16f (&a)[MR][4], const float* x, int64_t K, int64_t k, v16
     a[m][1] += xv * w1;
     a[m][2] += xv * w2;
     a[m][3] += xv * w3;
-  }
-}
-
-// Software prefetch PF_F32 steps of k (8 KiB) ahead of the float32 stream: the hardware prefetchers alone
-// left it ~10% under the bandwidth it reaches with it at batch 1 (measured; past the end it reads into the
-// next block, which is next in memory).
-constexpr int64_t PF_F32 = 32;
-
-inline void prefetch_line4(const void* p) {
-  const char* c = static_cast<const char*>(p);
-  for (int i = 0; i < 4; ++i) _mm_prefetch(c + 64 * i, _MM_HINT_T0);
-}
-
-// float32: out[m][0..63] (+)= sum_{k0 <= k < k1} x[m, k] * w[k][0..63] for MR rows; w points at one block [K, 64].
-template <int MR>
-inline void block_f32(const float* x, int64_t K, const float* w, int64_t k0, int64_t k1, float* out, int64_t ldo,
-                      int64_t ncols, bool accumulate) {
-  v16f a[MR][4];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < 4; ++j) a[m][j] = v16f{};
-  for (int64_t k = k0; k < k1; ++k) {
-    const float* wk = w + k * NB;
-    prefetch_line4(wk + PF_F32 * NB);
-    fma_rows<MR>(a, x, K, k, load<v16f>(wk), load<v16f>(wk + 16), load<v16f>(wk + 32), load<v16f>(wk + 48));
-  }
-  for (int m = 0; m < MR; ++m) {
-    float* o = out + m * ldo;
-    if (ncols == NB) {
-      for (int j = 0; j < 4; ++j) {
-        v16f v = a[m][j];
-        if (accumulate) v += load<v16f>(o + 16 * j);
-        std::memcpy(o + 16 * j, &v, sizeof(v));
-      }
-    } else {
-      float tmp[NB];
-      std::memcpy(tmp, a[m], sizeof(tmp));
-      for (int64_t j = 0; j < ncols; ++j) o[j] = accumulate ? o[j] + tmp[j] : tmp[j];
-    }
   }
 }
 
@@ -291,28 +251,7 @@ inline void quantize_x2(const float* x, int64_t M, int64_t K, int64_t G, int8_t*
 }
 #endif
 
-// body(b0, b1) over [0, blocks) in chunks taken by whichever thread comes for the next one first, each a fair share of
-// what is left halved (OpenMP's "guided": long contiguous runs first, single blocks at the end to even the threads
-// out); one thread, or a call from inside a parallel region, runs them all in order.
-template <typename F>
-inline void for_blocks(int64_t blocks, F&& body) {
-  const int64_t threads = std::min<int64_t>(at::in_parallel_region() ? 1 : at::get_num_threads(), blocks);
-  if (threads <= 1) {
-    body(0, blocks);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    int64_t b0 = next.load(std::memory_order_relaxed);
-    while (b0 < blocks) {
-      const int64_t n = std::max<int64_t>(1, (blocks - b0) / (2 * threads));
-      if (next.compare_exchange_weak(b0, b0 + n, std::memory_order_relaxed)) {
-        body(b0, b0 + n);
-        b0 = next.load(std::memory_order_relaxed);
-      }
-    }
-  });
-}
+using pmx_cpu::for_blocks;
 
 template <typename F>
 inline void rows_of(int64_t M, F&& run) {  // run(m0, mr) over row passes of at most MR_MAX rows
@@ -336,30 +275,22 @@ void check(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t bytes_pe
   TORCH_CHECK(w.size(0) * NB >= N && (w.size(0) - 1) * NB < N, "packed weight holds ", w.size(0), " blocks for N=", N);
 }
 
-// k is walked in chunks whose part of a block (KC x 64 floats = 512 KiB) stays in L2 across the row passes.
-constexpr int64_t KC_F32 = 2048;
+pmx_cpu::FloatWeight float_weight(const at::Tensor& w) {  // the element type of a packed float weight
+  return w.scalar_type() == at::kBFloat16 ? pmx_cpu::FloatWeight::bf16
+         : w.scalar_type() == at::kHalf   ? pmx_cpu::FloatWeight::f16
+                                          : pmx_cpu::FloatWeight::f32;
+}
 
-void f32_into(const float* xp, int64_t M, int64_t K, const float* wp, int64_t blocks, int64_t N, float* op) {
-  for_blocks(blocks, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
-      for (int64_t k0 = 0; k0 < K; k0 += KC_F32) {
-        const int64_t k1 = std::min(K, k0 + KC_F32);
-        rows_of(M, [&](int64_t m0, int64_t mr) {
-#define PMX_CALL(R) block_f32<R>(xp + m0 * K, K, wp + b * K * NB, k0, k1, op + m0 * N + n0, N, ncols, k0 > 0)
-          PMX_DISPATCH_MR(mr, PMX_CALL)
-#undef PMX_CALL
-        });
-      }
-    }
-  });
+bool is_float_weight(const at::Tensor& w) {
+  return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf;
 }
 
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   check(x, w, N, NB);
-  TORCH_CHECK(w.scalar_type() == at::kFloat, "packed weight must be float32");
+  TORCH_CHECK(is_float_weight(w), "packed weight must be float32, bfloat16 or float16, not ", w.scalar_type());
   at::Tensor out = at::empty({x.size(0), N}, x.options());
-  f32_into(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), w.size(0), N, out.data_ptr<float>());
+  pmx_cpu::float_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr(), float_weight(w), w.size(0), N,
+                             out.data_ptr<float>());
   return out;
 }
 
@@ -611,14 +542,7 @@ void dequant_into(const float* xp, int64_t M, int64_t K, const void* w, const fl
             }
         }
       }
-      for (int64_t k0 = 0; k0 < K; k0 += KC_F32) {
-        const int64_t k1 = std::min(K, k0 + KC_F32);
-        rows_of(M, [&](int64_t m0, int64_t mr) {
-#define PMX_CALL(R) block_f32<R>(xp + m0 * K, K, d, k0, k1, op + m0 * N + n0, N, ncols, k0 > 0)
-          PMX_DISPATCH_MR(mr, PMX_CALL)
-#undef PMX_CALL
-        });
-      }
+      pmx_cpu::block_panel_f32(xp, M, K, d, op + n0, N, ncols);
     }
   });
 }
@@ -653,9 +577,12 @@ PackedLinear packed_linear(const at::Tensor& w, const at::Tensor& scale, int64_t
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(0) * NB >= n && (w.size(0) - 1) * NB < n, what,
               ": packed weight must be contiguous [N/64, ., .] for N=", n);
   p.w = w.data_ptr(), p.kind = kind, p.group = group, p.n = n, p.blocks = w.size(0);
-  if (kind == 32) {
-    TORCH_CHECK(w.scalar_type() == at::kFloat && w.size(2) == NB, what, ": float32 blocks [N/64, K, 64] expected");
-    p.k = w.size(1);
+  if (kind == 32 || kind == 16) {
+    TORCH_CHECK(w.size(2) == NB && (kind == 32 ? w.scalar_type() == at::kFloat
+                                               : w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf),
+                what, ": ", kind == 32 ? "float32" : "bfloat16 or float16", " blocks [N/64, K, 64] expected, not ",
+                w.scalar_type(), " ", w.sizes());
+    p.k = w.size(1), p.half = float_weight(w);
   } else if (kind == 8 && group > 0) {
     TORCH_CHECK(w.scalar_type() == at::kChar && w.size(2) == NB && w.size(1) % group == 0, what,
                 ": int8 blocks [N/64, K, 64] with K a multiple of the group size ", group, " expected");
@@ -668,7 +595,7 @@ PackedLinear packed_linear(const at::Tensor& w, const at::Tensor& scale, int64_t
                 what, ": int8 blocks [N/64, K, 64] and float32 scales [N] expected");
     p.k = w.size(1), p.scale = scale.data_ptr<float>();
   } else {
-    TORCH_CHECK(kind == 4, what, ": kind must be 32, 8 or 4, got ", kind);
+    TORCH_CHECK(kind == 4, what, ": kind must be 32, 16, 8 or 4, got ", kind);
     const int64_t rows_per_k = int4_layout(group) == 1 ? 2 : 1;
     p.k = w.size(1) * rows_per_k;
     TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) == NB * rows_per_k / 2 && group > 0 && p.k % group == 0,
@@ -680,8 +607,8 @@ PackedLinear packed_linear(const at::Tensor& w, const at::Tensor& scale, int64_t
 }
 
 void linear_into(const PackedLinear& lin, const float* x, int64_t M, float* y, int64_t dequant_above) {
-  if (lin.kind == 32) {
-    f32_into(x, M, lin.k, static_cast<const float*>(lin.w), lin.blocks, lin.n, y);
+  if (lin.kind == 32 || lin.kind == 16) {
+    float_linear_into(x, M, lin.k, lin.w, lin.kind == 32 ? FloatWeight::f32 : lin.half, lin.blocks, lin.n, y);
   } else if (M > dequant_above) {
     dequant_into(x, M, lin.k, lin.w, lin.scale, lin.kind, lin.group, lin.blocks, lin.n, y, lin.offset);
   } else if (lin.kind == 8 && lin.group > 0) {

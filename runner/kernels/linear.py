@@ -1,15 +1,16 @@
 """Dense layer y = x W^T + b with the fastest weight format the device has.
 
-On CPU in float32 the weight is repacked once, at load, for one of two kernels (`Linear.kernel`):
+On CPU, with float32 activations, the weight is repacked once, at load, for one of two kernels (`Linear.kernel`):
 
-- `pmx` (the default): this project's kernel (runner/kernels/cpu_linear.cpp, `pmx_cpu::linear_f32`) on blocks of 64
-  output channels, k-major: it streams the weight in one pass at decode sizes and is a 6 x 64 register-tile GEMM
-  for prefill (faster than oneDNN's prepacked GEMM at 1 to 512 rows: benchmarks/RESULTS.md).
-- `onednn`: the weight reordered into oneDNN's blocked layout and applied with oneDNN's matmul, where the
+- `pmx` (the default): this project's GEMM (runner/kernels/cpu_gemm.cpp, `pmx_cpu::linear_f32`) on blocks of 64
+  output channels, k-major, in the weight's own width: float32, or bfloat16 / float16 widened to float32 in registers
+  (a half-precision checkpoint decodes reading half the bytes), accumulated in float32. It streams the weight in one
+  pass at decode sizes and runs register tiles of 6 rows for prefill (benchmarks/RESULTS.md).
+- `onednn`: a float32 weight reordered into oneDNN's blocked layout and applied with oneDNN's matmul, where the
   extension cannot be built (no compiler).
 
-Weights under PREPACK_MIN_NUMEL elements stay plain `F.linear` (MKL), as do GPU, half precision, a torch without
-either kernel and `prepack=False`.
+Weights under PREPACK_MIN_NUMEL elements stay plain `F.linear` (MKL), as do GPU, a torch without either kernel and
+`prepack=False`; a plain weight narrower than its input is widened to the input's dtype on each call.
 """
 
 from __future__ import annotations
@@ -40,20 +41,24 @@ def _onednn_usable() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the weights `pmx` takes (cpu_gemm.cpp)
+
+
 def pick_kernel(weight: torch.Tensor, prepack: bool = True, min_numel: Optional[int] = None) -> str:
     """pmx | onednn | plain for a float weight [out, in] (plain under `min_numel` elements, default
-    PREPACK_MIN_NUMEL)."""
+    PREPACK_MIN_NUMEL). `pmx` takes float32 and half-precision weights (for float32 inputs), `onednn` float32."""
     min_numel = PREPACK_MIN_NUMEL if min_numel is None else min_numel
-    if not (prepack and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    if not (prepack and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and weight.dim() == 2
             and weight.numel() >= min_numel):
         return "plain"
     if cpu_ops() is not None:
         return "pmx"
-    return "onednn" if _onednn_usable() else "plain"
+    return "onednn" if _onednn_usable() and weight.dtype == torch.float32 else "plain"
 
 
 class Linear(torch.nn.Module):
-    """y = x W^T + b for W [out, in] on `kernel` (pmx | onednn | plain; default: :func:`pick_kernel`'s)."""
+    """y = x W^T + b for W [out, in] on `kernel` (pmx | onednn | plain; default: :func:`pick_kernel`'s). The packed
+    kernels take float32 inputs and give float32 outputs whatever the weight's width."""
 
     KERNELS = ("pmx", "onednn", "plain")
 
@@ -66,6 +71,9 @@ class Linear(torch.nn.Module):
         self.kernel = kernel or pick_kernel(weight, prepack, min_numel)
         self.register_buffer("bias", bias, persistent=False)
         packed = None
+        if self.kernel in ("pmx", "onednn") and weight.dtype not in (PACKED_DTYPES if self.kernel == "pmx"
+                                                                     else (torch.float32,)):
+            raise ValueError(f"kernel {self.kernel!r} does not take {weight.dtype} weights")
         if self.kernel == "onednn":
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -74,7 +82,7 @@ class Linear(torch.nn.Module):
         elif self.kernel == "pmx":
             if cpu_ops() is None:
                 raise RuntimeError("kernel 'pmx' needs this project's CPU extension, which could not be built here")
-            packed = pack_blocks(weight.float())
+            packed = pack_blocks(weight)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("weight", weight if self.kernel == "plain" else None, persistent=False)
         self._small_rows: Optional[tuple[Callable, int]] = None
@@ -106,9 +114,10 @@ class Linear(torch.nn.Module):
         if self.kernel == "plain":
             if self._small_rows is not None and x.dim() == 2 and 0 < x.shape[0] <= self._small_rows[1]:
                 return self._small_rows[0](x, self.weight, self.bias, swiglu)
-            return F.linear(x, self.weight, self.bias)
+            w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)  # (a small half weight)
+            return F.linear(x, w, self.bias)
         if x.dtype != torch.float32:
-            raise TypeError(f"this layer holds a float32 {self.kernel} weight; got {x.dtype} input")
+            raise TypeError(f"this layer's {self.kernel} kernel takes float32 inputs; got {x.dtype}")
         x2 = x.reshape(-1, self.in_features).contiguous()
         if self.kernel == "pmx":
             y = torch.ops.pmx_cpu.linear_f32(x2, self.packed, self.out_features)

@@ -223,11 +223,11 @@ class QuantLinear(torch.nn.Module):
 
 def packed_args(lin) -> Optional[tuple]:
     """(packed weight, scale, kind, group) of a linear layer on this project's packed CPU kernels, as the C++ callers
-    take them (runner/kernels/cpu_kernels.h, PackedLinear: kind 32 float32 with an empty scale, 8 int8 (group 0: a
-    scale per channel), 4 int4; a grouped kind's scales (and offsets) as :func:`pack_group_scales` lays them out),
-    or None for a layer on another kernel."""
+    take them (runner/kernels/cpu_kernels.h, PackedLinear: kind 32 float32 and 16 bfloat16 / float16 with an empty
+    scale, 8 int8 (group 0: a scale per channel), 4 int4; a grouped kind's scales (and offsets) as
+    :func:`pack_group_scales` lays them out), or None for a layer on another kernel."""
     if isinstance(lin, Linear) and lin.kernel == "pmx":
-        return lin.packed, _NO_SCALE, 32, 0
+        return lin.packed, _NO_SCALE, 32 if lin.packed.dtype == torch.float32 else 16, 0
     if isinstance(lin, QuantLinear) and lin.kernel == "cpu":
         return lin.qweight, lin.scale, 8 if lin.method == "int8" else 4, lin.group_size
     return None

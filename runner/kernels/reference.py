@@ -7,6 +7,7 @@ query / key-value heads of this rank, D for head_dim, L for layers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -286,6 +287,25 @@ def kv_load(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, lay
 
 
 # --- attention -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One layer's attention beside its weights, on one rank: what an attention op needs to know of it."""
+    layer: int
+    heads: int                   # this rank's query heads (H)
+    kv_heads: int                # this rank's key-value heads (KV)
+    head_dim: int
+    sliding_window: int = 0      # a query sees only the last this many positions (0: all)
+    alibi_heads: tuple = ()      # ALiBi: (the model's heads, this rank's first head), whose slopes bias the scores
+    logn_scaling: int = 0        # Qwen's logn: queries past this position scaled by logn_scale (0: off)
+
+    def alibi_slopes(self) -> Optional[torch.Tensor]:
+        """The slopes [H] float32 of this rank's heads, or None without ALiBi."""
+        if not self.alibi_heads:
+            return None
+        total, first = self.alibi_heads
+        return torch.tensor(alibi_slopes(total), dtype=torch.float32)[first: first + self.heads]
+
+
 def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqstarts: torch.Tensor,
                      kvstarts: torch.Tensor, start_pos: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                      sliding_window: Optional[int] = None, alibi: Optional[torch.Tensor] = None) -> torch.Tensor:

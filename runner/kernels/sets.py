@@ -2,6 +2,11 @@
 
 `runner.kernels.reference` is the specification; `torch_ops` the fast torch path (with this project's C++ kernels
 on CPU float32); `triton_ops` the fused Triton kernels on CUDA. :func:`kernel_set` picks one for a device.
+
+The ONNX exports are kernel sets too (runner.kernels.opmx_export: ppl.pmx's operators; runner.kernels.onnx_export:
+standard ONNX operators): the export traces the engine's own model through one of them. A set also says how the
+layers that hold weights are built (:class:`Layers`; None: the engine's), and it may lack an op: calling one it
+lacks is an error naming the op (:func:`lacking`), never a silently different computation.
 """
 
 from __future__ import annotations
@@ -19,8 +24,33 @@ KERNEL_KINDS = ("auto", "triton", "torch", "reference")
 
 
 @dataclass(frozen=True)
+class Layers:
+    """How a kernel set builds the layers that hold weights, each given the PMX names of its tensors (`names`: the
+    bases, e.g. ["layers.0.attention.wq", ...], several where the layer fuses them):
+
+    - column(weight, bias, comm, gather_output=False, prepack=True, names=()) -> module(x)
+    - row(weight, bias, comm, prepack=True, names=()) -> module(x, swiglu=False, sp=None)
+    - embedding(weight, hidden_dim, comm, dtype, quant_rows, names=()) -> module(ids)
+    - moe(router, w1, w3, w2, top_k, comm, fused_glu, prepack, ops, names=()) -> module(h): the mixture of experts,
+      the experts' weights stacked ([E, F, D], [E, F, D], [E, D, F]; float or QuantWeight)
+
+    A weight is a float tensor or a runner.kernels.quant_linear.QuantWeight, cut for this rank."""
+    column: Callable
+    row: Callable
+    embedding: Callable
+    moe: Callable
+
+
+@dataclass(frozen=True)
 class KernelSet:
-    """The ops of one kernel set (reference.py's signatures), and the optional ones it has (None where not)."""
+    """The ops of one kernel set (reference.py's signatures), and the optional ones it has (None where not).
+
+    `rotary_step` and `cache_attention` are the ops of a traced step (runner.engine.plan.StepInputs: ppl.pmx's step
+    inputs as tensors, nothing planned on the host), which the export sets have:
+    rotary_step(q, k, inputs, rotary) -> (q, k) rotated at each token's position (rotary: reference.Rotary);
+    cache_attention(q, k, v, inputs, cache, spec) -> [T, H, D]: k, v written to the cache (a KVCache, which an
+    export whose cache is an output rebinds), then each query attends over its history (spec:
+    reference.AttentionSpec)."""
     name: str
     skip_rms_norm: Callable
     apply_rotary: Callable
@@ -28,6 +58,11 @@ class KernelSet:
     kv_store: Callable
     kv_load: Callable
     attend: Callable
+    rms_norm: Callable = reference.rms_norm            # (x, weight, eps): q/k norms
+    swiglu_packed: Optional[Callable] = None           # (gate_up) -> swiglu of its halves (None: swiglu on chunks)
+    rotary_step: Optional[Callable] = None
+    cache_attention: Optional[Callable] = None
+    layers: Optional[Layers] = None                    # None: the engine's (runner.engine.model)
     rotary_kv_store: Optional[Callable] = None         # rotates q, k in place and stores k, v: one kernel
     decode_attention: Optional[Callable] = None        # walks the cache from cachestarts / kvlens (graph-safe)
     prefill_attention: Optional[Callable] = None       # flash attention of prefill groups over the cache
@@ -36,10 +71,33 @@ class KernelSet:
     decode_linear_rows: int = 0
     quant_embedding: Optional[Callable] = None         # a quantised embedding's rows, dequantised as gathered
 
+    def __post_init__(self):
+        if self.swiglu_packed is None:
+            object.__setattr__(self, "swiglu_packed", _on_halves(self.swiglu))
+        for op in ("rotary_step", "cache_attention"):
+            if getattr(self, op) is None:
+                object.__setattr__(self, op, lacking(self.name, op, "the engine plans its steps on the host"))
+
     @property
     def reads_history_in_place(self) -> bool:
         """Decode attention needs no gathered rows: cachestarts and kvlens are all it reads."""
         return self.decode_attention is not None or self.decode_attention_rows is not None
+
+
+def _on_halves(swiglu: Callable) -> Callable:
+    def packed(gate_up: torch.Tensor) -> torch.Tensor:
+        """swiglu of gate_up [.., 2F] = gate | up (a fused gate/up GEMM's output)."""
+        return swiglu(*gate_up.chunk(2, dim=-1))
+    return packed
+
+
+def lacking(set_name: str, op: str, why: str = "") -> Callable:
+    """An op kernel set `set_name` does not have: calling it raises an error that names it."""
+    def missing(*args, **kwargs):
+        raise PmxError(f"kernel set {set_name!r} has no {op!r} op{f' ({why})' if why else ''}: the model called it; "
+                       f"give the set its form of the op (runner/kernels)")
+    missing.__name__ = f"lacking_{op}"
+    return missing
 
 
 def _spec(name: str, m, **extra) -> KernelSet:

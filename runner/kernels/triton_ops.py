@@ -263,7 +263,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, launch: Launch = _launch) -> to
 
 # --- decode linears ------------------------------------------------------------------------------
 DECODE_LINEAR_ROWS = 1    # rows up to which decode_linear replaces cuBLAS: a batch-1 decode step (several rows are
-                          # faster on cuBLAS than on a 16-row tl.dot tile: benchmarks/RESULTS.md, session 8)
+                          # faster on cuBLAS than on a 16-row tl.dot tile: benchmarks/RESULTS.md, GPU)
 
 
 @triton.jit

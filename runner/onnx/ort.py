@@ -45,7 +45,7 @@ _RUNNING: contextvars.ContextVar = contextvars.ContextVar("opmx_session")
 
 # op -> (input kinds, output kinds, {attr: type}); kinds: f float32, i int64, c cache (float32 / int8), w woqu weight
 _I, _F, _S = "int", "float", "str"
-# this project's attributes of the attention operators beside ppl.pmx's (runner.onnx.opmx); absent: 0 (off)
+# this project's attributes of the attention operators beside ppl.pmx's (runner.kernels.opmx_export); absent: 0
 POSITION_ATTRS = dict(sliding_window=_I, alibi_num_heads=_I, alibi_head_offset=_I, logn_scaling=_I)
 ATTR_DEFAULTS = {_I: 0, _F: 0.0, _S: ""}
 OPS = {
@@ -413,6 +413,7 @@ class OpmxSession:
         so.log_severity_level = 3
         self.session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         self.inputs = [i.name for i in self.session.get_inputs()]
+        self.ranks = {i.name: len(i.shape) for i in self.session.get_inputs()}
         self.outputs = ["logits", *extra_outputs]
         self.comm = comm
         self._cache: Optional[torch.Tensor] = None
@@ -428,6 +429,13 @@ class OpmxSession:
             raise RuntimeError("kv_scale is not the bound scale")
         return cache, scale if scale_in is not None else None
 
+    def _fed(self, name: str, t: torch.Tensor) -> np.ndarray:
+        """t as the graph takes it: an empty tensor (a step's absent attn_mask, [0]) in the rank the graph declares
+        ([0, 0] for an export with --auto_causal false)."""
+        if t.numel() == 0 and t.dim() != self.ranks[name]:
+            t = t.reshape((0,) * self.ranks[name])
+        return t.contiguous().cpu().numpy()
+
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{output name: tensor} of one step; feeds holds the step's inputs (kv_cache / kv_scale written in place)."""
         missing = [n for n in self.inputs if n not in feeds]
@@ -436,7 +444,7 @@ class OpmxSession:
         self._cache, self._scale = feeds["kv_cache"], feeds.get("kv_scale")
         token = _RUNNING.set(self)
         try:
-            outs = self.session.run(self.outputs, {n: feeds[n].contiguous().cpu().numpy() for n in self.inputs})
+            outs = self.session.run(self.outputs, {n: self._fed(n, feeds[n]) for n in self.inputs})
         finally:
             _RUNNING.reset(token)
             self._cache = self._scale = None

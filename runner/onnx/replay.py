@@ -22,6 +22,7 @@ import torch
 from runner.args import DumpDir, Fields, MinProfilingSeconds, Range, ReplayOutputDir, ReplayStep, Warmup
 from runner.config import EngineConfig
 from runner.engine.dump import STEP_INPUTS, dump_files, load_rank_step, load_step, write_tensor
+from runner.engine.layer_dump import HEAD_OPS, LAYER_OPS
 from runner.engine.replay import Agreement
 from runner.errors import PmxError
 from runner.kernels.reference import cache_shape
@@ -30,7 +31,35 @@ from runner.parallel.comm import collective_timeout, make_comm
 from runner.parallel.launch import detect, set_cpu_threads
 from runner.pmx.store import check_apart
 
-LAYER_OPS = ("attention_norm", "q", "k", "v", "attention", "o", "ffn_norm", "residual", "ffn")
+
+
+def layer_values(slice_dir: Path, num_layers: int) -> tuple:
+    """The names of the layer values an export's graph holds (runner.onnx.export): each layer's `qkv` (or `q`, `k`,
+    `v` where unfused) and the other dump names."""
+    import onnx
+    have = {o for n in onnx.load(str(Path(slice_dir) / "model.onnx"), load_external_data=False).graph.node
+            for o in n.output}
+    names = tuple(f"layer{i}_{op}" for i in range(num_layers) for op in ("qkv", *LAYER_OPS) if f"layer{i}_{op}" in have)
+    missing = [f"layer{i}_{op}" for i in range(num_layers) for op in ("attention_norm", "attention", "o", "ffn")
+               if f"layer{i}_{op}" not in names]
+    if missing:
+        raise PmxError(f"{slice_dir}: has no values {missing[:3]} to dump (re-export it with this project's Export.py)")
+    return names
+
+
+def layer_dump(outs: dict, num_layers: int, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """{layer{i}_{op}: tensor} of runner.engine.layer_dump's ops from a replay's graph values: q, k, v and attention
+    by heads ([T, heads, head_dim]; q, k, v cut from the fused qkv output as the engine's dump cuts them)."""
+    out = {}
+    for i in range(num_layers):
+        values = {op: outs[f"layer{i}_{op}"] for op in ("qkv", *LAYER_OPS) if f"layer{i}_{op}" in outs}
+        if "qkv" in values:
+            values.update(zip("qkv", values.pop("qkv").split([heads * head_dim, kv_heads * head_dim,
+                                                               kv_heads * head_dim], dim=-1)))
+        for op in LAYER_OPS:
+            t = values[op]
+            out[f"layer{i}_{op}"] = t.reshape(t.shape[0], -1, head_dim) if op in HEAD_OPS else t
+    return out
 
 
 def is_export(path: str) -> bool:
@@ -75,7 +104,7 @@ def _check_dump(ep: dict, world: int, t: dict, rank_dir: Path, export_path: str)
 def onnx_replay(export_path: str, dump_dir: DumpDir, step: ReplayStep, output_dir: ReplayOutputDir = "out/replay", warmup: Warmup = 2,
                 min_profiling_seconds: MinProfilingSeconds = 1.0,
                 rtol: Annotated[float, Range(0)] = 1e-5, dump_layers: bool = False,
-                engine: Annotated[EngineConfig, Fields("comm_backend", "collective_timeout")] = EngineConfig()) -> int:
+                config: Annotated[EngineConfig, Fields("comm_backend", "collective_timeout")] = EngineConfig()) -> int:
     """Replay a dumped step in onnxruntime through each rank's opmx export (under the same mpirun -np N as the dump);
     time it and check its logits and updated cache against the dump. Exit status 1 when a rank disagrees.
 
@@ -99,10 +128,11 @@ def onnx_replay(export_path: str, dump_dir: DumpDir, step: ReplayStep, output_di
     after = load_step(str(rank_dir), int(step) + 1) if any(s == int(step) + 1 for s, _ in dump_files(rank_dir)) \
         else None
     set_cpu_threads(env)
-    comm = make_comm(env, torch.device("cpu"), engine.comm_backend, collective_timeout(engine.collective_timeout))
+    comm = make_comm(env, torch.device("cpu"), config.comm_backend, collective_timeout(config.collective_timeout))
     from runner.onnx.ort import OpmxSession
-    layers = tuple(f"layer{i}_{op}" for i in range(ep["num_layers"]) for op in LAYER_OPS) if dump_layers else ()
-    sess = OpmxSession(Path(export_path) / SLICE_DIR.format(env.rank), comm, layers, threads=torch.get_num_threads())
+    path = Path(export_path) / SLICE_DIR.format(env.rank)
+    graph_values = layer_values(path, ep["num_layers"]) if dump_layers else ()
+    sess = OpmxSession(path, comm, graph_values, threads=torch.get_num_threads())
     feeds = {n: t[n].clone() for n in STEP_INPUTS if n in t}
     comm.sync()
     outs = sess.run(feeds)
@@ -120,8 +150,10 @@ def onnx_replay(export_path: str, dump_dir: DumpDir, step: ReplayStep, output_di
     times = [timed() for _ in range(n)]
     out_dir = Path(output_dir) / f"rank_{env.rank}"
     write_tensor(out_dir, int(step), "logits", logits.float(), "the replayed logits")
-    for name in layers:
-        write_tensor(out_dir, int(step), name, outs[name], "the replayed layer values")
+    if dump_layers:
+        heads = (ep["num_heads"] // env.world_size, max(ep["num_kv_heads"] // env.world_size, 1), ep["head_dim"])
+        for name, value in layer_dump(outs, ep["num_layers"], *heads).items():
+            write_tensor(out_dir, int(step), name, value, "the replayed layer values")
     agree = Agreement.of(logits, t["logits"])
     rel = agree.max_abs / max(float(t["logits"].abs().max()), 1e-30)
     cache_d, cache_ok = cache_diff if cache_diff is not None else (-1.0, True)

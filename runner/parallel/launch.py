@@ -1,6 +1,6 @@
 """Who am I? Rank, world size and local rank from the launcher's environment.
 
-Order (DESIGN.md): torchrun's RANK / WORLD_SIZE / LOCAL_RANK; then an MPI launch (MPICH's PMI_RANK /
+Order (docs/architecture.md): torchrun's RANK / WORLD_SIZE / LOCAL_RANK; then an MPI launch (MPICH's PMI_RANK /
 PMI_SIZE / MPI_LOCALRANKID / MPI_LOCALNRANKS, Open MPI's OMPI_COMM_WORLD_*, PMIx's PMIX_RANK);
 otherwise one process.
 

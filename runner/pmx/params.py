@@ -1,7 +1,7 @@
 """`pmx_params.json`: every hyper-parameter the engine needs, nothing implicit.
 
 The file is the contract between conversion, split/merge and the engine (PMX format version 1,
-see DESIGN.md). Loading is strict: a missing required key, an unknown key or a value of the wrong
+README.md "The PMX format"). Loading is strict: a missing required key, an unknown key or a value of the wrong
 type is an error naming the file and the key.
 
 Keys added to version 1 later (position_embedding, rotary_dim, logn_scaling) default to what a file without them

@@ -175,6 +175,13 @@ def quantizable(name: str) -> bool:
     return leaf == "weight" and _quantizable_base(base)
 
 
+def is_matrix_weight(name: str) -> bool:
+    """Whether float tensor `name` is a linear layer's weight, the output's or the embedding's: what a weight-only
+    scheme can quantise, and what a CPU engine computing in float32 keeps in a half-precision checkpoint's width."""
+    base, _, leaf = name.rpartition(".")
+    return leaf == "weight" and (bool(QUANTIZABLE.fullmatch(base)) or base in ("output", "tok_embeddings"))
+
+
 def scheme_of(params) -> Optional[QuantScheme]:
     """The QuantScheme of PmxParams `params`, or None for a float model."""
     q = params.quantization

@@ -2,8 +2,8 @@
 offline API (`LLM`, `SamplingParams`, in vLLM's shape). Exports load on first use (they import torch)."""
 
 _EXPORTS = {"LLM": "runner.serve.llm", "SamplingParams": "runner.serve.params",
-            "RequestOutput": "runner.serve.engine", "CompletionOutput": "runner.serve.engine",
-            "Logprob": "runner.serve.engine"}
+            "RequestOutput": "runner.serve.output", "CompletionOutput": "runner.serve.output",
+            "Logprob": "runner.serve.output"}
 __all__ = list(_EXPORTS)
 
 

@@ -48,7 +48,11 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except jinja2.exceptions.TemplateError as e:
             raise PmxError(f"{origin}: the chat template does not parse: {e}") from None
-        self.specials, self.added, self.origin = specials, added, origin
+        self.source, self.specials, self.added, self.origin = source, specials, added, origin
+
+    def spec(self) -> list:
+        """What ChatTemplate(*spec) makes again (in another process: the server's front end)."""
+        return [self.source, self.specials, self.added, self.origin]
 
     @classmethod
     def load(cls, directory: Path, template_file: Optional[str] = None) -> Optional["ChatTemplate"]:

@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 
 from runner.config import serving_config
 from runner.errors import PmxError
-from runner.serve.engine import CompletionOutput, RequestOutput
+from runner.serve.output import CompletionOutput, RequestOutput, TextProcessor
 from runner.serve.loader import load
 from runner.serve.params import SamplingParams
 
@@ -29,15 +29,15 @@ class LLM:
         ckpt_dir: PMX directory split into as many shards as ranks are started.
         tokenizer_path: tokenizer.model / tokenizer.json, or a directory (default: ckpt_dir).
         chat_template: a jinja chat template file (default: the tokenizer's own).
-        **engine: any field of runner.config.EngineConfig, the flags of `python -m runner generate` (e.g.
+        **options: any field of runner.config.EngineConfig, the flags of `python -m runner generate` (e.g.
             max_batch, kv_cache_tokens, device, dtype, quantized_cache); the cache is paged (cache_mode 1) in layout
             2 unless given (runner.config.serving_config).
     """
 
     def __init__(self, ckpt_dir: str, tokenizer_path: Optional[str] = None, chat_template: Optional[str] = None,
-                 **engine):
+                 **options):
         try:
-            config = serving_config(**engine)
+            config = serving_config(**options)
         except TypeError as e:
             raise PmxError(f"LLM: {e} (the engine options are runner.config.EngineConfig's fields)") from None
         self._loaded = load(ckpt_dir, tokenizer_path, config, chat_template=chat_template)
@@ -90,14 +90,19 @@ class LLM:
             raise PmxError(f"{len(params)} sampling params for {len(encoded)} prompts")
         for (_, ids), p in zip(encoded, params):  # every rank checks, so a bad request fails on every rank
             self.engine.check(ids, p)
-        eng = self.engine
+        eng, out = self.engine, TextProcessor(self.tokenizer)
         self._counter += 1
         results = {}
         for i, ((text, ids), p) in enumerate(zip(encoded, params)):
             rid = f"{self._counter}-{i}"
             results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(k) for k in range(p.n)])
             eng.add_request(rid, ids, p)
+            out.add(rid, ids, p)
         while eng.has_work():
-            for d in eng.step():
-                results[d.request_id].apply(d, self.tokenizer.token_text)
+            token_deltas = eng.step()
+            while token_deltas:  # (completions that stop strings ended are cancelled before the next step)
+                deltas, cancels = out.process(token_deltas)
+                for d in deltas:
+                    results[d.request_id].apply(d, self.tokenizer.token_text)
+                token_deltas = [td for rid, i in cancels for td in eng.cancel(rid, i)]
         return list(results.values())

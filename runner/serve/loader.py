@@ -25,7 +25,7 @@ class Loaded:
     eos_ids: list
 
 
-def load(ckpt_dir: str, tokenizer_path: Optional[str], config: EngineConfig, metrics=None, progress: bool = False,
+def load(ckpt_dir: str, tokenizer_path: Optional[str], config: EngineConfig, stats=None, progress: bool = False,
          chat_template: Optional[str] = None) -> Loaded:
     """This rank's engine over `ckpt_dir` (split into as many shards as ranks), with a KV cache of
     --kv_cache_tokens, else room for max_batch full-length sequences within the memory budget; the chat template
@@ -37,7 +37,7 @@ def load(ckpt_dir: str, tokenizer_path: Optional[str], config: EngineConfig, met
         (ChatTemplate.load(Path(ckpt_dir)) if tokenizer_path else None)
     eos = sorted(set(params.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
     sess = open_session(ckpt_dir, config, progress=progress)
-    core = sess.engine
+    core = sess.core
     core.reserve(core.budget_rows(config.max_batch * core.max_model_len))
     t0 = time.perf_counter()
     core.touch_cache()  # (a long-lived pool: its first touches paid now, not by the requests' steps)
@@ -45,4 +45,4 @@ def load(ckpt_dir: str, tokenizer_path: Optional[str], config: EngineConfig, met
         print(f"KV cache: {core.cache.rows} tokens, {core.cache_bytes() / 2 ** 30:.2f} GiB on this rank (a draft "
               f"model's included; --kv_cache_tokens), written once in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
-    return Loaded(sess, LLMEngine(core, tok, eos, metrics), tok, template, eos)
+    return Loaded(sess, LLMEngine(core, tok, eos, stats), tok, template, eos)

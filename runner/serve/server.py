@@ -1,77 +1,92 @@
 """`python -m runner serve` / `scripts/Server.py`: the OpenAI-compatible server over 1 or N ranks.
 
-Rank 0 serves HTTP (uvicorn, in a thread) and runs the engine loop on its main thread: requests come
-in through a queue, each step's new requests and cancels go to all ranks with the step (`runner.serve.engine`),
-new text goes back to the handlers' event loop. Ranks 1..N-1 apply the same events and run the same steps. SIGTERM (or SIGINT) on rank 0 stops new
-requests (503), lets the running ones finish for up to --drain_timeout seconds, cancels the rest,
-tells the other ranks to stop, and exits 0; the other ranks ignore the signal and wait for rank 0's
-word (leaving on their own if it has not come --drain_timeout + 10 s later).
+Rank 0 runs the engine loop (runner.serve.engine_loop) and starts the HTTP front end, a process of its own
+(runner.serve.frontend: HTTP, request models, tokenization, detokenization, metrics), which it talks to over a
+channel; each step's new requests and cancels go to all ranks with the step (runner.serve.engine), and ranks
+1..N-1 apply the same events and run the same steps. SIGTERM (or SIGINT) on rank 0 stops new requests (503), lets
+the running ones finish for up to --drain_timeout seconds, cancels the rest, stops the front end, tells the other
+ranks to stop, and exits 0; the front end and the other ranks ignore the signal and wait for rank 0's word (the
+other ranks leave on their own if it has not come --drain_timeout + 10 s later; the front end goes with rank 0).
 """
 
 from __future__ import annotations
 
 import signal
 import sys
-import threading
 import time
 import traceback
 from typing import Annotated, Optional
 
-import uvicorn
-
 from runner.args import ChatTemplateFile, CkptDir, PositiveInt, Range, TokenizerPath
 from runner.config import EngineConfig, serving_config
 from runner.errors import PmxError
-from runner.serve.api import ApiContext, build_app
-from runner.serve.async_engine import AsyncEngine
+from runner.serve import frontend
+from runner.serve.channel import ChannelClosed
+from runner.serve.engine_loop import EngineLoop
 from runner.serve.loader import load
-from runner.serve.metrics import Metrics
+from runner.serve.metrics import EngineStats
 
 
 def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template: ChatTemplateFile = None,
           host: str = "127.0.0.1", port: Annotated[int, Range(0, 65535)] = 8000,
           served_model_name: Optional[str] = None, max_waiting: PositiveInt = 256,
-          drain_timeout: Annotated[float, Range(0)] = 5.0, engine: EngineConfig = serving_config()) -> None:
+          drain_timeout: Annotated[float, Range(0)] = 5.0, max_request_bytes: PositiveInt = 4 << 20,
+          header_timeout: Annotated[float, Range(0, lo_open=True)] = 10.0,
+          body_timeout: Annotated[float, Range(0, lo_open=True)] = 30.0,
+          keep_alive_timeout: Annotated[float, Range(1)] = 5.0, max_connections: PositiveInt = 1024,
+          config: EngineConfig = serving_config()) -> None:
     """Serve a PMX model over OpenAI's HTTP API (completions, chat completions, streaming) on 1 or N ranks.
 
     Args:
-        host: address to listen on (rank 0).
+        host: address to listen on (rank 0's front end).
         port: port to listen on; 0 picks a free one (the address is printed).
         served_model_name: the model's name in the API (default: ckpt_dir as given).
-        max_waiting: sequences waiting for admission at most; beyond, requests get 503 with Retry-After.
+        max_waiting: sequences waiting for admission at most; beyond, requests get 503 with Retry-After (and a
+            request of more sequences than this, 400).
         drain_timeout: on SIGTERM, seconds the running requests get to finish before they are cancelled.
+        max_request_bytes: a request body's size at most; a larger one gets 413, before it is read.
+        header_timeout: seconds a client has to send a request's line and headers (then 408, connection closed).
+        body_timeout: seconds a client has to send a request's body (then 408, connection closed).
+        keep_alive_timeout: seconds an idle keep-alive connection stays open.
+        max_connections: open connections at most; a connection past them is answered 503 and closed.
     """
-    metrics = Metrics()
-    loaded = load(ckpt_dir, tokenizer_path, engine, metrics, progress=True, chat_template=chat_template)
+    stats = EngineStats()
+    loaded = load(ckpt_dir, tokenizer_path, config, stats, progress=True, chat_template=chat_template)
     sess, llm = loaded.session, loaded.engine
     if not sess.is_main:
         _follow(llm, drain_timeout)
         sess.close()
         return
-    client = AsyncEngine(llm, max_waiting, drain_timeout, metrics)
-    _drain_on_signals(client.stop)
     name = served_model_name or ckpt_dir
-    ctx = ApiContext(client, loaded.tokenizer, loaded.chat_template, name, llm.max_model_len, metrics,
-                     int(time.time()), llm.core.model.params.vocab_size)
+    tok = loaded.tokenizer
+    front_config = frontend.FrontendConfig(
+        host, port, name, str(tok.path), tok.bos_id, tok.eos_id,
+        loaded.chat_template.spec() if loaded.chat_template is not None else None, llm.max_model_len,
+        llm.vocab_size, max_waiting, max_request_bytes, header_timeout, body_timeout, keep_alive_timeout,
+        max_connections, int(time.time()))
     try:
-        http, thread = _start_http(build_app(ctx), host, port)
+        front = frontend.start(front_config)
     except PmxError as e:
         _leave(sess, llm, f"error: {e}", 2)
-    failed = False
+    loop = EngineLoop(llm, front.sock, max_waiting, drain_timeout, stats)
+    _drain_on_signals(loop.stop)
+    failed = None
     try:
-        bound = http.servers[0].sockets[0].getsockname()
-        print(f"serving {name} at http://{bound[0]}:{bound[1]} ({sess.env.world_size} rank(s), {sess.device}; "
-              f"KV cache {llm.core.cache.rows} tokens, max batch {engine.max_batch})", file=sys.stderr, flush=True)
-        client.run()
+        print(f"serving {name} at http://{front.address[0]}:{front.address[1]} ({sess.env.world_size} rank(s), "
+              f"{sess.device}; KV cache {llm.core.cache.rows} tokens, max batch {config.max_batch})", file=sys.stderr,
+              flush=True)
+        loop.run()
+    except ChannelClosed:
+        failed = "the HTTP front end exited unexpectedly"
     except Exception:  # noqa: BLE001 - a bug in the loop: the other ranks are stopped, then this one
         traceback.print_exc()
-        failed = True
+        failed = "the engine loop failed (see above)"
     finally:
-        client.accepting = False
-        http.should_exit = True
-        thread.join(timeout=drain_timeout + 5)
-    _leave(sess, llm, "error: the engine loop failed (see above); server stopped" if failed else "server stopped",
-           1 if failed else 0)
+        status = front.stop(drain_timeout + 5)
+        loop.close()
+    if failed and status:
+        failed += f" (the front end's exit status {status})"
+    _leave(sess, llm, f"error: {failed}; server stopped" if failed else "server stopped", 1 if failed else 0)
 
 
 def _drain_on_signals(handler) -> None:
@@ -91,19 +106,6 @@ def _leave(sess, engine, message: str, status: int) -> None:
     print(message, file=sys.stderr, flush=True)
     if status:
         raise SystemExit(status)
-
-
-def _start_http(app, host: str, port: int):
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=2)
-    http = uvicorn.Server(config)
-    thread = threading.Thread(target=http.run, name="pmx-http", daemon=True)
-    thread.start()
-    while not http.started:
-        if not thread.is_alive():
-            raise PmxError(f"cannot serve on {host}:{port} (see the message above)")
-        time.sleep(0.05)
-    return http, thread
 
 
 def _follow(engine, drain_timeout: float) -> None:

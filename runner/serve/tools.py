@@ -22,20 +22,6 @@ from runner.serve.params import ParamError
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-def check_tools(tools) -> list:
-    """The request's tools, each {"type": "function", "function": {"name", "description"?, "parameters"?}}."""
-    if not isinstance(tools, list) or not tools:
-        raise ParamError("tools", "tools must be a non-empty array of {\"type\": \"function\", \"function\": {...}}")
-    for t in tools:
-        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ParamError("tools", f"each tool must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
-                                      f"got {json.dumps(t)[:80]}")
-        if not isinstance(fn.get("parameters", {}), dict):
-            raise ParamError("tools", f"tool {fn['name']}: parameters must be a JSON schema object")
-    return tools
-
-
 def choice_of(tool_choice, tools: list) -> str:
     """"none" | "auto" | "required" | a function's name, from the request's tool_choice (default: auto)."""
     names = [t["function"]["name"] for t in tools]

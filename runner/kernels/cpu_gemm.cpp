@@ -1,0 +1,234 @@
+// The linear layers on float weights: y[m, n] = sum_k x[m, k] W[n, k] with x float32 and W float32, bfloat16 or
+// float16, stored as the packing code (runner/kernels/cpu_ext.py, pack_blocks) leaves it: blocks of 64 output channels,
+// k-major inside a block ([N/64, K, 64], rows padded with zeros). Half-precision weights are widened to float32 in
+// registers as they are loaded (bfloat16: its 16 bits are the high half of a float32; float16: F16C's vcvtph2ps) and
+// every product is accumulated in float32, so a half-precision weight gives the float32 GEMM's result on its values
+// while a decode step reads half the bytes.
+//
+// The register tile is MR rows of x by NV vectors of channels, sized to the vector registers the machine has:
+// AVX-512 (32 of 16 floats): 6 rows x 64 channels (24 accumulators); AVX2 (16 of 8 floats): 6 rows x 16 channels (12
+// accumulators: the 6 x 16 micro-kernel of BLIS's Haswell sgemm), the block taken as 4 panels of 16 channels. One row
+// (batch-1 decode) takes the whole block, 64 channels, in one pass. Decoding reads every weight once per step, so the
+// block is walked in chunks of k that stay in L1 (or in one pass where one tile covers it) with software prefetch
+// ahead of the stream; prefill (many rows) walks it in chunks that stay in L2 across the passes of every 6 rows,
+// half-precision chunks widened once into a float32 buffer of the thread's own first, so the GEMM runs at the float32
+// FMA rate whatever the weight's width.
+// Threads: blocks of 64 channels are handed out a few at a time as threads ask (for_blocks, cpu_kernels.h).
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <immintrin.h>
+
+#include "cpu_kernels.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int L = 16;  // floats per vector register
+constexpr int NV_TILE = 4;  // vectors of channels in the many-rows tile (64 channels)
+#else
+constexpr int L = 8;
+constexpr int NV_TILE = 2;  // (16 channels: 6 x 2 accumulators + 2 weights + 1 broadcast fit AVX2's 16 registers)
+#endif
+typedef float vf __attribute__((vector_size(L * sizeof(float))));
+
+constexpr int64_t NB = 64;     // output channels per block
+constexpr int MR = 6;          // rows of x per tile
+constexpr int NV_ROW = NB / L;  // one row: the whole block in one pass
+
+using pmx_cpu::FloatWeight;
+struct Bf16 { uint16_t bits; };
+struct F16 { uint16_t bits; };
+
+// L weights at p widened to float32.
+inline vf load_w(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vf load_w(const Bf16* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#elif defined(__AVX2__)
+  return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+#else
+  vf v;
+  for (int i = 0; i < L; ++i) {
+    const uint32_t u = static_cast<uint32_t>(p[i].bits) << 16;
+    std::memcpy(&v[i], &u, 4);
+  }
+  return v;
+#endif
+}
+
+inline vf load_w(const F16* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__F16C__) && defined(__AVX__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  vf v;
+  for (int i = 0; i < L; ++i) v[i] = static_cast<float>(c10::Half(p[i].bits, c10::Half::from_bits()));
+  return v;
+#endif
+}
+
+// Bytes of the weight stream prefetched ahead of the k being read in the streaming (decode) walk: the hardware
+// prefetchers alone left batch-1 decode ~10% under the bandwidth it reaches with it (measured on float32 blocks; past
+// the block's end it reads into the next block, which is next in memory).
+constexpr int64_t PF_BYTES = 8192;
+
+template <typename W>
+inline void prefetch_row(const W* wk) {  // the cache lines of k-row wk (64 channels), PF_BYTES ahead
+  const char* c = reinterpret_cast<const char*>(wk) + PF_BYTES;
+  for (int64_t i = 0; i < NB * (int64_t)sizeof(W); i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+// out[m][0..ncols) (+)= sum_{k0 <= k < k1} x[m, k] w[k][0..NV L) for R rows of x (row stride ldx); w: a panel of the
+// block (row stride NB); out row stride ldo. PF: prefetch the stream ahead.
+template <int R, int NV, bool PF, typename W>
+inline void tile(const float* x, int64_t ldx, const W* w, int64_t k0, int64_t k1, float* out, int64_t ldo,
+                 int64_t ncols, bool accumulate) {
+  vf a[R][NV];
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < NV; ++j) a[m][j] = vf{};
+  for (int64_t k = k0; k < k1; ++k) {
+    const W* wk = w + k * NB;
+    if (PF) prefetch_row(wk);
+    vf wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = load_w(wk + j * L);
+    for (int m = 0; m < R; ++m) {
+      const float xv = x[m * ldx + k];
+      for (int j = 0; j < NV; ++j) a[m][j] += xv * wv[j];
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    float* o = out + m * ldo;
+    if (ncols == NV * L) {
+      for (int j = 0; j < NV; ++j) {
+        vf v = a[m][j];
+        if (accumulate) v += load_w(o + j * L);
+        std::memcpy(o + j * L, &v, sizeof(v));
+      }
+    } else {
+      float tmp[NV * L];
+      std::memcpy(tmp, a[m], sizeof(tmp));
+      for (int64_t j = 0; j < ncols; ++j) o[j] = accumulate ? o[j] + tmp[j] : tmp[j];
+    }
+  }
+}
+
+// The rows [0, M) of x against one block's k in [k0, k1): tiles of up to MR rows by NV_TILE vectors, the block's
+// panels of NV_TILE L channels in turn for each MR rows (their k-chunk of x stays in L1 across the panels).
+template <bool PF, typename W>
+inline void rows_by_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t k0, int64_t k1, float* out,
+                           int64_t ldo, int64_t ncols, bool accumulate) {
+  constexpr int64_t P = NV_TILE * L;
+  for (int64_t m0 = 0; m0 < M; m0 += MR) {
+    const int64_t r = std::min<int64_t>(MR, M - m0);
+    for (int64_t c0 = 0; c0 < ncols; c0 += P) {
+      const int64_t nc = std::min(P, ncols - c0);
+      const float* xm = x + m0 * K;
+      float* o = out + m0 * ldo + c0;
+      switch (r) {
+#define PMX_TILE(R) \
+  case R: tile<R, NV_TILE, PF>(xm, K, w + c0, k0, k1, o, ldo, nc, accumulate); break;
+        PMX_TILE(1) PMX_TILE(2) PMX_TILE(3) PMX_TILE(4) PMX_TILE(5)
+        default: tile<MR, NV_TILE, PF>(xm, K, w + c0, k0, k1, o, ldo, nc, accumulate);
+#undef PMX_TILE
+      }
+    }
+  }
+}
+
+// k per chunk: decode (streaming) chunks of a block stay in L1 (16 KiB) while every row group and panel reads them;
+// prefill chunks in L2 (128 KiB of float32, the widened copy of a half-precision chunk) across all the rows.
+template <typename W>
+constexpr int64_t kc_stream() { return (16 << 10) / (NB * (int64_t)sizeof(W)); }
+constexpr int64_t KC_PREFILL = (128 << 10) / (NB * sizeof(float));
+
+// Rows above which a call is prefill: the block's chunks are widened once into float32 (half precision) and walked
+// from L2; at or below, they are streamed from memory once, converted in registers.
+constexpr int64_t STREAM_MAX_ROWS = 32;
+
+template <typename W>
+void stream_block(const float* x, int64_t M, int64_t K, const W* wb, float* out, int64_t ldo, int64_t ncols) {
+  if (M == 1) {  // the whole block in one pass, prefetched
+    tile<1, NV_ROW, true>(x, K, wb, 0, K, out, ldo, ncols, false);
+    return;
+  }
+  if (NV_TILE * L == NB && M <= MR) {  // one tile covers the block (AVX-512): one pass
+    rows_by_panels<true>(x, M, K, wb, 0, K, out, ldo, ncols, false);
+    return;
+  }
+  constexpr int64_t KC = kc_stream<W>();
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t k1 = std::min(K, k0 + KC);
+    // the next chunk (or the next block's first) asked for while this one is computed
+    const char* next = reinterpret_cast<const char*>(wb + k1 * NB);
+    for (int64_t i = 0; i < KC * NB * (int64_t)sizeof(W); i += 64) _mm_prefetch(next + i, _MM_HINT_T1);
+    rows_by_panels<false>(x, M, K, wb, k0, k1, out, ldo, ncols, k0 > 0);
+  }
+}
+
+inline void widen(const float* w, int64_t n, float* out) { std::memcpy(out, w, n * sizeof(float)); }
+
+template <typename W>
+inline void widen(const W* w, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i += L) {
+    const vf v = load_w(w + i);
+    std::memcpy(out + i, &v, sizeof(v));
+  }
+}
+
+template <typename W>
+void linear_blocks(const float* x, int64_t M, int64_t K, const W* w, int64_t blocks, int64_t N, float* y) {
+  pmx_cpu::for_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(std::is_same_v<W, float> || M <= STREAM_MAX_ROWS ? 0 : KC_PREFILL * NB);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
+      const W* wb = w + b * K * NB;
+      if (M <= STREAM_MAX_ROWS) {
+        stream_block(x, M, K, wb, y + n0, N, ncols);
+        continue;
+      }
+      for (int64_t k0 = 0; k0 < K; k0 += KC_PREFILL) {
+        const int64_t k1 = std::min(K, k0 + KC_PREFILL);
+        if constexpr (std::is_same_v<W, float>) {
+          rows_by_panels<false>(x, M, K, wb, k0, k1, y + n0, N, ncols, k0 > 0);
+        } else {  // widened once into buf (its row k - k0 at k), then the float32 tiles
+          widen(wb + k0 * NB, (k1 - k0) * NB, buf.data());
+          rows_by_panels<false>(x + k0, M, K, buf.data(), 0, k1 - k0, y + n0, N, ncols, k0 > 0);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace pmx_cpu {
+
+void float_linear_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
+                       int64_t N, float* y) {
+  switch (type) {
+    case FloatWeight::f32: linear_blocks(x, M, K, static_cast<const float*>(w), blocks, N, y); break;
+    case FloatWeight::bf16: linear_blocks(x, M, K, static_cast<const Bf16*>(w), blocks, N, y); break;
+    case FloatWeight::f16: linear_blocks(x, M, K, static_cast<const F16*>(w), blocks, N, y); break;
+  }
+}
+
+void block_panel_f32(const float* x, int64_t M, int64_t K, const float* block, float* out, int64_t ldo,
+                     int64_t ncols) {
+  for (int64_t k0 = 0; k0 < K; k0 += KC_PREFILL)
+    rows_by_panels<false>(x, M, K, block, k0, std::min(K, k0 + KC_PREFILL), out, ldo, ncols, k0 > 0);
+}
+
+}  // namespace pmx_cpu
