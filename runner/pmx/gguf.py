@@ -14,8 +14,8 @@ What comes in and what is written (runner.pmx.convert.convert_gguf prints one li
   dequantised with gguf's dequantiser, then kept float or re-quantised as `--quantize` asks;
 - a type gguf cannot read (Q8_1, integer tensors, ...): refused before anything is written.
 
-The tokenizer is rebuilt from the metadata with transformers' GGUF converter (`AutoTokenizer.from_pretrained(dir,
-gguf_file=...)`: the vocabulary, merges, special tokens), with llama.cpp's pre-tokenizer for `tokenizer.ggml.pre`
+The tokenizer is rebuilt from the metadata with transformers' GGUF converter (`PreTrainedTokenizerFast.from_pretrained(
+dir, gguf_file=...)`: the vocabulary, merges, special tokens), with llama.cpp's pre-tokenizer for `tokenizer.ggml.pre`
 and BOS / EOS as `tokenizer.ggml.add_bos_token` / `add_eos_token` say, written as tokenizer.json; the special
 tokens, the chat template and add_bos_token go into tokenizer_config.json.
 """
@@ -229,9 +229,10 @@ def tokenizer_files(ckpt: GGUFCheckpoint, max_positions: int) -> dict:
         raise PmxError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: "
                        f"{', '.join(sorted(PRE_TOKENIZERS))})")
     try:
-        from transformers import AutoTokenizer
+        from transformers import PreTrainedTokenizerFast
         from tokenizers import processors
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        # (not AutoTokenizer: it reads the whole file's metadata a second time for a config, to pick this same class)
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except ImportError as e:
         raise PmxError(f"{path}: converting a GGUF's tokenizer needs transformers ({e}): pip install -e '.[gguf]' "
                        f"(or bash scripts/install.sh)") from None
