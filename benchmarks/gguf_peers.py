@@ -239,7 +239,7 @@ def _pmx_llama_scheme(pmx: Path, ids: list, ctx: int, chunks: int) -> float:
             if ctx // 2 <= t < ctx:
                 nll[0] += float(F.cross_entropy(logits[r: r + 1].double(), logits.new_tensor([spans[i][t]]).long()))
 
-    sess.engine.score(spans, add)
+    sess.core.score(spans, add)
     sess.close()
     return math.exp(nll[0] / (chunks * (ctx - ctx // 2)))
 

@@ -343,14 +343,15 @@ def test_quantized_dump_and_replay(tiny, tmp_path):
 
 
 @pytest.mark.skipif(cpu_ops() is None, reason="this project's CPU extension could not be built here")
-@pytest.mark.parametrize("method,group", [("float32", 0), ("int8", 0), ("int4", 32), ("int4", 2)])
-@pytest.mark.parametrize("m", [3, CPU_KERNEL_MAX_ROWS + 8])
-def test_linear_into_writes_what_the_layer_returns(method, group, m):
-    """pmx_cpu.linear_into_ (sequence parallelism's GEMM into a shared-memory area) on a packed layer of any kind: the
-    bits the layer's own forward returns, at streaming and at prefill (dequantising) row counts; a wrong buffer is
-    refused by name."""
+@pytest.mark.parametrize("method,group,offset", [("float32", 0, False), ("int8", 0, False), ("int8", 32, False),
+                                                 ("int4", 32, False), ("int4", 2, False), ("int4", 32, True)])
+@pytest.mark.parametrize("m", [1, 3, 16, CPU_KERNEL_MAX_ROWS + 8])
+def test_linear_into_writes_what_the_layer_returns(method, group, offset, m):
+    """pmx_cpu.linear_into_ (sequence parallelism's GEMM into a shared-memory area, the one-call decode step's linears)
+    on a packed layer of any kind: the bits the layer's own forward returns, at streaming and at prefill
+    (dequantising) row counts; a wrong buffer is refused by name."""
     lin = Linear(torch.randn(130, 96) * 0.05, kernel="pmx") if method == "float32" else \
-        make_linear(weight(method, 130, 96, group))
+        make_linear(weight(method, 130, 96, group, offset=offset))
     args, x = packed_args(lin), torch.randn(m, 96)
     assert args is not None and args[2] == {"float32": 32, "int8": 8, "int4": 4}[method]
     out = torch.full((m, 130), float("nan"))
