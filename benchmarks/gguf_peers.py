@@ -223,8 +223,9 @@ def _llama_perplexity(a: dict, gguf: Path, text: Path, ctx: int) -> dict:
 
 
 def _pmx_llama_scheme(pmx: Path, ids: list, ctx: int, chunks: int) -> float:
-    """Perplexity with llama-perplexity's scoring, on pmx-runner: chunk i = ids[i ctx, (i + 1) ctx), its tokens from
-    ctx / 2 on scored (each predicted from the chunk's tokens before it)."""
+    """Perplexity with llama-perplexity's scoring, on pmx-runner: chunk i = ids[i ctx, (i + 1) ctx), its tokens after
+    position ctx / 2 scored, ctx - 1 - ctx / 2 a chunk (the logits of positions ctx / 2 .. ctx - 2, each predicting the
+    next token: its perplexity.cpp, process_logits from `first`)."""
     import math
     import torch.nn.functional as F
     from runner.config import EngineConfig
@@ -236,12 +237,12 @@ def _pmx_llama_scheme(pmx: Path, ids: list, ctx: int, chunks: int) -> float:
     def add(i: int, first: int, logits) -> None:  # logits row r predicts position first + r + 1 of chunk i
         for r in range(logits.shape[0]):
             t = first + r + 1
-            if ctx // 2 <= t < ctx:
+            if ctx // 2 < t < ctx:
                 nll[0] += float(F.cross_entropy(logits[r: r + 1].double(), logits.new_tensor([spans[i][t]]).long()))
 
     sess.core.score(spans, add)
     sess.close()
-    return math.exp(nll[0] / (chunks * (ctx - ctx // 2)))
+    return math.exp(nll[0] / (chunks * (ctx - 1 - ctx // 2)))
 
 
 def perplexity(model: str = "smollm2", text: str = str(REPO / "tests" / "data" / "story.txt"), ctx: int = 128,
@@ -265,7 +266,8 @@ def perplexity(model: str = "smollm2", text: str = str(REPO / "tests" / "data" /
     report["ratio, llama.cpp's chunks"] = same / lcpp["ppl"]
     print(f"{model}, {text}, ctx {ctx}: llama-perplexity {lcpp['ppl']:.4f} +/- {lcpp['stderr']:.4f} "
           f"({lcpp['chunks']} chunks); runner perplexity {ours['perplexity']:.4f} over {ours['tokens']} tokens "
-          f"(ratio {report['ratio']:.4f}); pmx-runner on llama.cpp's chunks {same:.4f} (ratio {same / lcpp['ppl']:.4f})")
+          f"(ratio {report['ratio']:.4f}); pmx-runner on llama.cpp's chunks {same:.4f} "
+          f"(ratio {same / lcpp['ppl']:.4f})")
     _save(report, json_path, "perplexity")
 
 

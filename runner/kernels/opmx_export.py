@@ -16,8 +16,9 @@ The ops (the model calls them through the kernel set, runner.kernels.sets.Kernel
 - cache_attention: dynamic_batching MultiHeadCacheAttention (fused_kvcache), or KeyValueCache then
   MultiHeadAttention (fused_kvcache off: the history gathered, GQA heads repeated where friendly_gqa);
 - the layers: ParallelEmbedding; ColumnParallelLinear / RowParallelLinear, their Woqu* forms for the weight-only
-  schemes ppl.pmx's Woqu linears take (int8 per channel or in groups of `group_size` columns, symmetric int4); MoE as ppl.pmx's model_zoo/mixtral writes it (router Linear, MoeSelect, MoeColumnParallelLinear,
-  SwiGLU / SiLU, MoeRowParallelLinear, MoeReduce).
+  schemes ppl.pmx's Woqu linears take (int8 per channel or in groups of `group_size` columns, symmetric int4); MoE
+  as ppl.pmx's model_zoo/mixtral writes it (router Linear, MoeSelect, MoeColumnParallelLinear, SwiGLU / SiLU,
+  MoeRowParallelLinear, MoeReduce).
 
 What ppl.pmx's operators cannot say is an attribute of ours beside ppl.pmx's (pplnn would ignore it, so a model that
 needs one runs right only here; absent reads as the neutral value):
@@ -61,7 +62,6 @@ from runner.kernels.quant_linear import QuantWeight
 from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP, AttentionSpec, Rotary, rope_type
 from runner.kernels.sets import KernelSet, Layers, lacking
 from runner.pmx.quant import QuantScheme
-from runner.pmx.store import DTYPE_NAMES
 
 OPMX, DB = "opmx", "opmx.dynamic_batching"
 DOMAINS = {OPMX: 1, DB: 1}
@@ -226,7 +226,8 @@ def woqu_weight(q: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
 
 def woqu_takes(scheme: QuantScheme) -> bool:
-    """Whether ppl.pmx's Woqu*ParallelLinear says a weight of leaf scheme `scheme` as it is stored (no float offsets)."""
+    """Whether ppl.pmx's Woqu*ParallelLinear says a weight of leaf scheme `scheme` as it is stored (no float
+    offsets)."""
     return not scheme.offset
 
 
@@ -346,8 +347,9 @@ def rope_attrs(rotary: Rotary, head_dim: int) -> dict:
                                                                                            sort_keys=True))
 
 
-def kernel_set(config: EngineConfig, num_layers: int) -> KernelSet:
-    """The opmx export's kernel set for a model of `num_layers` layers exported with `config`'s flags."""
+def kernel_set(config: EngineConfig, num_layers: int, dtype: torch.dtype = torch.float32) -> KernelSet:
+    """The opmx export's kernel set for a model of `num_layers` layers exported with `config`'s flags in `dtype` (the
+    model's compute dtype: what a weight its Woqu form cannot say is dequantised to)."""
     c = config
 
     def skip_rms_norm(x, skip, weight, eps):
@@ -387,4 +389,4 @@ def kernel_set(config: EngineConfig, num_layers: int) -> KernelSet:
         name, skip_rms_norm, lacking(name, "apply_rotary", why), lambda gate, up: silu_op(gate, up, _attrs()),
         lacking(name, "kv_store", why), lacking(name, "kv_load", why), lacking(name, "attend", why),
         rms_norm=rms_norm, swiglu_packed=lambda gate_up: swiglu_op(gate_up, _attrs(beta=1.0)),
-        rotary_step=rotary_step, cache_attention=cache_attention, layers=layers(DTYPE_NAMES[c.dtype]))
+        rotary_step=rotary_step, cache_attention=cache_attention, layers=layers(dtype))

@@ -11,7 +11,8 @@ tests/test_quant.py: the format, convert, split and merge):
   torch's own weight-only CPU ops (`aten._weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, what
   gpt-fast uses) are the fallback (`aten`) where the extension cannot be built. Above CPU_KERNEL_MAX_ROWS
   rows (prefill) each block of 64 channels is dequantised once per call into a buffer of its own and the float
-  GEMM's tiles run on it (`linear_dequant`), which is faster there.
+  GEMM's tiles run on it (`linear_dequant`), which is faster there; on AVX2 without AVX-512 the streaming kernels
+  (one row of x at a time there) do so themselves from 4 rows on (cpu_linear.cpp, avx2::ROWS_MAX).
 - CUDA (`triton`): Triton W8A16 / W4A16 (runner/kernels/triton_quant.py), dequantising in registers.
 - `--kernels reference`, or a scheme or shape no kernel takes: the spec, dequantising on every call.
 
