@@ -67,6 +67,8 @@ POINTS = ("decode_b1", "decode_b16", "prefill_512")
 
 
 def _args(threads: int, workdir: str, llama_cpp) -> dict:
+    # the engine's sessions set their own thread count (cores / ranks) unless told: this process's and pmx_rss's too
+    os.environ["PMX_NUM_THREADS"] = str(threads)
     work = Path(workdir).expanduser()
     work.mkdir(parents=True, exist_ok=True)
     return dict(work=work, threads=threads, llama_cpp=llama_cpp or os.environ.get("PMX_LLAMA_CPP"), install=True)
@@ -187,14 +189,14 @@ def speed(models: str = "smollm2,q8_0,q4_0", points: str = ",".join(POINTS), pai
     a = _args(threads, workdir, llama_cpp)
     torch.set_num_threads(threads)
     report = _meta(a, "speed", pairs=pairs, tokens=tokens, models={})
-    for name in models.split(","):
+    for name in peers._csv(models):
         gguf = gguf_of(name, a)
         pmx = pmx_of(gguf, a)
         entry = report["models"][name] = {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
                                           "pmx_bytes": sum(f.stat().st_size for f in pmx.glob("*.safetensors")),
                                           "pmx_rss_mib": _pmx_rss(pmx, a), "llama_rss_mib": _llama_rss(a, gguf)}
         eng = peers.open_engine(str(pmx))
-        for point in points.split(","):
+        for point in peers._csv(points):
             entry[point] = _pair_up(f"{name} {point}", lambda: peers._point_rate(eng.generate, point, tokens),
                                     lambda: _llama_rate(a, gguf, point, tokens), pairs)
         eng.close()
@@ -202,7 +204,7 @@ def speed(models: str = "smollm2,q8_0,q4_0", points: str = ",".join(POINTS), pai
     print(f"\n{threads} threads, {pairs} pairs a point (the box was shared); tokens/s medians, pmx / llama.cpp ratio:")
     print("| model | point | pmx-runner | llama.cpp | ratio (median of pairs) |\n|---|---|---|---|---|")
     for name, entry in report["models"].items():
-        for point in points.split(","):
+        for point in peers._csv(points):
             e = entry[point]
             print(f"| {name} | {point} | {e['pmx_median']:.1f} | {e['llama_median']:.1f} | {e['ratio_median']:.3f} |")
     for name, entry in report["models"].items():

@@ -343,7 +343,7 @@ def test_smollm2_through_the_server_at_tp3(smol, tmp_path):
     try:
         r = srv.client.completions.create(model=srv.model, prompt=CAPITAL, max_tokens=8, temperature=0, logprobs=1)
         assert r.choices[0].logprobs.tokens == [tok.token_text(i) for i in want], r.choices[0].logprobs.tokens
-        assert r.choices[0].text == tok.decode(want)
+        assert r.choices[0].text == " Paris.\n\nThe answer is:"
         r = srv.client.chat.completions.create(model=srv.model, temperature=0, max_tokens=20, messages=[
             {"role": "user", "content": "What is the capital of France?"}])
         assert r.choices[0].message.content == "The capital of France is Paris." and r.usage.prompt_tokens == 37
