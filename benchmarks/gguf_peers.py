@@ -26,9 +26,8 @@ prompt: llama-bench -n TOKENS -d 8), decode_b16 (16 sequences, TOKENS / 2 tokens
 generation, /proc; llama.cpp: /usr/bin/time of one llama-bench run).
 
 `perplexity`: `llama-perplexity -c CTX` (chunks of CTX tokens, the second half of each scored) against `python -m
-runner perplexity --window CTX --stride CTX/2` on the same file and text (every token after the first scored once),
-and the same engine scoring exactly llama.cpp's tokens (its chunks) to tell the method's share of a difference from
-the engine's.
+runner perplexity --window CTX --scoring chunks` (the same recipe) on the same file and text; and `runner perplexity
+--window CTX --stride CTX/2` (sliding windows: every token after the first scored once), another recipe's number.
 
 `q4_1`: SmolLM2's Q4_1 linears kept exact (int4 in groups of 32 with offsets) or dequantised to float32 (what
 convert_gguf does for types it does not keep), each beside llama.cpp on the same file: batch-1 decode and 512-token
@@ -224,36 +223,12 @@ def _llama_perplexity(a: dict, gguf: Path, text: Path, ctx: int) -> dict:
             "log_tail": log.strip().splitlines()[-4:]}
 
 
-def _pmx_llama_scheme(pmx: Path, ids: list, ctx: int, chunks: int) -> float:
-    """Perplexity with llama-perplexity's scoring, on pmx-runner: chunk i = ids[i ctx, (i + 1) ctx), its tokens after
-    position ctx / 2 scored, ctx - 1 - ctx / 2 a chunk (the logits of positions ctx / 2 .. ctx - 2, each predicting the
-    next token: its perplexity.cpp, process_logits from `first`)."""
-    import math
-    import torch.nn.functional as F
-    from runner.config import EngineConfig
-    from runner.engine.session import open_session
-    sess = open_session(str(pmx), EngineConfig())
-    spans = [ids[i * ctx: (i + 1) * ctx] for i in range(chunks)]
-    nll = [0.0]
-
-    def add(i: int, first: int, logits) -> None:  # logits row r predicts position first + r + 1 of chunk i
-        for r in range(logits.shape[0]):
-            t = first + r + 1
-            if ctx // 2 < t < ctx:
-                nll[0] += float(F.cross_entropy(logits[r: r + 1].double(), logits.new_tensor([spans[i][t]]).long()))
-
-    sess.core.score(spans, add)
-    sess.close()
-    return math.exp(nll[0] / (chunks * (ctx - 1 - ctx // 2)))
-
-
 def perplexity(model: str = "smollm2", text: str = str(REPO / "tests" / "data" / "story.txt"), ctx: int = 128,
                threads: int = 2, json_path: str | None = None, workdir: str = str(WORK),
                llama_cpp: str | None = None) -> None:
     """llama-perplexity against `runner perplexity` on the same GGUF and text (see the module doc)."""
     import torch
     from runner.engine.perplexity import perplexity as runner_perplexity
-    from runner.engine.tokenizer import Tokenizer
     a = _args(threads, workdir, llama_cpp)
     torch.set_num_threads(threads)
     gguf = gguf_of(model, a)
@@ -262,14 +237,15 @@ def perplexity(model: str = "smollm2", text: str = str(REPO / "tests" / "data" /
     report["llama.cpp"] = lcpp = _llama_perplexity(a, gguf, Path(text), ctx)
     ours = runner_perplexity(str(pmx), text, window=ctx, stride=ctx // 2)
     report["pmx-runner"] = {k: ours[k] for k in ("perplexity", "tokens")}
-    ids = Tokenizer(str(pmx)).encode(Path(text).read_text())
-    report["pmx-runner, llama.cpp's chunks"] = same = _pmx_llama_scheme(pmx, ids, ctx, lcpp["chunks"])
+    same = runner_perplexity(str(pmx), text, window=ctx, scoring="chunks")
+    report["pmx-runner, llama.cpp's chunks"] = {k: same[k] for k in ("perplexity", "tokens")}
     report["ratio"] = ours["perplexity"] / lcpp["ppl"]
-    report["ratio, llama.cpp's chunks"] = same / lcpp["ppl"]
+    report["ratio, llama.cpp's chunks"] = same["perplexity"] / lcpp["ppl"]
     print(f"{model}, {text}, ctx {ctx}: llama-perplexity {lcpp['ppl']:.4f} +/- {lcpp['stderr']:.4f} "
-          f"({lcpp['chunks']} chunks); runner perplexity {ours['perplexity']:.4f} over {ours['tokens']} tokens "
-          f"(ratio {report['ratio']:.4f}); pmx-runner on llama.cpp's chunks {same:.4f} "
-          f"(ratio {same / lcpp['ppl']:.4f})")
+          f"({lcpp['chunks']} chunks); runner perplexity --scoring chunks {same['perplexity']:.4f} over "
+          f"{same['tokens']} tokens (ratio {same['perplexity'] / lcpp['ppl']:.4f}); runner perplexity (sliding "
+          f"windows, stride {ctx // 2}) {ours['perplexity']:.4f} over {ours['tokens']} tokens (ratio "
+          f"{report['ratio']:.4f})")
     _save(report, json_path, "perplexity")
 
 

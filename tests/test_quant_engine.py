@@ -16,7 +16,7 @@ from runner.config import EngineConfig
 from runner.engine.core import EngineCore
 from runner.engine.fused_decode import OneCallDecode
 from runner.engine.model import Transformer, random_shard
-from runner.engine.perplexity import evaluate, perplexity, windows
+from runner.engine.perplexity import chunks, evaluate, perplexity, windows
 from runner.engine.runners import Compiled, Stepper
 from runner.errors import PmxError
 from runner.kernels.linear import Linear
@@ -316,6 +316,15 @@ def test_perplexity_windows_and_values(tiny):
     with torch.no_grad():
         want = float(hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss)
     assert abs(evaluate(m, ids, 64, 32)["nll"] - want) < 1e-4
+    # llama-perplexity's chunks: whole chunks, the tokens after the middle scored, each chunk's first token BOS
+    assert list(chunks(20, 8)) == [(0, 8, 5), (8, 16, 13)]
+    got, nll = evaluate(m, ids, 16, 8, "chunks", bos=1), 0.0
+    with torch.no_grad():
+        for b in range(0, len(ids) - 15, 16):
+            chunk = [1] + ids[b + 1: b + 16]
+            logits = hf(torch.tensor([chunk])).logits[0]
+            nll += float(torch.nn.functional.cross_entropy(logits[8:15], torch.tensor(chunk[9:16]), reduction="sum"))
+    assert got["tokens"] == 3 * 7 and abs(got["nll"] - nll / 21) < 1e-4
 
 
 def test_perplexity_bad_input(tiny, tmp_path):
