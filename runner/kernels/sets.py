@@ -122,6 +122,7 @@ def kernel_set(kind: str, device: torch.device, dtype: torch.dtype) -> KernelSet
                        f"run with --kernels torch / reference") from None
     t = triton_ops
     return KernelSet("triton", t.skip_rms_norm, t.apply_rotary, t.swiglu, t.kv_store, torch_ops.kv_load,
-                     torch_ops.attend, t.rotary_kv_store, t.decode_attention, t.prefill_attention,
+                     torch_ops.attend, rotary_kv_store=t.rotary_kv_store, decode_attention=t.decode_attention,
+                     prefill_attention=t.prefill_attention,
                      decode_linear=t.decode_linear, decode_linear_rows=t.DECODE_LINEAR_ROWS,
                      quant_embedding=triton_quant.quant_embedding)
