@@ -937,7 +937,7 @@ def quant_ends(shape: str = "gqa", quant: str = "int8", pairs: int = 12, tokens:
     _summary(rates, ratios, "float_ends", "default")
 
 
-VERSION_POINTS = METRICS + ("mixed",)
+VERSION_POINTS = METRICS + ("decode_b4", "mixed")  # decode_b4: a few rows (the quantised kernels' row path)
 
 
 def _csv(x) -> list[str]:
@@ -977,7 +977,8 @@ def _own_model(tree: Path, label: str, n: int, a: dict, quant: str) -> Path:
 
 def versions(base: str, shape: str = "gqa", tp="1,2", quant="none,int8", pairs: int = 12, tokens: int = 64,
              threads: int = 2, metrics: str = ",".join(VERSION_POINTS), engine_options="{}",
-             json_path: str | None = None, workdir: str = str(CACHE / "peers"), own_models: bool = False) -> None:
+             json_path: str | None = None, workdir: str = str(CACHE / "peers"), own_models: bool = False,
+             model: str | None = None) -> None:
     """The code at `base` ("before") against this checkout ("after"), paired as tp_paired: for each shape, TP and
     weights, one job of each (the same model files and threads; TP=2: scripts/mpirun.sh -np 2, threads / 2 a rank)
     stays loaded and they take turns at every point, alternating who goes first. Prints, per point, the median of
@@ -993,11 +994,15 @@ def versions(base: str, shape: str = "gqa", tp="1,2", quant="none,int8", pairs: 
 
     With `own_models`, each tree runs the quantised model its own `runner convert --quantize Q` writes at its
     defaults (for a change of the quantised format or its defaults; the files' sizes are printed); float models are
-    shared as always.
+    shared as always. With `model` (a PMX directory, e.g. a GGUF's conversion), both trees run that model instead of
+    the shapes' (at TP = its shard count; --shape, --tp and --quant are not used).
     """
     before, after = Path(base).expanduser().resolve(), REPO
     shapes = list(SHAPES) if shape == "all" else _csv(shape)
     tps, quants, chosen = _csv(tp), _csv(quant), _csv(metrics)
+    if model is not None:  # one model of the caller's, at its shard count
+        own = json.loads((Path(model) / "pmx_params.json").read_text())
+        shapes, tps, quants = ["gqa"], [str(own.get("num_shards", 1))], ["none"]
     if set(shapes) - set(SHAPES) or not shapes or set(tps) - {"1", "2"} or not tps or \
             set(quants) - {"none", "int8", "int4", "bf16"} or not quants or set(chosen) - set(VERSION_POINTS) or not chosen:
         raise SystemExit(f"versions: --shape base|gqa|all, --tp some of 1,2, --quant some of none,int8,int4,bf16, "
@@ -1023,7 +1028,7 @@ def versions(base: str, shape: str = "gqa", tp="1,2", quant="none,int8", pairs: 
     t_all = time.time()
     for sh in shapes:
         work = Path(workdir).expanduser() / sh
-        if not (work / "hf" / "config.json").exists():
+        if model is None and not (work / "hf" / "config.json").exists():
             make_random_model(str(work / "hf"), **SHAPES[sh], overwrite=True)
         a = dict(work=work, hf=work / "hf")
         for n in map(int, tps):
@@ -1035,12 +1040,15 @@ def versions(base: str, shape: str = "gqa", tp="1,2", quant="none,int8", pairs: 
                         f"{k} {sum(f.stat().st_size for f in m.glob('model.*.safetensors')) / 1e6:.1f} MB"
                         for k, m in models.items()), flush=True)
                 else:
-                    models = dict.fromkeys(trees, _pmx_model(n, a, None if q == "none" else q))
+                    models = dict.fromkeys(trees, Path(model).resolve() if model is not None else
+                                           _pmx_model(n, a, None if q == "none" else q))
                 head = [REPO / "scripts" / "mpirun.sh", "-np", n] if n > 1 else []
                 cmds = {k: head + [sys.executable, SELF, "job_worker", "pmx", m, "--tokens", tokens,
                                    "--engine_options", json.dumps(opts)] for k, m in models.items()}
-                name = f"{sh} TP={n} {'fp32' if q == 'none' else q}"
-                rec = {"shape": {"name": sh, **SHAPES[sh]}, "tp": n, "quant": q,
+                name = f"{sh} TP={n} {'fp32' if q == 'none' else q}" if model is None else f"{model} TP={n}"
+                rec = {"shape": {"name": sh, **SHAPES[sh]} if model is None else {"name": str(model)}, "tp": n,
+                       "quant": q if model is None else (own.get("quantization") or {}).get("method", "float"),
+                       **({} if model is None else {"quantization": own.get("quantization")}),
                        "model": {k: str(m) for k, m in models.items()}, "threads_per_rank": per_rank, "jobs": {},
                        "loadavg": {"start": os.getloadavg()}}
 

@@ -35,4 +35,15 @@ def family_for(config: dict, source: str = "config.json") -> DecoderFamily:
     raise PmxError(f"{source}: unknown architecture {archs[0]!r}; supported: {', '.join(supported)}")
 
 
-__all__ = ["FAMILIES", "family_for", "DecoderFamily"]
+def family_for_gguf(architecture: str, experts: bool, source: str) -> DecoderFamily:
+    """The family of a GGUF file of llama.cpp's `general.architecture` (with MoE experts or not)."""
+    for fam in FAMILIES:
+        if fam.gguf_architecture == architecture and (fam.moe_module is not None) == experts:
+            return fam
+    supported = sorted({f"{f.gguf_architecture}{' with experts' if f.moe_module else ''}" for f in FAMILIES
+                        if f.gguf_architecture})
+    raise PmxError(f"{source}: GGUF architecture {architecture!r}{' with experts' if experts else ''} is not "
+                   f"supported; supported: {', '.join(supported)}")
+
+
+__all__ = ["FAMILIES", "family_for", "family_for_gguf", "DecoderFamily"]

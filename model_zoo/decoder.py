@@ -138,6 +138,9 @@ class DecoderFamily:
     qk_norm: bool = False                        # per-head RMSNorm of q and k (self_attn.q_norm / k_norm)
     moe_module: Optional[str] = None             # MoE: HF module of router `gate` and `experts.{e}.w1/w2/w3`
     ignored: tuple = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)  # known, unused HF buffers
+    gguf_architecture: Optional[str] = None      # general.architecture of this family's GGUF files (llama.cpp's)
+    gguf_rotate_half: bool = False               # the GGUF keeps q/k rows rotate-half (llama.cpp's NEOX rope), as HF;
+                                                 # else (llama) its converter permuted them to interleaved pairs
 
     def params(self, config: dict, dtype: str, source: str = "config.json", directory: Optional[Path] = None
                ) -> PmxParams:
@@ -197,6 +200,145 @@ class DecoderFamily:
     def tokenizer_extras(self, directory: Path, params: PmxParams) -> dict:
         """Files (name -> text) the PMX directory gets beside the tokenizer files copied from `directory`."""
         return {}
+
+    # -- GGUF files: the same params and tensors from llama.cpp's keys and names ----------------------------------
+    def gguf_config(self, meta: dict, tensors: dict, source: str, rope_factors: Optional[list] = None) -> dict:
+        """A transformers-style config (for :meth:`params`) from a GGUF file's metadata `meta` (key -> value),
+        tensor shapes `tensors` (name -> shape) and llama3 rope's frequency factors (`rope_freqs.weight`, where the
+        file has it); what this family cannot run is refused naming the key."""
+        a = self.gguf_architecture
+        keys = ConfigKeys({k[len(a) + 1:]: v for k, v in meta.items() if k.startswith(f"{a}.")}, source)
+        hidden, heads = keys.int("embedding_length"), keys.int("attention.head_count")
+        head_dim = keys.int("attention.key_length", hidden // heads)
+        for key, want in (("attention.value_length", head_dim), ("rope.dimension_count", head_dim)):
+            if keys.int(key, want) != want:
+                raise PmxError(f"{source}: {a}.{key} = {keys.config[key]} is not supported (head_dim {head_dim}: "
+                               f"values and rotary over whole heads)")
+        embd = tensors.get("token_embd.weight")
+        if embd is None:
+            raise PmxError(f"{source}: has no tensor 'token_embd.weight'")
+        experts = keys.int("expert_count", 0, minimum=0)
+        theta = keys.float("rope.freq_base", 10000.0)
+        config = {
+            "architectures": [self.architectures[0]], "hidden_size": hidden,
+            "intermediate_size": keys.int("feed_forward_length"), "num_hidden_layers": keys.int("block_count"),
+            "num_attention_heads": heads, "num_key_value_heads": keys.int("attention.head_count_kv", heads),
+            "head_dim": head_dim, "vocab_size": keys.int("vocab_size", embd[0]),
+            "rms_norm_eps": keys.float("attention.layer_norm_rms_epsilon"), "rope_theta": theta,
+            "rope_scaling": _gguf_rope(keys, a, rope_factors, theta, head_dim, source),
+            "max_position_embeddings": keys.int("context_length", 2048), "hidden_act": "silu",
+            "attention_bias": "blk.0.attn_q.bias" in tensors, "mlp_bias": "blk.0.ffn_gate.bias" in tensors,
+            "tie_word_embeddings": "output.weight" not in tensors,
+            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "pad_token_id": meta.get(
+                "tokenizer.ggml.padding_token_id"),
+        }
+        if experts:
+            config.update(num_local_experts=experts, num_experts_per_tok=keys.int("expert_used_count"))
+        return config
+
+    def gguf_sources(self, p: PmxParams) -> list[TensorSource]:
+        """:meth:`tensor_sources` with GGUF names (candidates: a tied lm head is `token_embd.weight`), q/k rows
+        un-permuted only where the GGUF keeps them rotate-half."""
+        return [TensorSource(src.pmx_name, gguf_names(src.pmx_name, p.num_experts > 0), src.shape,
+                             src.rotary_heads if self.gguf_rotate_half else 0) for src in self.tensor_sources(p)]
+
+
+GGUF_LAYER = {  # PMX module inside layers.{i} -> llama.cpp's tensor inside blk.{i}
+    "attention_norm": "attn_norm", "ffn_norm": "ffn_norm", "attention.wq": "attn_q", "attention.wk": "attn_k",
+    "attention.wv": "attn_v", "attention.wo": "attn_output", "attention.q_norm": "attn_q_norm",
+    "attention.k_norm": "attn_k_norm", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up",
+    "feed_forward.w2": "ffn_down", "feed_forward.gate": "ffn_gate_inp",
+}
+GGUF_EXPERTS = {"feed_forward.w1": "ffn_gate_exps", "feed_forward.w3": "ffn_up_exps", "feed_forward.w2": "ffn_down_exps"}
+GGUF_TOP = {"tok_embeddings.weight": ("token_embd.weight",), "output.weight": ("output.weight", "token_embd.weight"),
+            "norm.weight": ("output_norm.weight",)}
+GGUF_READ_INTO_PARAMS = ("rope_freqs.weight",)  # llama3 rope's frequency factors: read into rope_scaling
+
+
+def gguf_names(pmx_name: str, experts: bool) -> tuple:
+    """Candidate GGUF names of a PMX tensor (MoE experts: llama.cpp's stacked [E, out, in] tensors)."""
+    if pmx_name in GGUF_TOP:
+        return GGUF_TOP[pmx_name]
+    _, i, *rest = pmx_name.split(".")
+    module = ".".join(rest[:-1])
+    name = GGUF_EXPERTS[module] if experts and module in GGUF_EXPERTS else GGUF_LAYER[module]
+    return (f"blk.{i}.{name}.{rest[-1]}",)
+
+
+def _gguf_rope(keys: "ConfigKeys", arch: str, factors: Optional[list], theta: float, head_dim: int, source: str
+               ) -> Optional[dict]:
+    """rope_scaling (transformers' dict) of a GGUF: `rope.scaling.type` linear / yarn with its keys, or llama3's
+    frequency `factors` (`rope_freqs.weight`, which llama.cpp's converter computes from a llama3 rope_scaling) turned
+    back into that dict."""
+    kind = keys.config.get("rope.scaling.type", "none")
+    factor = keys.config.get("rope.scaling.factor", keys.config.get("rope.scale_linear"))
+    if factors is not None:
+        if kind not in ("none", None):
+            raise PmxError(f"{source}: both rope_freqs.weight and {arch}.rope.scaling.type {kind!r}; only one is "
+                           f"supported")
+        return llama3_rope_from_factors(factors, theta, head_dim, source)
+    if kind in ("none", None) and factor in (None, 1.0):
+        return None
+    if kind in ("none", None, "linear"):
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        out = {"rope_type": "yarn", "factor": keys.float("rope.scaling.factor"),
+               "original_max_position_embeddings": keys.int("rope.scaling.original_context_length")}
+        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            if key in keys.config:
+                out[name] = keys.float(key)
+        return out
+    raise PmxError(f"{source}: {arch}.rope.scaling.type {kind!r} is not supported (supported: none, linear, yarn, and "
+                   f"llama3's rope_freqs.weight)")
+
+
+def llama3_rope_from_factors(factors: list, theta: float, head_dim: int, source: str) -> Optional[dict]:
+    """The llama3 rope_scaling whose frequency factors (transformers' formula, which llama.cpp's converter writes as
+    rope_freqs.weight: 1 for short wavelengths, `factor` for long ones, a smooth step between) are `factors`.
+    low_freq_factor is taken as 1 (every Llama 3.x has it); high_freq_factor and the original context come from the
+    factors of the smooth step (4 and their context where the step has a single factor); any mismatch is refused."""
+    import math
+    f = [float(x) for x in factors]
+    if len(f) != head_dim // 2 or min(f) <= 0:
+        raise PmxError(f"{source}: rope_freqs.weight must hold {head_dim // 2} positive factors, got {len(f)}")
+    big = max(f)
+    if big <= 1 + 1e-6:
+        return None
+    wave = [2 * math.pi * theta ** (2 * i / head_dim) for i in range(head_dim // 2)]
+    smooth = [((1 / x - 1 / big) / (1 - 1 / big), w) for x, w in zip(f, wave) if 1 + 1e-4 < x < big * (1 - 1e-4)]
+    low = 1.0
+
+    def factors_of(high: float, ctx: float) -> list:
+        out = []
+        for w in wave:
+            if w < ctx / high:
+                out.append(1.0)
+            elif w > ctx / low:
+                out.append(big)
+            else:
+                s = (ctx / w - low) / (high - low)
+                out.append(1 / ((1 - s) / big + s))
+        return out
+
+    guesses = []  # (high_freq_factor, original context): s (high - 1) = ctx / w - 1 at each point of the step
+    if len(smooth) >= 2:
+        (s1, w1), (s2, w2) = smooth[0], smooth[-1]
+        den = s2 - s1 * w1 / w2
+        a = (w1 / w2 - 1) / den if den else 0.0
+        if a > 0:
+            guesses.append((a + 1, w1 * (s1 * a + 1)))
+    guesses += [(4.0, w * (s * 3 + 1)) for s, w in smooth[:1]]
+    if not smooth:  # no step between the two: any context above 4x the longest unscaled wavelength and below the
+        lo = 4 * max((w for x, w in zip(f, wave) if x <= 1 + 1e-4), default=0.0)  # shortest scaled one will do
+        hi = min((w for x, w in zip(f, wave) if x >= big * (1 - 1e-4)), default=math.inf)
+        guesses.append((4.0, 8192.0 if lo < 8192 < hi else (lo + min(hi, 2 * lo + 2)) / 2))
+    for high, ctx in guesses:
+        ctx = float(round(ctx))
+        if all(abs(a - b) <= 1e-4 * b for a, b in zip(factors_of(high, ctx), f)):
+            return {"rope_type": "llama3", "factor": big, "low_freq_factor": low,
+                    "high_freq_factor": round(high, 6), "original_max_position_embeddings": int(ctx)}
+    raise PmxError(f"{source}: rope_freqs.weight is not llama3's frequency factors for any high_freq_factor and "
+                   f"original context (with low_freq_factor 1); this rope is not supported")
 
 
 # --- families whose checkpoints are not in transformers' Llama naming -------------------------------------------------

@@ -30,7 +30,7 @@ from runner.onnx.replay import onnx_replay
 from runner.parallel.job import JobControl, describe
 from runner.pmx.convert import convert as pmx_convert
 from runner.pmx.convert import quantize_model, reshard
-from runner.pmx.quant import scheme_from_flags
+from runner.pmx.quant import scheme_from_flags, scheme_of
 from runner.pmx.random_model import make_random_model as write_random_model
 from runner.serve.server import serve
 
@@ -39,19 +39,21 @@ def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: 
             overwrite: Overwrite = False, progress: Progress = True, quantize: Optional[QuantMethod] = None,
             group_size: GroupSize = 128, quantize_output: Optional[QuantizeOutput] = None,
             quantize_embedding: Optional[QuantizeEmbedding] = None) -> None:
-    """Convert a HuggingFace checkpoint directory into a PMX directory.
+    """Convert a HuggingFace checkpoint directory or a GGUF file into a PMX directory.
 
     Args:
-        input_dir: HF directory with config.json and model.safetensors / sharded safetensors / pytorch_model.bin.
+        input_dir: HF directory with config.json and model.safetensors / sharded safetensors / pytorch_model.bin; or a
+            .gguf file (the first part of a split set), or a directory holding one.
         output_dir: PMX directory to create (pmx_params.json, model.XX.safetensors, tokenizer files).
         dtype: auto (the checkpoint's), float32, float16 or bfloat16.
         num_shards: split into this many tensor-parallel shards while converting.
     """
     quant = scheme_from_flags(quantize, group_size, quantize_output, quantize_embedding)
     p = pmx_convert(input_dir, output_dir, dtype=dtype, num_shards=num_shards, overwrite=overwrite, progress=progress,
-                 quant=quant)
+                    quant=quant, report=print)
+    q = scheme_of(p)
     print(f"converted {input_dir} ({p.architecture}, {p.num_layers} layers, {p.dtype}"
-          f"{', ' + quant.method + ' weights' if quant else ''}) -> {output_dir} "
+          f"{', ' + q.method + ' weights' if q else ''}) -> {output_dir} "
           f"({p.num_shards} shard{'s' if p.num_shards > 1 else ''})")
 
 

@@ -71,6 +71,49 @@ def test_scheme_flags_and_validation():
     assert QuantScheme.from_dict({"method": "int4", "group_size": 32}) == QuantScheme("int4", 32, False, False)
 
 
+def test_grouped_int8_offsets_and_per_weight_schemes():
+    """The schemes GGUF files bring: int8 in groups (a scale per group of input columns), int4 with an offset per group
+    (W = nibble x scale + offset), and one scheme covering a model that mixes them (`tensors`: the weights stored
+    otherwise, null for float); its pmx_params dict round-trips, and a scheme without them writes neither key."""
+    w = torch.randn(6, 64)
+    q, s = quantize_int8(w, 32)
+    assert s.shape == (6, 2) and torch.equal(dequantize(q, s, "int8"), (q.float().view(6, 2, 32) * s[..., None])
+                                             .view(6, 64))
+    from runner.pmx.quant import quantize_int4_offset, tensor_dtype
+    q, s, o = quantize_int4_offset(w, 32)
+    back = dequantize(q, s, "int4", offset=o)
+    assert o.shape == s.shape == (6, 2) and torch.equal(back.view(6, 2, 32).amin(-1), o)
+    assert float((back - w).abs().max()) <= float(s.max()) / 2 + 1e-6
+    with pytest.raises(PmxError, match="offsets are an int4"):
+        QuantScheme("int8", 32, offset=True)
+    q41, q80 = QuantScheme("int4", 32, offset=True), QuantScheme("int8", 32)
+    leaves = {f"layers.0.{m}": q41 for m in ("attention.wq", "attention.wk", "feed_forward.w2")}
+    leaves.update({"tok_embeddings": q80, "output": q80, "layers.0.attention.wv": None})
+    scheme = QuantScheme.of_tensors(leaves)
+    assert (scheme.method, scheme.group_size, scheme.offset) == ("int4", 32, True)
+    assert scheme.tensors == {"tok_embeddings": q80.leaf_dict(), "output": q80.leaf_dict(),
+                              "layers.0.attention.wv": None}
+    assert QuantScheme.from_dict(scheme.to_dict()) == scheme
+    assert scheme.for_tensor("layers.0.attention.wq.weight") == q41.leaf()
+    assert scheme.for_tensor("tok_embeddings.weight") == q80 and scheme.for_tensor("layers.0.attention.wv.weight") \
+        is None and scheme.for_tensor("norm.weight") is None
+    shapes = quantized_tensors(scheme, {"layers.0.attention.wq.weight": (8, 64), "layers.0.attention.wv.weight": (8, 64),
+                                        "tok_embeddings.weight": (10, 64)})
+    assert shapes == {"layers.0.attention.wq.qweight": (8, 32), "layers.0.attention.wq.scale": (8, 2),
+                      "layers.0.attention.wq.offset": (8, 2), "layers.0.attention.wv.weight": (8, 64),
+                      "tok_embeddings.qweight": (10, 64), "tok_embeddings.scale": (10, 2)}
+    p = PmxParams(model_type="llama", hidden_dim=64, intermediate_dim=64, num_layers=1, num_heads=4, num_kv_heads=4,
+                  head_dim=16, vocab_size=10, norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,
+                  dtype="float16", quantization=scheme.to_dict())
+    assert tensor_dtype(p, "tok_embeddings.qweight", torch.float16) == torch.int8
+    assert tensor_dtype(p, "layers.0.attention.wq.offset", torch.float16) == torch.float32
+    assert tensor_dtype(p, "layers.0.attention.wv.weight", torch.float16) == torch.float16
+    assert set(INT8.to_dict()) == {"method", "group_size", "quantize_output", "quantize_embedding"}
+    assert QuantScheme.of_tensors({"output": None, "layers.0.attention.wq": None}) is None
+    with pytest.raises(PmxError, match="not a weight that can be quantised"):
+        QuantScheme("int8", tensors={"norm": None})
+
+
 # --- convert, quantize, split, merge ---------------------------------------------------------------
 def linear_bytes(directory, kinds) -> int:
     rd = SafetensorsReader(directory / "model.00.safetensors")
@@ -212,7 +255,15 @@ def test_params_quantization_is_strict(make_hf, tmp_path):
     convert(str(src), str(tmp_path / "q"), progress=False, quant=INT8)
     path = tmp_path / "q" / "pmx_params.json"
     d = json.loads(path.read_text())
-    d["quantization"] = {"method": "int8", "group_size": 32}
-    path.write_text(json.dumps(d))
-    with pytest.raises(PmxError, match="group_size must be 0"):
-        PmxParams.load(tmp_path / "q")
+    for bad, msg in (({"method": "int8", "group_size": -32}, "group_size must be a non-negative integer"),
+                     ({"method": "int8", "offset": True}, "offsets are an int4"),
+                     ({"method": "int8", "tensors": {"layers.0.attention.wq": {"method": "int5"}}},
+                      "method must be one of")):
+        path.write_text(json.dumps({**d, "quantization": bad}))
+        with pytest.raises(PmxError, match=msg):
+            PmxParams.load(tmp_path / "q")
+    # a scheme that parses but does not match the tensors (int8 in groups of 32: scales [N, K/32], not [N]) is refused
+    # by name where the model is read
+    path.write_text(json.dumps({**d, "quantization": {**INT8.to_dict(), "group_size": 32}}))
+    with pytest.raises(PmxError, match=r"tensor .tok_embeddings.scale. is \[101\] unsplit, but .* gives \[101, 2\]"):
+        reshard(str(tmp_path / "q"), str(tmp_path / "q1"), 1, progress=False)

@@ -16,7 +16,7 @@ from runner.config import EngineConfig
 from runner.engine.core import EngineCore
 from runner.engine.fused_decode import OneCallDecode
 from runner.engine.model import Transformer, random_shard
-from runner.engine.perplexity import evaluate, perplexity, windows
+from runner.engine.perplexity import chunks, evaluate, perplexity, windows
 from runner.engine.runners import Compiled, Stepper
 from runner.errors import PmxError
 from runner.kernels.linear import Linear
@@ -48,27 +48,35 @@ def model_tol(method: str) -> float:
     return 2e-4 if method == "int4" else 1e-5
 
 
-def weight(method: str, n: int, k: int, group: int = 0, seed: int = 0) -> QuantWeight:
+def weight(method: str, n: int, k: int, group: int = 0, seed: int = 0, offset: bool = False) -> QuantWeight:
+    """A random weight quantised with the scheme (method, group[, offsets])."""
     g = torch.Generator().manual_seed(seed)
-    scheme = QuantScheme(method, group)
-    return QuantWeight(*quantize(torch.randn(n, k, generator=g) * 0.05, scheme), scheme)
+    scheme = QuantScheme(method, group, offset=offset)
+    q, s, *o = quantize(torch.randn(n, k, generator=g) * 0.05, scheme)
+    return QuantWeight(q, s, scheme, offset=o[0] if o else None)
 
 
 # --- kernels against the reference ------------------------------------------------------------------
+# (method, group, offsets): int4 groups of 2 take layout 0 on any CPU; int8 in groups and int4 with offsets are
+# GGUF's Q8_0 and Q4_1
+SCHEMES = [("int8", 0, False), ("int8", 32, False), ("int8", 8, False), ("int4", 32, False), ("int4", 8, False),
+           ("int4", 2, False), ("int4", 32, True), ("int4", 2, True)]
+
+
 def cpu_cases():
-    """(kernel, method, group, n, k); aten's int4 kernel only where it takes the shape (groups of 32..256, N a
-    multiple of 16: elsewhere the engine runs the reference)."""
-    schemes = [("int8", 0), ("int4", 32), ("int4", 8), ("int4", 2)]  # int4 groups of 2: layout 0 on any CPU
-    for kernel, (method, group), (n, k) in itertools.product(CPU_KERNELS, schemes,
-                                                              [(1, 64), (70, 96), (130, 256), (64, 128)]):
-        if kernel != "aten" or method == "int8" or aten_int4_takes(weight(method, n, k, group)):
-            yield kernel, method, group, n, k
+    """(kernel, method, group, offset, n, k); aten only where it takes the scheme and shape (per-channel int8;
+    symmetric int4 in groups of 32..256, N a multiple of 16: elsewhere the engine runs the reference)."""
+    for kernel, (method, group, offset), (n, k) in itertools.product(CPU_KERNELS, SCHEMES,
+                                                                      [(1, 64), (70, 96), (130, 256), (64, 128)]):
+        w = weight(method, n, k, group, offset=offset)
+        if kernel != "aten" or (method == "int8" and not group) or aten_int4_takes(w):
+            yield kernel, method, group, offset, n, k
 
 
-@pytest.mark.parametrize("kernel,method,group,n,k", list(cpu_cases()))
-def test_cpu_kernels_match_reference(kernel, method, group, n, k):
+@pytest.mark.parametrize("kernel,method,group,offset,n,k", list(cpu_cases()))
+def test_cpu_kernels_match_reference(kernel, method, group, offset, n, k):
     g = torch.Generator().manual_seed(n * 1000 + k)  # the same inputs in every run, whatever ran before
-    w = weight(method, n, k, group)
+    w = weight(method, n, k, group, offset=offset)
     bias = torch.randn(n, generator=g)
     lin = QuantLinear(w, bias, kernel=kernel)
     # Errors are measured against the size of the products each output sums, sum |x| |W| + |bias| (the forward error
@@ -101,7 +109,8 @@ def test_cpu_kernels_match_reference(kernel, method, group, n, k):
 @pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels cannot be built here (no compiler)")
 def test_cpu_kernel_under_torch_compile():
     """The compiled decode step calls the kernel as an op of its own (fake implementation for shapes)."""
-    lins = [QuantLinear(weight("int8", 100, 64), None), QuantLinear(weight("int4", 72, 64, 32, seed=1), None)]
+    lins = [QuantLinear(weight("int8", 100, 64), None), QuantLinear(weight("int4", 72, 64, 32, seed=1), None),
+            QuantLinear(weight("int8", 100, 64, 32), None), QuantLinear(weight("int4", 72, 64, 32, offset=True), None)]
     for lin in lins:
         torch._dynamo.reset()
         f = torch.compile(lin, fullgraph=True, dynamic=True)
@@ -110,23 +119,26 @@ def test_cpu_kernel_under_torch_compile():
             assert torch.equal(f(x), lin(x))
 
 
-@pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 16), ("int4", 32)])
+@pytest.mark.parametrize("method,group,offset", [("int8", 0, False), ("int4", 16, False), ("int4", 32, False),
+                                                 ("int8", 32, False), ("int8", 16, False), ("int4", 32, True),
+                                                 ("int4", 16, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_kernel_matches_reference(method, group, dtype):
+def test_triton_kernel_matches_reference(method, group, offset, dtype):
     """Runs compiled on CUDA, under the Triton interpreter on CPU (where the kernel multiplies bfloat16 tiles as
     float32 copies: the interpreter's own bfloat16 tl.dot is broken)."""
     triton_quant = pytest.importorskip("runner.kernels.triton_quant", reason="triton is not installed")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtypes = [dtype] + ([torch.bfloat16] if dtype == torch.float16 else [])
     for (m, n, k), dt in itertools.product([(1, 70, 64), (20, 33, 96)], dtypes):
-        w = weight(method, n, k, group)
-        w = QuantWeight(w.qweight.to(dev), w.scale.to(dev), w.scheme)
+        w = weight(method, n, k, group, offset=offset)
+        w = QuantWeight(w.qweight.to(dev), w.scale.to(dev), w.scheme, offset=None if w.offset is None else
+                        w.offset.to(dev))
         x = torch.randn(m, k, device=dev).to(dt)
-        got = triton_quant.quant_matmul(x, w.qweight, w.scale, method, group)
+        got = triton_quant.quant_matmul(x, w.qweight, w.scale, method, group, w.offset)
         want = reference_linear(x.float(), w)
         tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dt]  # bf16: 8 bits of mantissa
         assert got.dtype == dt and rel_err(got.float(), want) < tol
-    assert not triton_quant.takes_group(8)
+    assert not triton_quant.takes_group(QuantScheme("int4", 8)) and triton_quant.takes_group(QuantScheme("int8"))
 
 
 # --- the engine ----------------------------------------------------------------------------------
@@ -197,18 +209,21 @@ def test_random_quantized_shard_runs():
 
 
 # --- the quantised embedding ----------------------------------------------------------------------
-@pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 16), ("int4", 2)])
-def test_quantised_embedding_rows_are_the_dequantised_rows(method, group):
+@pytest.mark.parametrize("method,group,offset", [("int8", 0, False), ("int4", 16, False), ("int4", 2, False),
+                                                 ("int8", 32, False), ("int4", 32, True)])
+def test_quantised_embedding_rows_are_the_dequantised_rows(method, group, offset):
     """ParallelEmbedding on a QuantWeight gathers rows of the dequantised weight, bit for bit: by the spec on CPU and by
     the Triton kernel (compiled on CUDA, under the interpreter on CPU, which truncates to bfloat16 where GPUs round)."""
-    w = weight(method, 50, 64, group)
+    w = weight(method, 50, 64, group, offset=offset)
     ids = torch.tensor([[3, 49, 0], [7, 7, 12]])
     assert torch.equal(ParallelEmbedding(w, 64, SingleComm())(ids), w.dequantize()[ids])
     triton_quant = pytest.importorskip("runner.kernels.triton_quant", reason="triton is not installed")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    o = None if w.offset is None else w.offset.to(dev)
     for dt in (torch.float32, torch.float16, torch.bfloat16):
-        got = triton_quant.quant_embedding(ids.to(dev), w.qweight.to(dev), w.scale.to(dev), method, group, dt).cpu()
-        want = quant_embedding(ids, w.qweight, w.scale, method, group, dt)
+        got = triton_quant.quant_embedding(ids.to(dev), w.qweight.to(dev), w.scale.to(dev), method, group, dt,
+                                           o).cpu()
+        want = quant_embedding(ids, w.qweight, w.scale, method, group, dt, w.offset)
         assert got.shape == (2, 3, 64) and got.dtype == dt
         if dt == torch.bfloat16 and dev.type == "cpu":
             torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
@@ -301,6 +316,15 @@ def test_perplexity_windows_and_values(tiny):
     with torch.no_grad():
         want = float(hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss)
     assert abs(evaluate(m, ids, 64, 32)["nll"] - want) < 1e-4
+    # llama-perplexity's chunks: whole chunks, the tokens after the middle scored, each chunk's first token BOS
+    assert list(chunks(20, 8)) == [(0, 8, 5), (8, 16, 13)]
+    got, nll = evaluate(m, ids, 16, 8, "chunks", bos=1), 0.0
+    with torch.no_grad():
+        for b in range(0, len(ids) - 15, 16):
+            chunk = [1] + ids[b + 1: b + 16]
+            logits = hf(torch.tensor([chunk])).logits[0]
+            nll += float(torch.nn.functional.cross_entropy(logits[8:15], torch.tensor(chunk[9:16]), reduction="sum"))
+    assert got["tokens"] == 3 * 7 and abs(got["nll"] - nll / 21) < 1e-4
 
 
 def test_perplexity_bad_input(tiny, tmp_path):
@@ -328,14 +352,15 @@ def test_quantized_dump_and_replay(tiny, tmp_path):
 
 
 @pytest.mark.skipif(cpu_ops() is None, reason="this project's CPU extension could not be built here")
-@pytest.mark.parametrize("method,group", [("float32", 0), ("int8", 0), ("int4", 32), ("int4", 2)])
-@pytest.mark.parametrize("m", [3, CPU_KERNEL_MAX_ROWS + 8])
-def test_linear_into_writes_what_the_layer_returns(method, group, m):
-    """pmx_cpu.linear_into_ (sequence parallelism's GEMM into a shared-memory area) on a packed layer of any kind: the
-    bits the layer's own forward returns, at streaming and at prefill (dequantising) row counts; a wrong buffer is
-    refused by name."""
+@pytest.mark.parametrize("method,group,offset", [("float32", 0, False), ("int8", 0, False), ("int8", 32, False),
+                                                 ("int4", 32, False), ("int4", 2, False), ("int4", 32, True)])
+@pytest.mark.parametrize("m", [1, 3, 16, CPU_KERNEL_MAX_ROWS + 8])
+def test_linear_into_writes_what_the_layer_returns(method, group, offset, m):
+    """pmx_cpu.linear_into_ (sequence parallelism's GEMM into a shared-memory area, the one-call decode step's linears)
+    on a packed layer of any kind: the bits the layer's own forward returns, at streaming and at prefill
+    (dequantising) row counts; a wrong buffer is refused by name."""
     lin = Linear(torch.randn(130, 96) * 0.05, kernel="pmx") if method == "float32" else \
-        make_linear(weight(method, 130, 96, group))
+        make_linear(weight(method, 130, 96, group, offset=offset))
     args, x = packed_args(lin), torch.randn(m, 96)
     assert args is not None and args[2] == {"float32": 32, "int8": 8, "int4": 4}[method]
     out = torch.full((m, 130), float("nan"))

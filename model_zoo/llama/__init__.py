@@ -3,4 +3,5 @@ scaling kept as the HF dict, explicit head_dim honoured."""
 
 from model_zoo.decoder import DecoderFamily
 
-LLAMA = DecoderFamily(name="llama", architectures=("LlamaForCausalLM",))
+# GGUF: llama.cpp's "llama" files (Llama 1/2/3, Mistral, SmolLM, ...), q/k permuted to interleaved pairs by its converter
+LLAMA = DecoderFamily(name="llama", architectures=("LlamaForCausalLM",), gguf_architecture="llama")

@@ -5,5 +5,6 @@ top-k, renormalised); expert e's `w1` (gate), `w3` (up) and `w2` (down) are stac
 
 from model_zoo.decoder import DecoderFamily
 
+# GGUF: a "llama" file with experts (llama.cpp's ffn_{gate,up,down}_exps, already stacked [E, out, in])
 MIXTRAL = DecoderFamily(name="mixtral", architectures=("MixtralForCausalLM",), sliding_window_key="sliding_window",
-                        moe_module="block_sparse_moe")
+                        moe_module="block_sparse_moe", gguf_architecture="llama")

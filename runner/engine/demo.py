@@ -63,6 +63,7 @@ def generate(
     dump_steps: Optional[str] = None,
     dump_layers: bool = False,
     show_ids: bool = False,
+    chat: bool = False,
     progress: Progress = True,
     config: EngineConfig = EngineConfig(),
 ) -> None:
@@ -86,6 +87,8 @@ def generate(
             v, attention, o, ffn, residual), for `compare --per_layer`; those steps run on the eager runner (the
             one-call C++ decode step and CUDA graphs have no per-layer values).
         show_ids: also print the generated token ids.
+        chat: each prompt is one user message in the model's chat template (its tokenizer_config.json's
+            chat_template), and only the reply is printed.
     """
     if not dynamic_batching:
         raise PmxError("--dynamic_batching False (static batching) is not supported: this engine always batches "
@@ -113,7 +116,15 @@ def generate(
         texts = list(UNALIGNED_PROMPTS)
     else:
         texts = [DEFAULT_PROMPT if prompt is None else prompt]
-    prompts = [tok.encode(t) for t in texts]
+    if chat:
+        from runner.serve.chat import ChatTemplate
+        template = ChatTemplate.load(Path(tokenizer_path or ckpt_dir))
+        if template is None:
+            raise PmxError(f"{tokenizer_path or ckpt_dir}: --chat needs a chat_template in tokenizer_config.json (or a "
+                           f"chat_template.jinja); this model has none")
+        prompts = [template.encode(tok, template.render([{"role": "user", "content": t}])) for t in texts]
+    else:
+        prompts = [tok.encode(t) for t in texts]
     if seqlen_scale_up > 1:
         prompts = [p * seqlen_scale_up for p in prompts]
     n = batch or len(prompts)
@@ -137,8 +148,8 @@ def generate(
     dt = time.perf_counter() - t0
     if bar.shown and not sys.stderr.isatty():  # forwarded by a launcher, stderr's last bar line and this text may
         sess.log()                             # arrive in either order: keep the text off the bar's line
-    for pr, out in zip(prompts, outs):
-        sess.log(tok.decode(pr + out))
+    for text, pr, out in zip(texts * (len(prompts) // len(texts) + 1), prompts, outs):
+        sess.log(f"{text}\n-> {tok.decode(out)}" if chat else tok.decode(pr + out))
         if show_ids:
             sess.log(f"ids: {out}")
         sess.log("\n==================================\n")

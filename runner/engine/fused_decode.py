@@ -124,9 +124,12 @@ class OneCallDecode:
         self.vocab_size, self.layout, self.paged = model.params.vocab_size, model.config.cache_layout, model.config.paged
         emb = model.tok_embeddings.weight  # float32, or a QuantWeight dequantised as its rows are gathered
         quant = isinstance(emb, QuantWeight)
+        scale = None if not quant else emb.scale.float() if emb.offset is None else \
+            torch.stack((emb.scale.float(), emb.offset.float()))  # offsets ride with the scales (cpu_decode.cpp)
         self._model = torch.classes.pmx_cpu.DecodeModel(
-            embedding=(emb.qweight if quant else emb).contiguous(), embedding_scale=emb.scale.contiguous() if quant
-            else None, embedding_group=emb.scheme.group_size if quant else 0, layers=layers, norm=model.norm.weight,
+            embedding=(emb.qweight if quant else emb).contiguous(),
+            embedding_scale=None if scale is None else scale.contiguous(),
+            embedding_group=emb.scheme.group_size if quant else 0, layers=layers, norm=model.norm.weight,
             eps=model.norm.eps, output=_linear(model.output, "output"), dequant_above=CPU_KERNEL_MAX_ROWS,
             workspace=torch.empty(0, dtype=torch.uint8) if shm is None else shm.workspace, rank=comm.rank,
             world=comm.world_size, deadline_s=0.0 if shm is None else float(shm.deadline_s))

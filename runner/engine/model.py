@@ -23,11 +23,11 @@ from runner.engine.plan import StepPlan
 from runner.errors import PmxError
 from runner.kernels import reference as ref
 from runner.kernels.linear import Linear
-from runner.kernels.quant_linear import cat_weights, make_linear, pop_weight
+from runner.kernels.quant_linear import cat_weights, make_linear, pop_weight, stored_alike
 from runner.kernels.sets import KernelSet, Layers, kernel_set
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, SeqParallel
 from runner.pmx.params import PmxParams, shard_file
-from runner.pmx.quant import is_matrix_weight, is_quant_tensor, quantize, scheme_of, tensor_dtype
+from runner.pmx.quant import is_matrix_weight, is_quant_tensor, quant_parts, quantize, scheme_of, tensor_dtype
 from runner.pmx.schema import pmx_tensors
 from runner.pmx.shard import shard_shape
 from runner.pmx.store import SafetensorsReader
@@ -79,9 +79,9 @@ def random_shard(params: PmxParams, rank: int, device: torch.device, dtype: torc
         elif name.endswith(".bias"):
             out[name] = torch.zeros(shape, dtype=dtype, device=device)
         elif scheme is not None and scheme.quantizes(name):  # a quantised model: this rank's part, quantised
-            base = name[: -len(".weight")]
-            out[f"{base}.qweight"], out[f"{base}.scale"] = quantize(torch.randn(shape, generator=g, device=device)
-                                                                    * 0.02, scheme)
+            base, leaf = name[: -len(".weight")], scheme.for_tensor(name)
+            parts = quantize(torch.randn(shape, generator=g, device=device) * 0.02, leaf)
+            out.update({f"{base}.{part}": t for part, t in zip(quant_parts(leaf), parts)})
         else:
             out[name] = (torch.randn(shape, generator=g, device=device) * 0.02).to(
                 matrix_dtype if matrix_dtype is not None and is_matrix_weight(name) else dtype)
@@ -276,8 +276,9 @@ class MoE(nn.Module):
         """Each expert cut like a dense MLP (w1, w3 [E, F/n, D], w2 [E, D, F/n]), a plain linear each (the block
         all-reduces once, not per expert)."""
         def linears(ws):
-            return [make_linear(cat_weights(ws), None, prepack)] if fused_glu and len(ws) > 1 else \
-                [make_linear(wt, None, prepack) for wt in ws]
+            if fused_glu and len(ws) > 1 and stored_alike(ws):
+                return [make_linear(cat_weights(ws), None, prepack)]
+            return [make_linear(wt, None, prepack) for wt in ws]
         return cls(router, [FeedForward(linears([w1[e], w3[e]]), linears([w2[e]])[0], ops)
                             for e in range(w1.shape[0])], top_k, comm)
 
@@ -356,9 +357,9 @@ class Transformer(nn.Module):
 
         def linears(kind, names, bias_on, fuse=True, **kw):
             """The layers of the weights (and biases, when the model has them) of `names`, popped: one GEMM over
-            their concatenation when `fuse`, else one GEMM each."""
+            their concatenation when `fuse` (and they are stored alike), else one GEMM each."""
             ws, bs = [weight(n) for n in names], [w.pop(f"{n}.bias") for n in names] if bias_on else None
-            if fuse and len(ws) > 1:
+            if fuse and len(ws) > 1 and stored_alike(ws):
                 return [kind(cat_weights(ws), torch.cat(bs) if bs else None, comm, prepack=c.prepack, names=names,
                              **kw)]
             return [kind(wt, bt, comm, prepack=c.prepack, names=[nm], **kw)

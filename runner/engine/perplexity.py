@@ -4,7 +4,11 @@ The text is tokenized (BOS first) and cut into windows of `window` tokens that s
 tokens; each window is a prompt of its own, prefilled by the engine core's continuous batching (any rank count,
 any weights: float or quantised) with the logits of every position kept, and scores the tokens no earlier window
 scored, so every token after the first is predicted once, from up to `window - stride` tokens of context
-(transformers' perplexity recipe). Reports exp(mean negative log-likelihood) and the forward tokens/s.
+(transformers' perplexity recipe). With `--scoring chunks`, llama.cpp's `llama-perplexity` recipe instead: whole
+chunks of `window` tokens one after the other (a shorter rest left out), each scoring its tokens after its middle
+(positions window / 2 + 1 .. window - 1, each from the chunk's tokens before it), each chunk's first token BOS where
+the tokenizer adds one; the same number as llama-perplexity -c WINDOW on the same tokens. Reports exp(mean negative
+log-likelihood) and the forward tokens/s.
 """
 
 from __future__ import annotations
@@ -12,12 +16,12 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
 import torch.nn.functional as F
 
-from runner.args import CkptDir, PositiveInt, TokenizerPath
+from runner.args import CkptDir, OneOf, PositiveInt, TokenizerPath
 from runner.config import EngineConfig
 from runner.engine.session import open_session
 from runner.engine.tokenizer import Tokenizer
@@ -37,10 +41,19 @@ def windows(n: int, window: int, stride: int):
             break
 
 
-def evaluate(core, ids: list[int], window: int, stride: int) -> dict:
+def chunks(n: int, window: int):
+    """(begin, end, first) as :func:`windows`, of llama-perplexity's chunks: ids[i window, (i + 1) window) for every
+    whole chunk, its targets from position window / 2 + 1 on."""
+    for begin in range(0, n - window + 1, window):
+        yield begin, begin + window, begin + window // 2 + 1
+
+
+def evaluate(core, ids: list[int], window: int, stride: int, scoring: str = "sliding",
+             bos: Optional[int] = None) -> dict:
     """{"perplexity", "nll", "tokens" (scored), "forward_tokens", "seconds"} of `ids` under the engine core: every
-    window a prompt of its own, scored by continuous batching."""
-    spans = list(windows(len(ids), window, stride))
+    window (`scoring` sliding) or chunk (chunks: its first token `bos` where given) a prompt of its own, scored by
+    continuous batching."""
+    spans = list(windows(len(ids), window, stride) if scoring == "sliding" else chunks(len(ids), window))
     nll = [0.0]
 
     def add(i: int, first: int, logits: torch.Tensor) -> None:  # logits row r predicts position first + r + 1
@@ -51,7 +64,10 @@ def evaluate(core, ids: list[int], window: int, stride: int) -> dict:
             nll[0] += float(F.cross_entropy(logits[lo - first: hi - first], targets, reduction="sum"))
 
     t0 = time.perf_counter()
-    core.score([ids[b:e] for b, e, _ in spans], add)
+    prompts = [ids[b:e] for b, e, _ in spans]
+    if scoring == "chunks" and bos is not None:
+        prompts = [[bos] + p[1:] for p in prompts]
+    core.score(prompts, add)
     seconds = time.perf_counter() - t0
     scored = sum(e - f for _, e, f in spans)
     return {"perplexity": math.exp(nll[0] / scored), "nll": nll[0] / scored, "tokens": scored,
@@ -60,6 +76,7 @@ def evaluate(core, ids: list[int], window: int, stride: int) -> dict:
 
 def perplexity(ckpt_dir: CkptDir, text_file: str, tokenizer_path: TokenizerPath = None, window: PositiveInt = 256,
                stride: Optional[PositiveInt] = None, max_tokens: Optional[PositiveInt] = None,
+               scoring: Annotated[str, OneOf("sliding", "chunks")] = "sliding",
                config: EngineConfig = EngineConfig()) -> dict:
     """Perplexity (sliding window) and tokens/s of a PMX model, float or quantised, over a text file. Prints one
     line on rank 0 and returns the numbers.
@@ -69,6 +86,8 @@ def perplexity(ckpt_dir: CkptDir, text_file: str, tokenizer_path: TokenizerPath 
         window: tokens per forward pass (at most max_position_embeddings).
         stride: tokens between window starts (default window / 2); every token is scored once.
         max_tokens: use only the first max_tokens tokens of the text.
+        scoring: sliding (the windows above) or chunks (llama.cpp's llama-perplexity: whole chunks of `window`
+            tokens, the second half of each scored; stride unused).
     """
     params = PmxParams.load(Path(ckpt_dir))
     stride = window // 2 if stride is None else stride
@@ -87,13 +106,18 @@ def perplexity(ckpt_dir: CkptDir, text_file: str, tokenizer_path: TokenizerPath 
     ids = tok.encode(text)[:max_tokens]
     if len(ids) < 2:
         raise PmxError(f"{text_file}: too short, it holds {len(ids)} token(s); perplexity needs at least 2")
+    if scoring == "chunks" and len(ids) < window:
+        raise PmxError(f"{text_file}: holds {len(ids)} tokens, fewer than one chunk of --window {window} "
+                       f"(--scoring chunks scores whole chunks)")
     sess = open_session(ckpt_dir, config)
     sess.core.score([ids[: min(len(ids), 8)]], lambda *_: None)  # warm-up (kernel set-up) outside the timing
-    res = evaluate(sess.core, ids, window, stride)
+    bos = ids[0] if tok.bos_id is not None and ids[0] == tok.bos_id else None  # the tokenizer adds BOS
+    res = evaluate(sess.core, ids, window, stride, scoring, bos)
     quant = params.quantization["method"] if params.quantization else params.dtype
     if sess.is_main:
         print(f"perplexity {res['perplexity']:.4f} over {res['tokens']} tokens of {text_file} ({ckpt_dir}, {quant}, "
-              f"{sess.env.world_size} rank(s), window {window}, stride {stride}); {res['forward_tokens']} tokens "
+              f"{sess.env.world_size} rank(s), window {window}, "
+              f"{f'stride {stride}' if scoring == 'sliding' else 'chunks'}); {res['forward_tokens']} tokens "
               f"forward in {res['seconds']:.2f} s ({res['forward_tokens'] / res['seconds']:.1f} tokens/s)", flush=True)
     sess.close()
     return res

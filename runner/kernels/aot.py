@@ -113,16 +113,20 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
                 add(f"{tag} norm (no residual)", triton_ops.skip_rms_norm, x, None, x[0], 1e-5)
                 gate_up = torch.empty(T, 2 * m.intermediate, dtype=dt, device=META)
                 add(f"{tag} swiglu", triton_ops.swiglu, *gate_up.chunk(2, dim=-1))
-                for method, group in (("int8", 0), ("int4", 128), ("int4", 16)):
+                # int8 in groups of 32 and int4 with offsets: GGUF's Q8_0 and Q4_1
+                for method, group, offset in (("int8", 0, False), ("int4", 128, False), ("int4", 16, False),
+                                              ("int8", 32, False), ("int4", 32, True)):
                     qw = torch.empty(m.hidden, m.hidden // (2 if method == "int4" else 1), device=META,
                                      dtype=torch.uint8 if method == "int4" else torch.int8)
                     scale = torch.empty((m.hidden, m.hidden // group) if group else (m.hidden,), device=META)
-                    add(f"{tag} {method} g{group} linear, {T} rows", triton_quant.quant_matmul, x, qw, scale,
-                        method, group)
+                    off = scale if offset else None
+                    kind = f"{method} g{group}{' offsets' if offset else ''}"
+                    add(f"{tag} {kind} linear, {T} rows", triton_quant.quant_matmul, x, qw, scale, method, group, off)
                     ids = torch.empty(T, dtype=torch.int64, device=META)
                     emb = torch.empty(32000, qw.shape[1], dtype=qw.dtype, device=META)
-                    add(f"{tag} {method} g{group} embedding, {T} rows", triton_quant.quant_embedding, ids, emb,
-                        torch.empty((32000, m.hidden // group) if group else (32000,), device=META), method, group, dt)
+                    es = torch.empty((32000, m.hidden // group) if group else (32000,), device=META)
+                    add(f"{tag} {kind} embedding, {T} rows", triton_quant.quant_embedding, ids, emb, es, method, group,
+                        dt, es if offset else None)
             rows = triton_ops.DECODE_LINEAR_ROWS   # the decode linears: qkv, o, gate/up, down, output head
             for n, k, swiglu, bias in (((H + 2 * KV) * D, m.hidden, False, True), (m.hidden, H * D, False, False),
                                        (2 * m.intermediate, m.hidden, False, False),

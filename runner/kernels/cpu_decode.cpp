@@ -25,7 +25,7 @@
 namespace {
 
 // A linear layer on a packed weight (kind 32 float32, 16 bfloat16 / float16, 8 int8, 4 int4; scale empty for the float
-// kinds) and its bias.
+// kinds; cpu_kernels.h's PackedLinear) and its bias.
 // `reduced`: row-parallel, its partial sums all-reduced before the bias is added (once, as RowParallelLinear does).
 struct Linear : torch::CustomClassHolder {
   at::Tensor weight, scale, bias;  // held: p and b point into them
@@ -90,12 +90,15 @@ struct Layer : torch::CustomClassHolder {
 };
 
 // This rank's columns of the token embedding, [V, Dn] (Dn = hidden / ranks), and one row of it widened or dequantised
-// as it is gathered: float32; bfloat16 or float16; int8 with a scale per row (scale [V], the full row's); int4 bytes [V, Dn / 2] (column 2j in the
-// low nibble, 2j+1 in the high one, the value nibble - 8) with a scale per group of `group` columns (scale
-// [V, Dn / group]). Each value is float(q) * scale, as runner.pmx.quant.dequantize computes it.
+// as it is gathered: float32; bfloat16 or float16; int8 with a scale per row (scale [V], the full row's) or, group > 0,
+// per group of `group` columns (scale [V, Dn / group]); int4 bytes [V, Dn / 2] (column 2j in the low nibble, 2j+1 in
+// the high one, the value nibble - 8) with a scale per group of `group` columns (scale [V, Dn / group]), or with
+// offsets (scale [2, V, Dn / group]: the scales, then the offsets; the value nibble * scale + offset). Each value is
+// computed as runner.pmx.quant.dequantize does.
 struct Embedding {
   at::Tensor weight, scale;
   int64_t kind = 32, group = 0, V = 0, Dn = 0;
+  const float* offsets = nullptr;  // int4 with offsets: [V, Dn / group]
 
   Embedding(at::Tensor w, at::Tensor s, int64_t group_) : weight(std::move(w)), scale(std::move(s)), group(group_) {
     TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "DecodeModel: embedding must be a contiguous matrix");
@@ -109,10 +112,14 @@ struct Embedding {
     const auto scale_ok = [&](std::vector<int64_t> shape) {
       return scale.defined() && scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.sizes() == shape;
     };
-    TORCH_CHECK(kind == 32 || kind == 16 ? !scale.defined() : kind == 8 ? scale_ok({V}) :
-                    group > 0 && Dn % group == 0 && scale_ok({V, Dn / (group > 0 ? group : 1)}),
+    const int64_t groups = Dn / (group > 0 ? group : 1);
+    const bool grouped = group > 0 && Dn % group == 0 && scale_ok({V, groups});
+    const bool with_offsets = kind == 4 && group > 0 && Dn % group == 0 && scale_ok({2, V, groups});
+    TORCH_CHECK(kind == 32 || kind == 16 ? !scale.defined() : kind == 8 ? (group == 0 ? scale_ok({V}) : grouped) :
+                    grouped || with_offsets,
                 "DecodeModel: embedding scale must be absent (float), float32 [V] (int8) or float32 [V, columns / ",
-                "group] (int4, group > 0 dividing the columns)");
+                "group] (int8 in groups, int4; [2, V, columns / group] for int4 with offsets)");
+    if (with_offsets) offsets = scale.data_ptr<float>() + V * groups;
   }
 
   void row(int64_t t, float* out) const {
@@ -124,10 +131,22 @@ struct Embedding {
     } else if (kind == 16) {
       const at::Half* q = weight.data_ptr<at::Half>() + t * Dn;
       for (int64_t d = 0; d < Dn; ++d) out[d] = static_cast<float>(q[d]);
+    } else if (kind == 8 && group > 0) {
+      const int8_t* q = weight.data_ptr<int8_t>() + t * Dn;
+      const float* s = scale.data_ptr<float>() + t * (Dn / group);
+      for (int64_t d = 0; d < Dn; ++d) out[d] = static_cast<float>(q[d]) * s[d / group];
     } else if (kind == 8) {
       const int8_t* q = weight.data_ptr<int8_t>() + t * Dn;
       const float s = scale.data_ptr<float>()[t];
       for (int64_t d = 0; d < Dn; ++d) out[d] = static_cast<float>(q[d]) * s;
+    } else if (offsets) {
+      const uint8_t* q = weight.data_ptr<uint8_t>() + t * (Dn / 2);
+      const float* s = scale.data_ptr<float>() + t * (Dn / group);
+      const float* o = offsets + t * (Dn / group);
+      for (int64_t j = 0; j < Dn / 2; ++j) {
+        out[2 * j] = static_cast<float>(q[j] & 15) * s[2 * j / group] + o[2 * j / group];
+        out[2 * j + 1] = static_cast<float>(q[j] >> 4) * s[(2 * j + 1) / group] + o[(2 * j + 1) / group];
+      }
     } else {
       const uint8_t* q = weight.data_ptr<uint8_t>() + t * (Dn / 2);
       const float* s = scale.data_ptr<float>() + t * (Dn / group);

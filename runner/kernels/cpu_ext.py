@@ -97,6 +97,7 @@ def cpu_ops():
     torch.library.register_fake("pmx_cpu::linear_f32")(lambda x, w, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::linear_int8")(lambda x, w, s, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::linear_int4")(lambda x, w, s, g, n: x.new_empty(x.shape[0], n))
+    torch.library.register_fake("pmx_cpu::linear_int8_group")(lambda x, w, s, g, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::linear_dequant")(lambda x, w, s, m, g, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::decode_attention")(lambda q, cache, kv_scale, layout, layer, rows, kvlens,
                                                              window, scale, page_size=0, alibi=None:

@@ -52,12 +52,15 @@ void block_panel_f32(const float* x, int64_t M, int64_t K, const float* block, f
                      int64_t ncols);
 
 // The packed weight of a linear layer: kind 32 float32 blocks [N/64, K, 64]; kind 16 bfloat16 or float16 blocks [N/64,
-// K, 64] (`half` says which); kind 8 int8 blocks [N/64, K, 64] with a float32 scale per channel [N]; kind 4 int4
-// blocks in the layout int4_layout(group) gives, scales [K/G, N/64*64]. cpu_linear.cpp's packing code
+// K, 64] (`half` says which); kind 8 int8 blocks [N/64, K, 64] with a float32 scale per channel [N] (group 0) or per
+// group of `group` input columns [K/G, N/64*64]; kind 4 int4 blocks in the layout int4_layout(group) gives, scales
+// [K/G, N/64*64]. Where int4 has offsets (w = nibble * scale + offset, GGUF's Q4_1) the scale tensor is
+// [2, K/G, N/64*64]: the scales, then the offsets. cpu_linear.cpp's packing code
 // (runner/kernels/cpu_ext.py, quant_linear.py) writes them.
 struct PackedLinear {
   const void* w = nullptr;
   const float* scale = nullptr;
+  const float* offset = nullptr;  // int4 with offsets: [K/G, N/64*64], else null
   int64_t kind = 32, group = 0, n = 0, k = 0, blocks = 0;
   FloatWeight half = FloatWeight::bf16;  // kind 16: bf16 or f16
 };
@@ -68,7 +71,8 @@ PackedLinear packed_linear(const at::Tensor& w, const at::Tensor& scale, int64_t
                            const std::string& what);
 
 // y [M, N] = x [M, K] W^T, with what the linear op of the layer's kind runs at M rows: linear_f32 (float kinds) /
-// linear_int8 / linear_int4, and for the quantised kinds above `dequant_above` rows linear_dequant (prefill sizes).
+// linear_int8 / linear_int8_group / linear_int4, and for the quantised kinds above `dequant_above` rows linear_dequant
+// (prefill sizes).
 void linear_into(const PackedLinear& lin, const float* x, int64_t M, float* y, int64_t dequant_above);
 
 int64_t int4_layout(int64_t group_size);

@@ -9,8 +9,10 @@
 // multiplies it into the accumulators of up to MR rows of x at once (x broadcast: no horizontal sums). Nothing
 // is dequantised into memory. Prefill on quantised weights dequantises each block once into a float32 buffer and
 // runs the float32 GEMM's tiles on it (cpu_gemm.cpp).
-// int8: the per-channel scale is applied once at the end. int4 (symmetric, nibble = q + 8, groups of G
-// along k): per group, acc += scale[g, n] * (sum_k x[m, k] * nibble[n, k] - 8 * sum_k x[m, k]).
+// int8: the per-channel scale is applied once at the end; int8 in groups of G along k (GGUF's Q8_0): per group,
+// acc += scale[g, n] * sum_k x[m, k] * q[n, k]. int4 (symmetric, nibble = q + 8, groups of G along k): per group,
+// acc += scale[g, n] * (sum_k x[m, k] * nibble[n, k] - 8 * sum_k x[m, k]); with offsets (GGUF's Q4_1),
+// acc += scale[g, n] * sum_k x[m, k] * nibble[n, k] + offset[g, n] * sum_k x[m, k].
 // Written with GCC vector extensions (-march=native: AVX-512 / AVX2 / SSE as the machine has); the widening
 // int8 -> float conversions use intrinsics where available, as GCC 12 does not vectorise them itself.
 // Where the CPU has AVX512-VNNI, int4 multiplies nibbles by x quantised to two int8 parts per group instead
@@ -81,6 +83,15 @@ inline v16f cvt_u8(v16u b) {
   __m128i v;
   std::memcpy(&v, &b, 16);
   return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+#elif defined(__AVX2__)  // from the register, not through memory (a store and two reloads per 16 values)
+  __m128i v;
+  std::memcpy(&v, &b, 16);
+  v16f r;
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+  std::memcpy(&r, &lo, 32);
+  std::memcpy((char*)&r + 32, &hi, 32);
+  return r;
 #else
   int8_t t[16];
   std::memcpy(t, &b, 16);
@@ -122,10 +133,10 @@ inline void block_int8(const float* x, int64_t K, const int8_t* w, float* out, i
 }
 
 // int4: w points at one block [K, 32] of bytes (byte j: channel j in the low nibble, j + 32 in the high one),
-// scale at [K / G, Npad] (this block's column 0), xsum at [M, K / G] (this pass's row 0).
-template <int MR>
+// scale (and with OFFSET offs) at [K / G, Npad] (this block's column 0), xsum at [M, K / G] (this pass's row 0).
+template <int MR, bool OFFSET = false>
 inline void block_int4(const float* x, int64_t K, const uint8_t* w, int64_t G, const float* scale, int64_t lds,
-                       const float* xsum, float* out, int64_t ldo, int64_t ncols) {
+                       const float* xsum, float* out, int64_t ldo, int64_t ncols, const float* offs = nullptr) {
   float acc[MR][NB] = {};
   const int64_t groups = K / G;
   for (int64_t g = 0; g < groups; ++g) {
@@ -140,10 +151,13 @@ inline void block_int4(const float* x, int64_t K, const uint8_t* w, int64_t G, c
     }
     const float* s = scale + g * lds;
     for (int m = 0; m < MR; ++m) {
-      const float off = 8.0f * xsum[m * groups + g];
+      const float xs = xsum[m * groups + g], off = 8.0f * xs;
       for (int j = 0; j < 4; ++j) {
         v16f sv = load<v16f>(s + 16 * j), cur = load<v16f>(&acc[m][16 * j]);
-        cur += sv * (a[m][j] - off);
+        if constexpr (OFFSET)
+          cur += sv * a[m][j] + load<v16f>(offs + g * lds + 16 * j) * xs;
+        else
+          cur += sv * (a[m][j] - off);
         std::memcpy(&acc[m][16 * j], &cur, sizeof(cur));
       }
     }
@@ -151,6 +165,102 @@ inline void block_int4(const float* x, int64_t K, const uint8_t* w, int64_t G, c
   for (int m = 0; m < MR; ++m)
     for (int64_t j = 0; j < ncols; ++j) out[m * ldo + j] = acc[m][j];
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define PMX_AVX2_ROWS 1
+// AVX2 (16 registers of 8 floats): the generic kernels above hold MR x 4 vectors of 16 floats, which GCC lowers
+// through the stack here (per-channel int8, 2816 x 1024, one row of x: 2.4 ms a call on one Zen 3 core, 1.2 GMAC/s).
+// These take the int8 and int4 weights one row of x at a time, the block's 64 channels in 8 registers, each k's
+// weights converted once (the same call: 0.51 ms; int4 in groups of 32: 3.8 -> 0.30 ms).
+namespace avx2 {
+
+constexpr int64_t PF_BYTES = 8192;  // prefetched ahead of the weight stream, as the generic kernels'
+
+// Up to this many rows of x the row kernels below run; above, each block is dequantised once and the float GEMM's
+// tiles run on it (dequant_into), whatever the caller's dequant_above: one row at a time converts every weight once
+// per row, and from 4 rows on the dequantised GEMM took less time (1536..5632 x 576..2816 weights, every scheme:
+// dequant / rows time at 3 rows 1.11, 4 rows 0.90, 6 rows 0.60, medians on one Zen 3 core).
+constexpr int64_t ROWS_MAX = 3;
+
+inline __m256 low8(__m128i b, bool is_signed) {  // the first 8 bytes of b as floats
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+// a[i] (channels 8i .. 8i + 7 of the block) += sum_{k0 <= k < k1} x[k] * W[k][8i ..]: KIND 8 int8 rows of 64 bytes,
+// KIND 4 int4 rows of 32 bytes (byte j: channel j in the low nibble, j + 32 in the high one).
+template <int KIND>
+inline void dot_rows(const float* x, const void* w, int64_t k0, int64_t k1, __m256 (&a)[8]) {
+  const __m128i nib = _mm_set1_epi8(15);
+  for (int64_t k = k0; k < k1; ++k) {
+    const __m256 xb = _mm256_broadcast_ss(x + k);
+    if constexpr (KIND == 8) {
+      const int8_t* wk = static_cast<const int8_t*>(w) + k * NB;
+      _mm_prefetch((const char*)wk + PF_BYTES, _MM_HINT_T0);
+      for (int i = 0; i < 4; ++i) {
+        const __m128i b = _mm_loadu_si128((const __m128i*)(wk + 16 * i));
+        a[2 * i] = _mm256_fmadd_ps(low8(b, true), xb, a[2 * i]);
+        a[2 * i + 1] = _mm256_fmadd_ps(low8(_mm_srli_si128(b, 8), true), xb, a[2 * i + 1]);
+      }
+    } else {
+      const uint8_t* wk = static_cast<const uint8_t*>(w) + k * (NB / 2);
+      if (k % 2 == 0) _mm_prefetch((const char*)wk + PF_BYTES, _MM_HINT_T0);
+      for (int i = 0; i < 2; ++i) {  // bytes 16i ..: channels 16i .. (low nibbles), 32 + 16i .. (high)
+        const __m128i b = _mm_loadu_si128((const __m128i*)(wk + 16 * i));
+        const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+        a[2 * i] = _mm256_fmadd_ps(low8(lo, false), xb, a[2 * i]);
+        a[2 * i + 1] = _mm256_fmadd_ps(low8(_mm_srli_si128(lo, 8), false), xb, a[2 * i + 1]);
+        a[4 + 2 * i] = _mm256_fmadd_ps(low8(hi, false), xb, a[4 + 2 * i]);
+        a[5 + 2 * i] = _mm256_fmadd_ps(low8(_mm_srli_si128(hi, 8), false), xb, a[5 + 2 * i]);
+      }
+    }
+  }
+}
+
+inline void store_cols(const float* v, float* out, int64_t ncols) {
+  std::memcpy(out, v, ncols * sizeof(float));
+}
+
+// One row of x against a block of per-channel int8: out[j] = scale[j] sum_k x[k] W[k][j].
+inline void block_int8(const float* x, int64_t K, const int8_t* w, const float* scale, float* out, int64_t ncols) {
+  __m256 a[8];
+  for (auto& v : a) v = _mm256_setzero_ps();
+  dot_rows<8>(x, w, 0, K, a);
+  alignas(32) float r[NB];
+  float s[NB] = {};
+  std::memcpy(s, scale, ncols * sizeof(float));
+  for (int i = 0; i < 8; ++i) _mm256_store_ps(r + 8 * i, _mm256_mul_ps(a[i], _mm256_loadu_ps(s + 8 * i)));
+  store_cols(r, out, ncols);
+}
+
+// One row of x against a block of weights in groups of G along k: KIND 8 int8 (acc += scale sum), KIND 4 int4
+// (acc += scale (sum - 8 xsum), or with offsets acc += scale sum + offset xsum); scale / offs at [K/G, lds] (this
+// block's column 0), xsum the row's sums of x per group.
+template <int KIND>
+inline void block_grouped(const float* x, int64_t K, const void* w, int64_t G, const float* scale, int64_t lds,
+                          const float* offs, const float* xsum, float* out, int64_t ncols) {
+  alignas(32) float tot[NB] = {};
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m256 a[8];
+    for (auto& v : a) v = _mm256_setzero_ps();
+    dot_rows<KIND>(x, w, g * G, (g + 1) * G, a);
+    const float* s = scale + g * lds;
+    const __m256 xs = _mm256_set1_ps(KIND == 4 ? xsum[g] : 0.0f);
+    for (int i = 0; i < 8; ++i) {
+      __m256 t = _mm256_load_ps(tot + 8 * i), sv = _mm256_loadu_ps(s + 8 * i);
+      if (KIND == 4 && offs)
+        t = _mm256_fmadd_ps(_mm256_loadu_ps(offs + g * lds + 8 * i), xs, _mm256_fmadd_ps(sv, a[i], t));
+      else if (KIND == 4)
+        t = _mm256_fmadd_ps(sv, _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), xs, a[i]), t);
+      else
+        t = _mm256_fmadd_ps(sv, a[i], t);
+      _mm256_store_ps(tot + 8 * i, t);
+    }
+  }
+  store_cols(tot, out, ncols);
+}
+
+}  // namespace avx2
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PMX_NO_VNNI)
 // int4 with AVX512-VNNI integer dot products (layout 1). x is quantised per row and group into two int8 parts,
@@ -166,9 +276,11 @@ constexpr int64_t VNNI_MAX_GROUP = 2048;
 constexpr int MR_VNNI = 3;
 constexpr int64_t PF_INT4 = 128;  // rows of 64 bytes (8 KiB) prefetched ahead, as PF_F32: 15-25% faster at batch 1
 
-template <int MR>
+// With OFFSET, off is 0 (no -8) and offs [K/G, Npad] times the float sums of x per group (xsum [M][K/G]) is added.
+template <int MR, bool OFFSET = false>
 inline void block_int4_vnni(const int8_t* q, int64_t ldq, int64_t K, const uint8_t* w, int64_t G, const float* scale,
-                            int64_t lds, const float* xs, const int32_t* off, float* out, int64_t ldo, int64_t ncols) {
+                            int64_t lds, const float* xs, const int32_t* off, float* out, int64_t ldo, int64_t ncols,
+                            const float* offs = nullptr, const float* xsum = nullptr) {
   float acc[MR][NB] = {};
   const int64_t groups = K / G;
   const __m512i nib = _mm512_set1_epi8(0x0F);
@@ -197,7 +309,9 @@ inline void block_int4_vnni(const int8_t* q, int64_t ldq, int64_t K, const uint8
       const __m512 sx = _mm512_set1_ps(xs[m * groups + g]);
       for (int i = 0; i < 4; ++i) {
         const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a[m][0][i], 8), a[m][1][i]), o);
-        const __m512 cur = _mm512_loadu_ps(&acc[m][16 * i]);
+        __m512 cur = _mm512_loadu_ps(&acc[m][16 * i]);
+        if constexpr (OFFSET)
+          cur = _mm512_fmadd_ps(_mm512_loadu_ps(offs + g * lds + 16 * i), _mm512_set1_ps(xsum[m * groups + g]), cur);
         _mm512_storeu_ps(&acc[m][16 * i],
                          _mm512_fmadd_ps(_mm512_loadu_ps(s + 16 * i), _mm512_mul_ps(_mm512_cvtepi32_ps(d), sx), cur));
       }
@@ -291,8 +405,20 @@ void check_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scal
               "int8: packed weight must be int8 and scale float32 [N]");
 }
 
+void dequant_into(const float* xp, int64_t M, int64_t K, const void* w, const float* sp, int64_t method, int64_t G,
+                  int64_t blocks, int64_t N, float* op, const float* offs = nullptr);
+
 void int8_into(const float* xp, int64_t M, int64_t K, const int8_t* wp, const float* sp, int64_t blocks, int64_t N,
                float* op) {
+#ifdef PMX_AVX2_ROWS
+  if (M > avx2::ROWS_MAX) return dequant_into(xp, M, K, wp, sp, 8, 0, blocks, N, op);
+  for_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t m = 0; m < M; ++m)
+        avx2::block_int8(xp + m * K, K, wp + b * K * NB, sp + b * NB, op + m * N + b * NB, std::min(NB, N - b * NB));
+  });
+  return;
+#endif
   for_blocks(blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
@@ -313,6 +439,16 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return out;
 }
 
+// Scales per group (pack_group_scales): contiguous float32 [groups, cols], or with offsets (where `offsets` may be)
+// [2, groups, cols].
+void check_group_scales(const at::Tensor& scale, int64_t groups, int64_t cols, bool offsets, const char* what) {
+  const bool plain = scale.dim() == 2 && scale.size(0) == groups && scale.size(1) == cols;
+  const bool with_offsets = offsets && scale.dim() == 3 && scale.size(0) == 2 && scale.size(1) == groups &&
+                            scale.size(2) == cols;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && (plain || with_offsets), what,
+              ": scale must be contiguous float32 [K/G, N/64*64]", offsets ? " (or [2, K/G, N/64*64] with offsets)" : "");
+}
+
 // Checks the arguments of an int4 kernel and returns the layout of its packed weight.
 int64_t check_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t G, int64_t N) {
   const int64_t K = x.size(1);
@@ -323,28 +459,45 @@ int64_t check_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
                   w.size(2) == NB * rows_per_k / 2 && w.size(0) * NB >= N && (w.size(0) - 1) * NB < N,
               "int4: packed weight must be contiguous uint8 [N/64, K/", rows_per_k, ", ", NB * rows_per_k / 2,
               "] (layout ", layout, ")");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == K / G &&
-                  scale.size(1) == w.size(0) * NB && scale.is_contiguous(),
-              "int4: scale must be contiguous float32 [K/G, N/64*64]");
+  check_group_scales(scale, K / G, w.size(0) * NB, true, "int4");
   return layout;
 }
 
+// The offsets of an int4 scale tensor [2, K/G, Npad] (the scales, then the offsets), null for [K/G, Npad].
+const float* group_offsets(const at::Tensor& scale) {
+  return scale.dim() == 3 ? scale.data_ptr<float>() + scale.size(1) * scale.size(2) : nullptr;
+}
+
 void int4_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, const float* sp, int64_t G, int64_t blocks,
-               int64_t N, float* op) {
+               int64_t N, float* op, const float* offs = nullptr) {
+#ifdef PMX_AVX2_ROWS
+  if (M > avx2::ROWS_MAX) return dequant_into(xp, M, K, wp, sp, 4, G, blocks, N, op, offs);
+#endif
   const int64_t groups = K / G, lds = blocks * NB;
-  std::vector<float> xs(M * groups);  // layout 0: sum of x per group (the -8 offset); 1: s / 256
+  std::vector<float> xs(M * groups);  // layout 0: sum of x per group (the -8 offset, or the offsets'); 1: s / 256
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(PMX_NO_VNNI)
   if (pmx_cpu::int4_layout(G) == 1) {
     std::vector<int8_t> q(2 * M * K);
     std::vector<int32_t> off(M * groups);
+    std::vector<float> xsum(offs ? M * groups : 0);  // offsets: the float sums of x per group, and no -8
     quantize_x2(xp, M, K, G, q.data(), xs.data(), off.data());
+    if (offs) {
+      std::fill(off.begin(), off.end(), 0);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < groups; ++g) xsum[m * groups + g] = sum_floats(xp + m * K + g * G, G);
+    }
     for_blocks(blocks, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
         for (int64_t m0 = 0; m0 < M; m0 += MR_VNNI) {
-#define PMX_CALL(R)                                                                                                \
-  block_int4_vnni<R>(q.data() + m0 * K, M * K, K, wp + b * K / 2 * NB, G, sp + n0, lds, xs.data() + m0 * groups, \
-                     off.data() + m0 * groups, op + m0 * N + n0, N, ncols)
+#define PMX_CALL(R)                                                                                                  \
+  if (offs)                                                                                                          \
+    block_int4_vnni<R, true>(q.data() + m0 * K, M * K, K, wp + b * K / 2 * NB, G, sp + n0, lds,                       \
+                             xs.data() + m0 * groups, off.data() + m0 * groups, op + m0 * N + n0, N, ncols, offs + n0, \
+                             xsum.data() + m0 * groups);                                                              \
+  else                                                                                                               \
+    block_int4_vnni<R>(q.data() + m0 * K, M * K, K, wp + b * K / 2 * NB, G, sp + n0, lds, xs.data() + m0 * groups,    \
+                       off.data() + m0 * groups, op + m0 * N + n0, N, ncols)
           switch (std::min<int64_t>(MR_VNNI, M - m0)) {
             case 1: PMX_CALL(1); break;
             case 2: PMX_CALL(2); break;
@@ -359,13 +512,27 @@ void int4_into(const float* xp, int64_t M, int64_t K, const uint8_t* wp, const f
 #endif
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < groups; ++g) xs[m * groups + g] = sum_floats(xp + m * K + g * G, G);
+#ifdef PMX_AVX2_ROWS
+  for_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t m = 0; m < M; ++m)
+        avx2::block_grouped<4>(xp + m * K, K, wp + b * K * (NB / 2), G, sp + b * NB, lds,
+                               offs ? offs + b * NB : nullptr, xs.data() + m * groups, op + m * N + b * NB,
+                               std::min(NB, N - b * NB));
+  });
+  return;
+#endif
   for_blocks(blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
       rows_of(M, [&](int64_t m0, int64_t mr) {
-#define PMX_CALL(R)                                                                                               \
-  block_int4<R>(xp + m0 * K, K, wp + b * K * (NB / 2), G, sp + n0, lds, xs.data() + m0 * groups, op + m0 * N + n0, \
-                N, ncols)
+#define PMX_CALL(R)                                                                                                 \
+  if (offs)                                                                                                         \
+    block_int4<R, true>(xp + m0 * K, K, wp + b * K * (NB / 2), G, sp + n0, lds, xs.data() + m0 * groups,             \
+                        op + m0 * N + n0, N, ncols, offs + n0);                                                      \
+  else                                                                                                              \
+    block_int4<R>(xp + m0 * K, K, wp + b * K * (NB / 2), G, sp + n0, lds, xs.data() + m0 * groups, op + m0 * N + n0, \
+                  N, ncols)
         PMX_DISPATCH_MR(mr, PMX_CALL)
 #undef PMX_CALL
       });
@@ -378,16 +545,85 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   check_int4(x, w, scale, group_size, N);
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   int4_into(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<uint8_t>(), scale.data_ptr<float>(), group_size,
-            w.size(0), N, out.data_ptr<float>());
+            w.size(0), N, out.data_ptr<float>(), group_offsets(scale));
+  return out;
+}
+
+// int8 in groups of G along k (GGUF's Q8_0): w points at one block [K, 64], scale at [K / G, Npad] (this block's
+// column 0); each group's sums are scaled as they end, as block_int4's.
+template <int MR>
+inline void block_int8_group(const float* x, int64_t K, const int8_t* w, int64_t G, const float* scale, int64_t lds,
+                             float* out, int64_t ldo, int64_t ncols) {
+  float acc[MR][NB] = {};
+  for (int64_t g = 0; g < K / G; ++g) {
+    v16f a[MR][4];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 4; ++j) a[m][j] = v16f{};
+    for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+      const int8_t* wk = w + k * NB;
+      _mm_prefetch((const char*)(wk + PF_INT8 * NB), _MM_HINT_T0);
+      fma_rows<MR>(a, x, K, k, cvt_i8(wk), cvt_i8(wk + 16), cvt_i8(wk + 32), cvt_i8(wk + 48));
+    }
+    const float* s = scale + g * lds;
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 4; ++j) {
+        v16f cur = load<v16f>(&acc[m][16 * j]);
+        cur += load<v16f>(s + 16 * j) * a[m][j];
+        std::memcpy(&acc[m][16 * j], &cur, sizeof(cur));
+      }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int64_t j = 0; j < ncols; ++j) out[m * ldo + j] = acc[m][j];
+}
+
+void int8_group_into(const float* xp, int64_t M, int64_t K, const int8_t* wp, const float* sp, int64_t G,
+                     int64_t blocks, int64_t N, float* op) {
+  const int64_t lds = blocks * NB;
+#ifdef PMX_AVX2_ROWS
+  if (M > avx2::ROWS_MAX) return dequant_into(xp, M, K, wp, sp, 8, G, blocks, N, op);
+  for_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t m = 0; m < M; ++m)
+        avx2::block_grouped<8>(xp + m * K, K, wp + b * K * NB, G, sp + b * NB, lds, nullptr, nullptr,
+                               op + m * N + b * NB, std::min(NB, N - b * NB));
+  });
+  return;
+#endif
+  for_blocks(blocks, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
+      rows_of(M, [&](int64_t m0, int64_t mr) {
+#define PMX_CALL(R) block_int8_group<R>(xp + m0 * K, K, wp + b * K * NB, G, sp + n0, lds, op + m0 * N + n0, N, ncols)
+        PMX_DISPATCH_MR(mr, PMX_CALL)
+#undef PMX_CALL
+      });
+    }
+  });
+}
+
+void check_int8_group(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t G, int64_t N) {
+  check(x, w, N, NB);
+  TORCH_CHECK(w.scalar_type() == at::kChar && G > 0 && x.size(1) % G == 0, "int8 in groups: packed weight must be ",
+              "int8 and K (", x.size(1), ") a multiple of the group size ", G);
+  check_group_scales(scale, x.size(1) / G, w.size(0) * NB, false, "int8 in groups");
+}
+
+at::Tensor linear_int8_group(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t group_size,
+                             int64_t N) {
+  check_int8_group(x, w, scale, group_size, N);
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  int8_group_into(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                  group_size, w.size(0), N, out.data_ptr<float>());
   return out;
 }
 
 // Prefill on quantised weights (many rows of x): each block of 64 channels is dequantised once per call into a
 // float32 buffer of its own (K x 64, in L2) and multiplied by every row with the float32 GEMM tiles above; no
-// dequantised copy of the whole weight is made. method 8: int8 blocks [N/64, K, 64], scale [N]; method 4: int4
-// blocks of int4_layout(group_size), scale [K/G, N/64*64].
+// dequantised copy of the whole weight is made. method 8: int8 blocks [N/64, K, 64], scale [N] (G 0) or
+// [K/G, N/64*64]; method 4: int4 blocks of int4_layout(group_size), scale [K/G, N/64*64], offsets `offs` (or null)
+// the same.
 void dequant_into(const float* xp, int64_t M, int64_t K, const void* w, const float* sp, int64_t method, int64_t G,
-                  int64_t blocks, int64_t N, float* op) {
+                  int64_t blocks, int64_t N, float* op, const float* offs) {
   const int64_t layout = method == 4 ? pmx_cpu::int4_layout(G) : 0;
   const int64_t lds = blocks * NB;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -395,7 +631,13 @@ void dequant_into(const float* xp, int64_t M, int64_t K, const void* w, const fl
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
       float* d = buf.data();
-      if (method == 8) {
+      if (method == 8 && G > 0) {
+        const int8_t* wb = static_cast<const int8_t*>(w) + b * K * NB;
+        for (int64_t k = 0; k < K; ++k) {
+          const float* s = sp + (k / G) * lds + n0;
+          for (int64_t j = 0; j < NB; ++j) d[k * NB + j] = wb[k * NB + j] * s[j];
+        }
+      } else if (method == 8) {
         const int8_t* wb = static_cast<const int8_t*>(w) + b * K * NB;
         float s[NB] = {};
         for (int64_t j = 0; j < ncols; ++j) s[j] = sp[n0 + j];
@@ -405,14 +647,24 @@ void dequant_into(const float* xp, int64_t M, int64_t K, const void* w, const fl
         const uint8_t* wb = static_cast<const uint8_t*>(w) + b * K * (NB / 2);
         for (int64_t k = 0; k < K; ++k) {
           const float* s = sp + (k / G) * lds + n0;
-          for (int64_t j = 0; j < NB / 2; ++j) {
-            const uint8_t v = wb[k * (NB / 2) + j];
-            d[k * NB + j] = ((v & 15) - 8) * s[j];
-            d[k * NB + j + NB / 2] = ((v >> 4) - 8) * s[j + NB / 2];
+          const uint8_t* v = wb + k * (NB / 2);
+          float* dk = d + k * NB;
+          if (offs) {  // nibble * scale + offset
+            const float* o = offs + (k / G) * lds + n0;
+            for (int64_t j = 0; j < NB / 2; ++j) {
+              dk[j] = (v[j] & 15) * s[j] + o[j];
+              dk[j + NB / 2] = (v[j] >> 4) * s[j + NB / 2] + o[j + NB / 2];
+            }
+          } else {
+            for (int64_t j = 0; j < NB / 2; ++j) {
+              dk[j] = ((v[j] & 15) - 8) * s[j];
+              dk[j + NB / 2] = ((v[j] >> 4) - 8) * s[j + NB / 2];
+            }
           }
         }
       } else {  // layout 1: row 2 q + h, byte 4 c + t = channels 32 h + c (low), 32 h + 16 + c (high) of k = 4 q + t
         const uint8_t* wb = static_cast<const uint8_t*>(w) + b * (K / 2) * NB;
+        const int bias = offs ? 0 : 8;  // the nibble's zero: 8 symmetric, 0 with offsets (added after the scale)
         for (int64_t r = 0; r < K / 2; ++r) {
           const int64_t q = r / 2, h = r % 2;
           for (int64_t c = 0; c < 16; ++c)
@@ -420,8 +672,13 @@ void dequant_into(const float* xp, int64_t M, int64_t K, const void* w, const fl
               const int64_t k = 4 * q + t, ch = 32 * h + c;
               const uint8_t v = wb[r * NB + 4 * c + t];
               const float* s = sp + (k / G) * lds + n0;
-              d[k * NB + ch] = ((v & 15) - 8) * s[ch];
-              d[k * NB + ch + 16] = ((v >> 4) - 8) * s[ch + 16];
+              d[k * NB + ch] = ((v & 15) - bias) * s[ch];
+              d[k * NB + ch + 16] = ((v >> 4) - bias) * s[ch + 16];
+              if (offs) {
+                const float* o = offs + (k / G) * lds + n0;
+                d[k * NB + ch] += o[ch];
+                d[k * NB + ch + 16] += o[ch + 16];
+              }
             }
         }
       }
@@ -433,11 +690,12 @@ void dequant_into(const float* xp, int64_t M, int64_t K, const void* w, const fl
 at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t method,
                           int64_t group_size, int64_t N) {
   TORCH_CHECK(method == 8 || method == 4, "linear_dequant: method must be 8 or 4, got ", method);
-  if (method == 8) check_int8(x, w, scale, N);
+  if (method == 8 && group_size == 0) check_int8(x, w, scale, N);
+  if (method == 8 && group_size != 0) check_int8_group(x, w, scale, group_size, N);
   if (method == 4) check_int4(x, w, scale, group_size, N);
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   dequant_into(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr(), scale.data_ptr<float>(), method, group_size,
-               w.size(0), N, out.data_ptr<float>());
+               w.size(0), N, out.data_ptr<float>(), method == 4 ? group_offsets(scale) : nullptr);
   return out;
 }
 
@@ -465,6 +723,12 @@ PackedLinear packed_linear(const at::Tensor& w, const at::Tensor& scale, int64_t
                 what, ": ", kind == 32 ? "float32" : "bfloat16 or float16", " blocks [N/64, K, 64] expected, not ",
                 w.scalar_type(), " ", w.sizes());
     p.k = w.size(1), p.half = float_weight(w);
+  } else if (kind == 8 && group > 0) {
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.size(2) == NB && w.size(1) % group == 0, what,
+                ": int8 blocks [N/64, K, 64] with K a multiple of the group size ", group, " expected");
+    p.k = w.size(1);
+    check_group_scales(scale, p.k / group, w.size(0) * NB, false, what.c_str());
+    p.scale = scale.data_ptr<float>();
   } else if (kind == 8) {
     TORCH_CHECK(w.scalar_type() == at::kChar && w.size(2) == NB && scale.scalar_type() == at::kFloat &&
                     scale.is_contiguous() && scale.numel() == n,
@@ -474,12 +738,10 @@ PackedLinear packed_linear(const at::Tensor& w, const at::Tensor& scale, int64_t
     TORCH_CHECK(kind == 4, what, ": kind must be 32, 16, 8 or 4, got ", kind);
     const int64_t rows_per_k = int4_layout(group) == 1 ? 2 : 1;
     p.k = w.size(1) * rows_per_k;
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) == NB * rows_per_k / 2 && group > 0 && p.k % group == 0 &&
-                    scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
-                    scale.size(0) == p.k / group && scale.size(1) == w.size(0) * NB,
-                what, ": int4 blocks of layout ", rows_per_k - 1, " and float32 scales [K/G, N/64*64] expected for ",
-                "groups of ", group);
-    p.scale = scale.data_ptr<float>();
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) == NB * rows_per_k / 2 && group > 0 && p.k % group == 0,
+                what, ": int4 blocks of layout ", rows_per_k - 1, " expected for groups of ", group);
+    check_group_scales(scale, p.k / group, w.size(0) * NB, true, what.c_str());
+    p.scale = scale.data_ptr<float>(), p.offset = group_offsets(scale);
   }
   return p;
 }
@@ -488,11 +750,13 @@ void linear_into(const PackedLinear& lin, const float* x, int64_t M, float* y, i
   if (lin.kind == 32 || lin.kind == 16) {
     float_linear_into(x, M, lin.k, lin.w, lin.kind == 32 ? FloatWeight::f32 : lin.half, lin.blocks, lin.n, y);
   } else if (M > dequant_above) {
-    dequant_into(x, M, lin.k, lin.w, lin.scale, lin.kind, lin.group, lin.blocks, lin.n, y);
+    dequant_into(x, M, lin.k, lin.w, lin.scale, lin.kind, lin.group, lin.blocks, lin.n, y, lin.offset);
+  } else if (lin.kind == 8 && lin.group > 0) {
+    int8_group_into(x, M, lin.k, static_cast<const int8_t*>(lin.w), lin.scale, lin.group, lin.blocks, lin.n, y);
   } else if (lin.kind == 8) {
     int8_into(x, M, lin.k, static_cast<const int8_t*>(lin.w), lin.scale, lin.blocks, lin.n, y);
   } else {
-    int4_into(x, M, lin.k, static_cast<const uint8_t*>(lin.w), lin.scale, lin.group, lin.blocks, lin.n, y);
+    int4_into(x, M, lin.k, static_cast<const uint8_t*>(lin.w), lin.scale, lin.group, lin.blocks, lin.n, y, lin.offset);
   }
 }
 
@@ -518,6 +782,7 @@ TORCH_LIBRARY(pmx_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor w, int n) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");
+  m.def("linear_int8_group(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");
   m.def("linear_dequant(Tensor x, Tensor w, Tensor scale, int method, int group_size, int n) -> Tensor");
   m.def("int4_layout(int group_size) -> int", &pmx_cpu::int4_layout);
   m.def("linear_into_(Tensor x, Tensor w, Tensor scale, int kind, int group, int n, int dequant_above, "
@@ -528,6 +793,7 @@ TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) {
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
+  m.impl("linear_int8_group", &linear_int8_group);
   m.impl("linear_dequant", &linear_dequant);
   m.impl("linear_into_", &linear_into_);
 }

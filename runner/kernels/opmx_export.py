@@ -8,16 +8,17 @@ onnxruntime's (runner.onnx.ort computes every op) or pplnn's. Weights are the la
 ppl.pmx's modules give them (`layers.0.attention.wqkv.weight`, ...: :attr:`OpmxLayer.pmx_names`).
 
 The ops (the model calls them through the kernel set, runner.kernels.sets.KernelSet; the layers are built by
-:data:`LAYERS`):
+:func:`layers`):
 
 - skip_rms_norm / rms_norm: RMSNorm (skip_term 1 with the residual add and two outputs; 0 for the q/k norms);
 - swiglu_packed / swiglu: SwiGLU of a fused gate/up output (beta 1), SiLU(gate, up) of separate ones;
 - rotary_step: dynamic_batching RotaryPositionEmbedding(q, k, seqstarts, start_pos, max_seqlen);
 - cache_attention: dynamic_batching MultiHeadCacheAttention (fused_kvcache), or KeyValueCache then
   MultiHeadAttention (fused_kvcache off: the history gathered, GQA heads repeated where friendly_gqa);
-- the layers: ParallelEmbedding; ColumnParallelLinear / RowParallelLinear, their Woqu* forms for int8 / int4
-  weights; MoE as ppl.pmx's model_zoo/mixtral writes it (router Linear, MoeSelect, MoeColumnParallelLinear,
-  SwiGLU / SiLU, MoeRowParallelLinear, MoeReduce).
+- the layers: ParallelEmbedding; ColumnParallelLinear / RowParallelLinear, their Woqu* forms for the weight-only
+  schemes ppl.pmx's Woqu linears take (int8 per channel or in groups of `group_size` columns, symmetric int4); MoE
+  as ppl.pmx's model_zoo/mixtral writes it (router Linear, MoeSelect, MoeColumnParallelLinear, SwiGLU / SiLU,
+  MoeRowParallelLinear, MoeReduce).
 
 What ppl.pmx's operators cannot say is an attribute of ours beside ppl.pmx's (pplnn would ignore it, so a model that
 needs one runs right only here; absent reads as the neutral value):
@@ -32,7 +33,12 @@ needs one runs right only here; absent reads as the neutral value):
 ALiBi itself is ppl.pmx's reading: no RotaryPositionEmbedding and `is_alibi` 1 on the attention operators; a
 partial rotary (ChatGLM) is RotaryPositionEmbedding's `rotary_dim` (0: the whole head). A quantised token embedding
 is dequantised into a float initializer, element for element what the engine computes as it gathers rows (ppl.pmx's
-ParallelEmbedding has no quantised form).
+ParallelEmbedding has no quantised form). So is a linear of int4 with offsets (GGUF's Q4_1, W = nibble * scale +
+offset), into a plain Column/RowParallelLinear: ppl.pmx's Woqu zero point is an integer nibble subtracted before the
+scale ((nibble - z) * scale), which a float offset per group is not (z = -offset / scale would round), and pplnn would
+read a float offset passed there otherwise. Weights of one layer stored alike are fused as the engine fuses them
+(runner.engine.model.stored_alike); where a GGUF stores them differently (q and k in Q4_0, v in Q8_0), they are
+separate linears in the engine and in the graph.
 
 MoE beside the engine's (runner.engine.model.MoE): MoeSelect takes the top k router logits and their softmax, the
 engine softmax over all experts, the top k, renormalised (the same numbers up to rounding); MoeRowParallelLinear
@@ -219,15 +225,24 @@ def woqu_weight(q: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return q.contiguous().view(torch.int8)
 
 
+def woqu_takes(scheme: QuantScheme) -> bool:
+    """Whether ppl.pmx's Woqu*ParallelLinear says a weight of leaf scheme `scheme` as it is stored (no float
+    offsets)."""
+    return not scheme.offset
+
+
 class ParallelLinear(OpmxLayer):
     """ColumnParallelLinear (cut by output rows; gathered when gather_output) or RowParallelLinear (cut by input
-    columns, all-reduced, the bias added once), and their Woqu* forms for a QuantWeight."""
+    columns, all-reduced, the bias added once), and their Woqu* forms for a QuantWeight whose scheme they take (else
+    the weight dequantised to `dtype`, the export's)."""
 
     def __init__(self, weight, bias: Optional[torch.Tensor], comm, row: bool, gather_output: bool = False,
-                 names=()):
+                 names=(), dtype: torch.dtype = torch.float32):
         super().__init__()
         name, n = pmx_name(names), comm.world_size
         rows, cols = weight.shape[-2:]
+        if isinstance(weight, QuantWeight) and not woqu_takes(weight.scheme):
+            weight = weight.dequantize(dtype)  # element for element the engine's reference dequantisation
         self.quant = isinstance(weight, QuantWeight)
         if self.quant:
             s = weight.scheme
@@ -310,15 +325,15 @@ class MoE(OpmxLayer):
         return moe_reduce(y, weights, inverse, self.reduce_attrs)
 
 
-def _column(weight, bias, comm, gather_output=False, prepack=True, names=()):
-    return ParallelLinear(weight, bias, comm, False, gather_output, names)
+def layers(dtype: torch.dtype) -> Layers:
+    """The layers of an export in `dtype` (a weight dequantised for it takes that dtype)."""
+    def column(weight, bias, comm, gather_output=False, prepack=True, names=()):
+        return ParallelLinear(weight, bias, comm, False, gather_output, names, dtype)
 
+    def row(weight, bias, comm, prepack=True, names=()):
+        return ParallelLinear(weight, bias, comm, True, names=names, dtype=dtype)
 
-def _row(weight, bias, comm, prepack=True, names=()):
-    return ParallelLinear(weight, bias, comm, True, names=names)
-
-
-LAYERS = Layers(column=_column, row=_row, embedding=ParallelEmbedding, moe=MoE)
+    return Layers(column=column, row=row, embedding=ParallelEmbedding, moe=MoE)
 
 
 # -- the kernel set ------------------------------------------------------------------------------------------------
@@ -332,8 +347,9 @@ def rope_attrs(rotary: Rotary, head_dim: int) -> dict:
                                                                                            sort_keys=True))
 
 
-def kernel_set(config: EngineConfig, num_layers: int) -> KernelSet:
-    """The opmx export's kernel set for a model of `num_layers` layers exported with `config`'s flags."""
+def kernel_set(config: EngineConfig, num_layers: int, dtype: torch.dtype = torch.float32) -> KernelSet:
+    """The opmx export's kernel set for a model of `num_layers` layers exported with `config`'s flags in `dtype` (the
+    model's compute dtype: what a weight its Woqu form cannot say is dequantised to)."""
     c = config
 
     def skip_rms_norm(x, skip, weight, eps):
@@ -373,4 +389,4 @@ def kernel_set(config: EngineConfig, num_layers: int) -> KernelSet:
         name, skip_rms_norm, lacking(name, "apply_rotary", why), lambda gate, up: silu_op(gate, up, _attrs()),
         lacking(name, "kv_store", why), lacking(name, "kv_load", why), lacking(name, "attend", why),
         rms_norm=rms_norm, swiglu_packed=lambda gate_up: swiglu_op(gate_up, _attrs(beta=1.0)),
-        rotary_step=rotary_step, cache_attention=cache_attention, layers=LAYERS)
+        rotary_step=rotary_step, cache_attention=cache_attention, layers=layers(dtype))

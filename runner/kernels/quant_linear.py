@@ -5,14 +5,16 @@ Kernels, each tested against it (tests/test_quant_engine.py: every kernel and sc
 tests/test_quant.py: the format, convert, split and merge):
 
 - CPU (`cpu`): this project's kernels (runner/kernels/cpu_linear.cpp, ops `pmx_cpu::linear_int8 /
-  linear_int4`), built on first use for the machine (-march=native) and cached by torch. The weight is
-  repacked once at load into blocks of 64 output channels, k-major, and converted to floats in registers.
+  linear_int8_group / linear_int4`), built on first use for the machine (-march=native) and cached by torch. The
+  weight is repacked once at load into blocks of 64 output channels, k-major, and converted to floats in registers;
+  scales per group (and int4's offsets, riding in the same tensor) as :func:`pack_group_scales` lays them out.
   torch's own weight-only CPU ops (`aten._weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, what
   gpt-fast uses) are the fallback (`aten`) where the extension cannot be built. Above CPU_KERNEL_MAX_ROWS
   rows (prefill) each block of 64 channels is dequantised once per call into a buffer of its own and the float
-  GEMM's tiles run on it (`linear_dequant`), which is faster there.
+  GEMM's tiles run on it (`linear_dequant`), which is faster there; on AVX2 without AVX-512 the streaming kernels
+  (one row of x at a time there) do so themselves from 4 rows on (cpu_linear.cpp, avx2::ROWS_MAX).
 - CUDA (`triton`): Triton W8A16 / W4A16 (runner/kernels/triton_quant.py), dequantising in registers.
-- `--kernels reference`, or a shape no kernel takes: the spec, dequantising on every call.
+- `--kernels reference`, or a scheme or shape no kernel takes: the spec, dequantising on every call.
 
 Every kernel is an op of its own under torch.compile (a fake implementation gives its output shape), so
 the compiled decode step calls it as it is.
@@ -36,12 +38,13 @@ INT4_ATEN_GROUPS = (32, 64, 128, 256)  # the group sizes aten._weight_int4pack_m
 
 @dataclass
 class QuantWeight:
-    """A quantised weight as stored (qweight, scale) with its scheme and the kernel set that should run it.
-    Concatenates along output rows (fused qkv / gate-up) and indexes the leading expert dim like a tensor."""
+    """A quantised weight as stored (qweight, scale[, offset]) with its leaf scheme and the kernel set that should run
+    it. Concatenates along output rows (fused qkv / gate-up) and indexes the leading expert dim like a tensor."""
     qweight: torch.Tensor
     scale: torch.Tensor
     scheme: QuantScheme
     kernels: str = "auto"
+    offset: Optional[torch.Tensor] = None  # int4 with offsets (scheme.offset): one per group, the scale's shape
 
     @property
     def shape(self) -> tuple:
@@ -50,34 +53,44 @@ class QuantWeight:
         return (*self.qweight.shape[:-1], k)
 
     def __getitem__(self, i) -> "QuantWeight":
-        return QuantWeight(self.qweight[i], self.scale[i], self.scheme, self.kernels)
+        return QuantWeight(self.qweight[i], self.scale[i], self.scheme, self.kernels,
+                           None if self.offset is None else self.offset[i])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.qweight, self.scale, self.scheme.method, dtype)
+        return dequantize(self.qweight, self.scale, self.scheme.method, dtype, self.offset)
+
+
+def stored_alike(ws: list) -> bool:
+    """Whether weights can be concatenated into one: all float of one dtype, or all quantised with one scheme."""
+    if isinstance(ws[0], QuantWeight):
+        return all(isinstance(w, QuantWeight) and w.scheme == ws[0].scheme for w in ws)
+    return not any(isinstance(w, QuantWeight) or w.dtype != ws[0].dtype for w in ws)
 
 
 def cat_weights(ws: list):
-    """Concatenates float weights or QuantWeights along the output rows (fused qkv, gate/up)."""
+    """Concatenates float weights or QuantWeights (of one scheme) along the output rows (fused qkv, gate/up)."""
     if not isinstance(ws[0], QuantWeight):
         return torch.cat(ws)
     return QuantWeight(torch.cat([w.qweight for w in ws]), torch.cat([w.scale for w in ws]), ws[0].scheme,
-                       ws[0].kernels)
+                       ws[0].kernels, None if ws[0].offset is None else torch.cat([w.offset for w in ws]))
 
 
 def pop_weight(weights: dict, base: str, scheme: Optional[QuantScheme], kernels: str = "auto"):
-    """Removes and returns the weight of linear `base` from a shard's tensors: `base.weight`, or
-    `base.qweight` + `base.scale` as a QuantWeight."""
-    if scheme is None or f"{base}.weight" in weights:
+    """Removes and returns the weight of linear `base` from a shard's tensors: `base.weight`, or its quantised parts
+    (`base.qweight`, `base.scale`[, `base.offset`]) as a QuantWeight of the scheme `scheme` gives it."""
+    leaf = None if scheme is None else scheme.for_tensor(f"{base}.weight")
+    if leaf is None:
         return weights.pop(f"{base}.weight")
-    return QuantWeight(weights.pop(f"{base}.qweight"), weights.pop(f"{base}.scale"), scheme, kernels)
+    return QuantWeight(weights.pop(f"{base}.qweight"), weights.pop(f"{base}.scale"), leaf, kernels,
+                       weights.pop(f"{base}.offset", None))
 
 
 def quant_embedding(ids: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, method: str, group_size: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """The spec of a quantised embedding's lookup: rows `ids` of (qweight, scale), dequantised as they are gathered,
-    [*ids.shape, columns] in `dtype` (runner.kernels.triton_quant.quant_embedding on CUDA, cpu_decode.cpp's
+                    dtype: torch.dtype, offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The spec of a quantised embedding's lookup: rows `ids` of (qweight, scale[, offset]), dequantised as they are
+    gathered, [*ids.shape, columns] in `dtype` (runner.kernels.triton_quant.quant_embedding on CUDA, cpu_decode.cpp's
     Embedding in the one-call decode step)."""
-    return dequantize(qweight[ids], scale[ids], method, dtype)
+    return dequantize(qweight[ids], scale[ids], method, dtype, None if offset is None else offset[ids])
 
 
 def reference_linear(x: torch.Tensor, w: QuantWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -87,9 +100,16 @@ def reference_linear(x: torch.Tensor, w: QuantWeight, bias: Optional[torch.Tenso
 
 # -- CPU --------------------------------------------------------------------------------------------
 
-def pack_int4_blocks(qweight: torch.Tensor, scale: torch.Tensor, layout: int = 0
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored int4 ([N, K/2] bytes, scales [N, K/G]) -> (packed blocks of 64 channels, scales [K/G, N/64*64]).
+def pack_group_scales(scale: torch.Tensor, offset: Optional[torch.Tensor], rows: int) -> torch.Tensor:
+    """Scales per group [N, K/G] (and offsets) -> what the CPU kernels read: [K/G, rows] (rows: N padded to whole
+    blocks of 64 channels), and with offsets [2, K/G, rows]: the scales, then the offsets (cpu_kernels.h)."""
+    s = pad_rows(scale.float(), rows).t().contiguous()
+    return s if offset is None else torch.stack((s, pad_rows(offset.float(), rows).t())).contiguous()
+
+
+def pack_int4_blocks(qweight: torch.Tensor, scale: torch.Tensor, layout: int = 0,
+                     offset: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored int4 ([N, K/2] bytes, scales [N, K/G]) -> (packed blocks of 64 channels, :func:`pack_group_scales`).
     layout 0: [N/64, K, 32], channel j of a block in the low nibble of byte j, channel j + 32 in the high one;
     layout 1 (AVX512-VNNI): [N/64, K/2, 64], row 2 q + h holds at byte 4 c + t channel 32 h + c (low nibble) and
     32 h + 16 + c (high nibble) of k = 4 q + t, for c < 16, t < 4 (cpu_linear.cpp, block_int4_vnni)."""
@@ -103,7 +123,7 @@ def pack_int4_blocks(qweight: torch.Tensor, scale: torch.Tensor, layout: int = 0
     else:
         half = CPU_BLOCK // 2
         packed = blocks[..., :half] | (blocks[..., half:] << 4)
-    return huge_page_copy(packed), pad_rows(scale.float(), nb * CPU_BLOCK).t().contiguous()
+    return huge_page_copy(packed), pack_group_scales(scale, offset, nb * CPU_BLOCK)
 
 
 def pack_int4_aten(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,18 +141,21 @@ def pick_kernel(w: QuantWeight) -> str:
         return "reference"
     if dev == "cuda":
         from runner.kernels.triton_quant import takes_group
-        return "triton" if w.scheme.method == "int8" or takes_group(w.scheme.group_size) else "reference"
+        return "triton" if takes_group(w.scheme) else "reference"
     if dev != "cpu":
         return "reference"
     if cpu_ops() is not None:
         return "cpu"
-    return "aten" if w.scheme.method == "int8" or aten_int4_takes(w) else "reference"
+    aten = (w.scheme.method == "int8" and not w.scheme.grouped) or aten_int4_takes(w)
+    return "aten" if aten else "reference"
 
 
 def aten_int4_takes(w: QuantWeight) -> bool:
-    """aten._weight_int4pack_mm_for_cpu: groups of 32..256, N a multiple of 16."""
+    """aten._weight_int4pack_mm_for_cpu: symmetric int4 in groups of 32..256, N a multiple of 16."""
     n, k = w.shape[-2:]
-    return w.scheme.group_size in INT4_ATEN_GROUPS and k % w.scheme.group_size == 0 and n % 16 == 0
+    s = w.scheme
+    return s.method == "int4" and not s.offset and s.group_size in INT4_ATEN_GROUPS and k % s.group_size == 0 \
+        and n % 16 == 0
 
 
 class QuantLinear(torch.nn.Module):
@@ -148,16 +171,21 @@ class QuantLinear(torch.nn.Module):
             raise ValueError(f"kernel must be one of {self.KERNELS}, got {kernel!r}")
         self.kernel = kernel or pick_kernel(weight)
         self.register_buffer("bias", bias, persistent=False)
-        q, s = weight.qweight, weight.scale
+        q, s, o = weight.qweight, weight.scale, weight.offset
         self.layout = int(torch.ops.pmx_cpu.int4_layout(self.group_size)) \
             if self.kernel == "cpu" and self.method == "int4" else 0
-        if self.kernel == "cpu":
-            q, s = (pack_blocks(q), s.float().contiguous()) if self.method == "int8" else \
-                pack_int4_blocks(q, s, self.layout)
+        if self.kernel == "cpu":  # offsets ride with the scales (pack_group_scales)
+            if self.method == "int4":
+                q, s = pack_int4_blocks(q, s, self.layout, o)
+            else:
+                q = pack_blocks(q)
+                s = pack_group_scales(s, None, q.shape[0] * CPU_BLOCK) if self.group_size else s.float().contiguous()
+            o = None
         elif self.kernel == "aten":
             q, s = (q.contiguous(), s.float().contiguous()) if self.method == "int8" else pack_int4_aten(q, s)
         self.register_buffer("qweight", q.contiguous(), persistent=False)
         self.register_buffer("scale", s.contiguous(), persistent=False)
+        self.register_buffer("offset", None if o is None else o.contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -172,8 +200,12 @@ class QuantLinear(torch.nn.Module):
         if x.shape[0] > CPU_KERNEL_MAX_ROWS:  # prefill: each block dequantised once, then the float GEMM tiles
             return ops.linear_dequant(xf, self.qweight, self.scale, 8 if self.method == "int8" else 4,
                                       self.group_size, self.out_features).to(x.dtype)
-        y = ops.linear_int8(xf, self.qweight, self.scale, self.out_features) if self.method == "int8" else \
-            ops.linear_int4(xf, self.qweight, self.scale, self.group_size, self.out_features)
+        if self.method == "int4":
+            y = ops.linear_int4(xf, self.qweight, self.scale, self.group_size, self.out_features)
+        elif self.group_size:
+            y = ops.linear_int8_group(xf, self.qweight, self.scale, self.group_size, self.out_features)
+        else:
+            y = ops.linear_int8(xf, self.qweight, self.scale, self.out_features)
         return y.to(x.dtype)
 
     def _aten(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,20 +216,21 @@ class QuantLinear(torch.nn.Module):
 
     def _triton(self, x: torch.Tensor) -> torch.Tensor:
         from runner.kernels.triton_quant import quant_matmul
-        return quant_matmul(x, self.qweight, self.scale, self.method, self.group_size)
+        return quant_matmul(x, self.qweight, self.scale, self.method, self.group_size, self.offset)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dequantize(self.qweight, self.scale, self.method, x.dtype))
+        return F.linear(x, dequantize(self.qweight, self.scale, self.method, x.dtype, self.offset))
 
 
 def packed_args(lin) -> Optional[tuple]:
     """(packed weight, scale, kind, group) of a linear layer on this project's packed CPU kernels, as the C++ callers
     take them (runner/kernels/cpu_kernels.h, PackedLinear: kind 32 float32 and 16 bfloat16 / float16 with an empty
-    scale, 8 int8, 4 int4 with its group size), or None for a layer on another kernel."""
+    scale, 8 int8 (group 0: a scale per channel), 4 int4; a grouped kind's scales (and offsets) as
+    :func:`pack_group_scales` lays them out), or None for a layer on another kernel."""
     if isinstance(lin, Linear) and lin.kernel == "pmx":
         return lin.packed, _NO_SCALE, 32 if lin.packed.dtype == torch.float32 else 16, 0
     if isinstance(lin, QuantLinear) and lin.kernel == "cpu":
-        return lin.qweight, lin.scale, 8 if lin.method == "int8" else 4, lin.group_size if lin.method == "int4" else 0
+        return lin.qweight, lin.scale, 8 if lin.method == "int8" else 4, lin.group_size
     return None
 
 

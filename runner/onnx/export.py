@@ -125,7 +125,7 @@ def export_model(p: PmxParams, weights: dict, c: EngineConfig, comm, opset: str)
     if opset == "standard":
         ops = standard_export.kernel_set()
     else:
-        ops = opmx_export.kernel_set(c, p.num_layers)
+        ops = opmx_export.kernel_set(c, p.num_layers, weights["norm.weight"].dtype)  # the Transformer's dtype
     return Transformer(p, weights, comm, replace(c, prepack=False, decode_linears=False), ops)
 
 

@@ -55,10 +55,10 @@ class RowParallelLinear(nn.Module):
 
 class ParallelEmbedding(nn.Module):
     """Embedding cut by hidden columns (as ppl.pmx): look up the local columns, all-gather, drop padding. A weight-only
-    quantised embedding (a QuantWeight: int8 rows with a scale each, int4 rows with a scale per group of columns), or
-    a float one narrower than `dtype` (a half-precision table of a float32 engine on CPU), is widened to `dtype` as its
-    rows are gathered, a quantised one by `quant_rows` (a kernel set's quant_embedding, signature of
-    runner.kernels.quant_linear.quant_embedding, the spec used where it is None)."""
+    quantised embedding (a QuantWeight: int8 rows with a scale each or per group of columns, int4 rows with a scale
+    (and an offset) per group of columns), or a float one narrower than `dtype` (a half-precision table of a float32
+    engine on CPU), is widened to `dtype` as its rows are gathered, a quantised one by `quant_rows` (a kernel set's
+    quant_embedding, signature of runner.kernels.quant_linear.quant_embedding, the spec used where it is None)."""
 
     def __init__(self, weight, hidden_dim: int, comm, dtype: torch.dtype = torch.float32, quant_rows=None):
         super().__init__()
@@ -73,7 +73,7 @@ class ParallelEmbedding(nn.Module):
         w = self.weight
         if not isinstance(w, QuantWeight):
             return F.embedding(ids, w).to(self.dtype)  # (rows of a half-precision table widened to the compute dtype)
-        return self.quant_rows(ids, w.qweight, w.scale, w.scheme.method, w.scheme.group_size, self.dtype)
+        return self.quant_rows(ids, w.qweight, w.scale, w.scheme.method, w.scheme.group_size, self.dtype, w.offset)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.comm.all_gather(self.lookup(ids), dim=-1)

@@ -13,15 +13,17 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from model_zoo import family_for
-from model_zoo.decoder import unpermute_rotary
+from model_zoo import family_for, family_for_gguf
+from model_zoo.decoder import GGUF_READ_INTO_PARAMS, unpermute_rotary
 from runner.errors import PmxError
 from runner.progress import progress_bar
 from runner.pmx.fingerprint import FINGERPRINT, Fingerprint, check_shards, shard_metadata
 from runner.pmx.hf import HFCheckpoint, BinFile
 from runner.pmx.opmx import check_tensors, find_ppl_params, ppl_params
 from runner.pmx.params import PmxParams, shard_file
-from runner.pmx.quant import QuantScheme, is_quant_tensor, quantizing_fetch, tensor_dtype
+from runner.pmx.gguf import DTYPE_OF, EXACT, FLOATS, GGUFCheckpoint, eos_ids, gguf_files, tokenizer_files
+from runner.pmx.quant import (QUANT_PARTS, QuantScheme, is_quant_tensor, quant_parts, quantizable, quantize,
+                              quantizing_fetch, tensor_dtype)
 from runner.pmx.schema import pmx_tensors
 from runner.pmx.shard import full_shape, merge_tensor, shard_shape, sharded_params, split_tensor, unsharded_params
 from runner.pmx.store import (DTYPE_NAMES, _numel, SafetensorsReader, SafetensorsWriter, atomic_output_dir,
@@ -71,25 +73,34 @@ def write_pmx(out_dir: Path, params: PmxParams, plan: Plan, fetch: Callable[[str
 
 def _write_dir(input_dir: Path, output_dir: str, overwrite: bool, params: PmxParams, plan: Plan,
                fetch: Callable[[str], torch.Tensor], num_shards: int, desc: str, progress: bool,
-               quant: Optional[QuantScheme] = None, extras: Optional[dict] = None) -> PmxParams:
-    """write_pmx into a temporary directory beside output_dir, with input_dir's tokenizer files (and `extras`, name ->
-    text, written over them), then rename. With `quant`, the float model (params, plan, fetch) is written quantised."""
+               quant: Optional[QuantScheme] = None, extras: Optional[dict] = None,
+               copy_tokenizer: bool = True) -> PmxParams:
+    """write_pmx into a temporary directory beside output_dir, with input_dir's tokenizer files (unless not
+    `copy_tokenizer`; and `extras`, name -> text, written over them), then rename. With `quant`, the float model
+    (params, plan, fetch) is written quantised."""
     check_apart(Path(output_dir), {"--input_dir": input_dir})
     if quant is not None:
         plan, fetch = quantizing_fetch(quant, plan, fetch)
         params = with_quant(params, quant)
     with atomic_output_dir(Path(output_dir), overwrite) as tmp:
         written = write_pmx(tmp, params, plan, fetch, num_shards, desc=desc, progress=progress)
-        copy_tokenizer_files(input_dir, tmp)
+        if copy_tokenizer:
+            copy_tokenizer_files(input_dir, tmp)
         for name, text in (extras or {}).items():
             (tmp / name).write_text(text)
     return written
 
 
 def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: int = 1, overwrite: bool = False,
-            progress: bool = True, quant: Optional[QuantScheme] = None) -> PmxParams:
-    """Converts a HuggingFace checkpoint directory (or a ppl.pmx export) into a PMX directory (optionally split,
-    optionally with weight-only quantised linears, see runner/pmx/quant.py)."""
+            progress: bool = True, quant: Optional[QuantScheme] = None,
+            report: Optional[Callable[[str], None]] = None) -> PmxParams:
+    """Converts a HuggingFace checkpoint directory, a GGUF file (or a directory holding one, or the first part of a
+    split set) or a ppl.pmx export into a PMX directory (optionally split, optionally with weight-only quantised
+    linears, see runner/pmx/quant.py). `report` gets a GGUF's one line per tensor type (what came in, what was
+    written)."""
+    files = gguf_files(Path(input_dir))
+    if files is not None:
+        return convert_gguf(files, output_dir, dtype, num_shards, overwrite, progress, quant, report)
     ppl = find_ppl_params(Path(input_dir))
     if ppl is not None:
         return _convert_ppl(Path(input_dir), ppl, output_dir, dtype, num_shards, overwrite, progress, quant)
@@ -157,6 +168,132 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
     extras = family.tokenizer_extras(Path(input_dir), params)
     return _write_dir(Path(input_dir), output_dir, overwrite, params, plan, fetch, num_shards, "converting", progress,
                       quant, extras)
+
+
+def convert_gguf(files: list, output_dir: str, dtype: str = "auto", num_shards: int = 1, overwrite: bool = False,
+                 progress: bool = True, quant: Optional[QuantScheme] = None,
+                 report: Optional[Callable[[str], None]] = None, exact: tuple = tuple(EXACT)) -> PmxParams:
+    """A GGUF model (runner/pmx/gguf.py: one file or a split set's parts, in order) -> a PMX directory: the family's
+    params from llama.cpp's keys, its tensors by llama.cpp's names, the `exact` types (of Q8_0, Q4_0, Q4_1) kept as
+    the same integers and scales, other quantised types dequantised (and re-quantised where `quant` asks), floats
+    at the model's dtype."""
+    ckpt = GGUFCheckpoint(files)
+    source, tensors = str(ckpt.path), ckpt.tensors
+    family = family_for_gguf(ckpt.architecture, "blk.0.ffn_gate_exps.weight" in tensors, source)
+    shapes = {n: t.shape for n, t in tensors.items()}
+    factors = tensors.get("rope_freqs.weight")
+    config = family.gguf_config(ckpt.meta, shapes, source, None if factors is None else
+                                ckpt.float_tensor(factors).float().tolist())
+    eos = eos_ids(ckpt.meta)
+    config["eos_token_id"] = eos[0] if len(eos) == 1 else eos or None
+    target_name = _gguf_dtype(dtype, ckpt)
+    params = family.params(config, target_name, source=source)
+    target = DTYPE_NAMES[target_name]
+
+    sources, used = {}, set(GGUF_READ_INTO_PARAMS)
+    for src in family.gguf_sources(params):
+        name = next((n for n in src.hf_names if n in tensors), None)
+        if name is None:
+            raise PmxError(f"{source}: missing tensor {src.hf_names[0]!r} (needed for {src.pmx_name})")
+        if tuple(tensors[name].shape) != tuple(src.shape):
+            raise PmxError(f"{ckpt.tensors[name].path}: tensor {name!r} has shape {list(tensors[name].shape)}, "
+                           f"expected {list(src.shape)} from its metadata")
+        sources[src.pmx_name] = (src, tensors[name])
+        used.add(name)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise PmxError(f"{source}: unexpected tensor(s) not used by {family.name}: {extra[:8]}"
+                       f"{' ...' if len(extra) > 8 else ''} ({len(extra)} in all); refusing to drop them silently")
+
+    # each weight's stored form: the same integers and scales (an exact type), re-quantised (`quant`), or float
+    leaves, kinds = {}, {}
+    for name, (src, t) in sources.items():
+        if not quantizable(name):
+            kinds[t.name, _float_outcome(t.type, target)] = t.type
+            continue
+        if t.type in exact:
+            leaf = EXACT[t.type]
+            kinds[t.name, f"{leaf.describe()}, bit-exact"] = t.type
+        else:
+            leaf = None if quant is None else quant.for_tensor(name)
+            kinds[t.name, _float_outcome(t.type, target) if leaf is None else
+                  f"{leaf.describe()} ({'dequantised, ' if t.type not in FLOATS else ''}--quantize)"] = t.type
+        leaves[name[: -len(".weight")]] = leaf
+    scheme = QuantScheme.of_tensors(leaves)
+    params = params.replace(quantization=None if scheme is None else scheme.to_dict())
+    sharded_params(params, num_shards)  # fail before any work if the cut is impossible
+
+    plan, pending, scratch = [], {}, Scratch()
+    for name, (src, t) in sources.items():
+        leaf = None if scheme is None else scheme.for_tensor(name)
+        if leaf is None:
+            plan.append((name, target, src.shape))
+            continue
+        base = name[: -len(".weight")]
+        plan += [(f"{base}.{part}", leaf.qdtype if part == "qweight" else torch.float32,
+                  leaf.qshape(src.shape) if part == "qweight" else leaf.scale_shape(src.shape))
+                 for part in quant_parts(leaf)]
+
+    def rows(src, x: torch.Tensor) -> torch.Tensor:
+        """q/k rows (of a weight, its scales, its offsets) from rotate-half to interleaved pairs, where stored so."""
+        return unpermute_rotary(x, src.rotary_heads) if src.rotary_heads else x
+
+    def fetch(name: str) -> torch.Tensor | Stored:
+        if name in pending:
+            return pending.pop(name)
+        base, _, part = name.rpartition(".")
+        if part not in QUANT_PARTS:
+            src, t = sources[name]
+            if t.type in FLOATS and FLOATS[t.type] == target and not src.rotary_heads:
+                return Stored.of_file(t.path, t.offset, target, t.shape)  # copied file to file
+            x = rows(src, ckpt.float_tensor(t))
+            return x if x.dtype == target else scratch.take("cast", target, x.shape).copy_(x)
+        src, t = sources[f"{base}.weight"]
+        leaf = scheme.for_tensor(f"{base}.weight")
+        parts = ckpt.exact_parts(t) if t.type in exact else quantize(rows(src, ckpt.float_tensor(t)).float(), leaf)
+        if t.type in exact:
+            parts = tuple(rows(src, x) for x in parts)
+        got = dict(zip(quant_parts(leaf), parts))
+        pending.update({f"{base}.{p}": x for p, x in got.items() if p != part})
+        return got[part]
+
+    if report is not None:
+        for line in _type_lines(kinds):
+            report(line)
+    extras = tokenizer_files(ckpt, params.max_position_embeddings)
+    # checked apart from the file itself (an output beside it in its directory is fine; one holding it is not)
+    return _write_dir(ckpt.path, output_dir, overwrite, params, plan, fetch, num_shards, "converting", progress,
+                      None, extras, copy_tokenizer=False)
+
+
+def _float_outcome(type_name: str, target: torch.dtype) -> str:
+    """What a tensor of GGUF type `type_name` kept float becomes."""
+    return DTYPE_OF[target] + ("" if type_name in FLOATS else " (dequantised)")
+
+
+def _type_lines(kinds: dict) -> list[str]:
+    """One line per GGUF type: how many of its tensors came in, and what they were written as (`kinds`: (GGUF tensor,
+    what it was written as) -> its type; a tied embedding is written twice, as the embedding and the lm head)."""
+    from collections import Counter
+    count = Counter((type_name, out) for (_, out), type_name in kinds.items())
+    lines = []
+    for type_name in sorted({t for t, _ in count}, key=lambda t: -sum(n for (u, _), n in count.items() if u == t)):
+        outs = [(n, out) for (u, out), n in count.items() if u == type_name]
+        total = sum(n for n, _ in outs)
+        what = "; ".join(out if len(outs) == 1 else f"{n} -> {out}" for n, out in sorted(outs, reverse=True))
+        lines.append(f"{type_name}: {total} tensor{'s' if total > 1 else ''} -> {what}")
+    return lines
+
+
+def _gguf_dtype(dtype: str, ckpt: GGUFCheckpoint) -> str:
+    """--dtype auto of a GGUF: the width of the matrices it stores as floats (the widest where they differ); float32
+    where every matrix is quantised (its norms are float32)."""
+    if dtype != "auto":
+        if dtype not in DTYPE_NAMES:
+            raise PmxError(f"--dtype {dtype!r} is not one of auto, {', '.join(DTYPE_NAMES)}")
+        return dtype
+    widths = {FLOATS[t.type] for t in ckpt.tensors.values() if t.type in FLOATS and len(t.shape) >= 2}
+    return DTYPE_OF[widths.pop()] if len(widths) == 1 else "float32"
 
 
 def with_quant(params: PmxParams, quant: Optional[QuantScheme]) -> PmxParams:

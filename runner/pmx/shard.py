@@ -16,11 +16,11 @@ One table serves both split and merge (Megatron-style cut, as ppl.pmx):
 Axes count from the end, so MoE experts stacked as [E, out, in] are cut like a dense MLP.
 
 A weight-only quantised weight (runner/pmx/quant.py) is cut like its float weight: `qweight` on the
-same axis (in bytes, two int4 columns each, along the input dim), `scale` with its rows. An int8 scale is
-one per output row, so it is cut with the rows of a column-parallel weight and replicated beside a
-row-parallel one (wo, w2) or the embedding (cut by hidden columns), whose scales cover the full row. int4
-groups run along the input dim: a row-parallel (or embedding) cut must fall on group boundaries, and a split
-that would cut a group is refused.
+same axis (in bytes, two int4 columns each, along the input dim), `scale` (and `offset`) with its rows. A
+per-channel int8 scale is one per output row, so it is cut with the rows of a column-parallel weight and replicated
+beside a row-parallel one (wo, w2) or the embedding (cut by hidden columns), whose scales cover the full row. Groups
+(int4, grouped int8) run along the input dim: a row-parallel (or embedding) cut must fall on group boundaries, and
+a split that would cut a group is refused.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 from runner.errors import PmxError
 from runner.pmx.params import PmxParams
-from runner.pmx.quant import scheme_of
+from runner.pmx.quant import QUANT_PARTS, scheme_of
 from runner.pmx.schema import pmx_tensors
 from runner.pmx.stored import Stored
 
@@ -76,34 +76,42 @@ def cut_for(name: str) -> Cut:
 
 
 def _cut(p: PmxParams, name: str) -> Cut:
-    """`cut_for(name)`, extended to the `qweight` / `scale` of a quantised model with params `p`."""
-    base, _, leaf = name.rpartition(".")
+    """`cut_for(name)`, extended to the `qweight` / `scale` / `offset` of a quantised model with params `p`."""
+    base, _, part = name.rpartition(".")
     scheme = scheme_of(p)
-    if scheme is None or leaf not in ("qweight", "scale"):
+    leaf = scheme.for_tensor(f"{base}.weight") if scheme is not None and part in QUANT_PARTS else None
+    if leaf is None:
         return cut_for(name)
     w = cut_for(f"{base}.weight")
     if w.kind == "replicate" or w.axis != -1:  # cut by output rows (or not at all): scales go with the rows
-        return Cut(w.kind, -1, w.dim) if (leaf, scheme.method, w.axis) == ("scale", "int8", -2) else w
-    if scheme.method == "int8":  # cut by input columns: the per-row scale covers the full row
-        return w if leaf == "qweight" else REPLICATE
-    return Cut(w.kind, w.axis, w.dim, unit=2 if leaf == "qweight" else scheme.group_size)
+        return Cut(w.kind, -1, w.dim) if part != "qweight" and not leaf.grouped and w.axis == -2 else w
+    if not leaf.grouped:  # cut by input columns: the per-row scale covers the full row
+        return w if part == "qweight" else REPLICATE
+    unit = (2 if leaf.method == "int4" else 1) if part == "qweight" else leaf.group_size
+    return Cut(w.kind, w.axis, w.dim, unit=unit)
 
 
 def _check_groups(p: PmxParams, sharded: PmxParams) -> None:
-    """int4: every input dim must hold whole groups, and so must every row-parallel cut (columns per rank)."""
+    """Weights quantised in groups: every input dim must hold whole groups, and so must every cut by input columns
+    (row-parallel weights and the embedding: columns per rank); a group is never split."""
     scheme, n = scheme_of(p), sharded.num_shards
-    if scheme is None or scheme.method != "int4":
+    if scheme is None:
         return
     pmx_tensors(p)  # refuses an input dim that is not a multiple of group_size, naming the tensor
-    per_rank = {"layers.*.attention.wo": p.num_heads * p.head_dim // n,
-                "layers.*.feed_forward.w2": sharded.padded("intermediate_dim") // n}
-    if scheme.quantize_embedding:  # cut by hidden columns
-        per_rank["tok_embeddings"] = sharded.padded("hidden_dim") // n
-    for tensor, cols in per_rank.items():
-        if cols % scheme.group_size:
-            raise PmxError(f"num_shards={n} cannot be honoured: it would cut the int4 groups of tensor {tensor!r} "
-                           f"({cols} input columns per rank, group_size {scheme.group_size}); quantise with a "
-                           f"--group_size that divides {cols}, or pick another shard count")
+    floats = pmx_tensors(p.replace(quantization=None))
+    seen = set()
+    for name in floats:
+        leaf = scheme.for_tensor(name)
+        cut = cut_for(name)
+        if leaf is None or not leaf.grouped or cut.kind == "replicate" or cut.axis != -1:
+            continue
+        cols = p.num_heads * p.head_dim // n if cut.kind == "q_heads" else sharded.padded(cut.dim) // n
+        tensor = re.sub(r"^layers\.\d+\.", "layers.*.", name[: -len(".weight")])
+        if cols % leaf.group_size and (tensor, leaf) not in seen:
+            seen.add((tensor, leaf))
+            raise PmxError(f"num_shards={n} cannot be honoured: it would cut the {leaf.method} groups of tensor "
+                           f"{tensor!r} ({cols} input columns per rank, group_size {leaf.group_size}); quantise with "
+                           f"a --group_size that divides {cols}, or pick another shard count")
 
 
 def sharded_params(p: PmxParams, num_shards: int) -> PmxParams:

@@ -1,0 +1,277 @@
+"""GGUF files (llama.cpp's format) read for conversion to PMX, with the `gguf` package (the format's reference
+reader, maintained with llama.cpp): the file is memory-mapped and each tensor read as it is written, so memory follows
+the largest tensor, as for safetensors.
+
+What comes in and what is written (runner.pmx.convert.convert_gguf prints one line per type):
+
+- F32 / F16 / BF16: floats, at the model's dtype (`--dtype auto`: the width of the matrices the file stores as
+  floats; float32 where every matrix is quantised);
+- Q8_0, Q4_0, Q4_1 on the weights PMX quantises (the linears, the lm head, the embedding): the same integers and
+  scales, repacked (runner/pmx/quant.py): int8 in groups of 32, int4 in groups of 32 (the nibble is Q4_0's q + 8
+  already), int4 in groups of 32 with offsets (Q4_1's minimum). The scales are float16 in the file, float32 in PMX
+  (exact); dequantising either gives gguf's own dequantiser's values bit for bit;
+- every other type gguf dequantises (K-quants, IQ*, Q5_*, ...) and any quantised tensor PMX keeps float (a router):
+  dequantised with gguf's dequantiser, then kept float or re-quantised as `--quantize` asks;
+- a type gguf cannot read (Q8_1, integer tensors, ...): refused before anything is written.
+
+The tokenizer is rebuilt from the metadata with transformers' GGUF converter (`PreTrainedTokenizerFast.from_pretrained(
+dir, gguf_file=...)`: the vocabulary, merges, special tokens), with llama.cpp's pre-tokenizer for `tokenizer.ggml.pre`
+and BOS / EOS as `tokenizer.ggml.add_bos_token` / `add_eos_token` say, written as tokenizer.json; the special
+tokens, the chat template and add_bos_token go into tokenizer_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from runner.errors import PmxError
+from runner.pmx.quant import QuantScheme
+
+SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SMALL_ARRAY = 4096  # metadata arrays read into the key dict (the vocabulary's are left to the tokenizer converter)
+
+# The types kept bit-exact: GGUF type name -> the PMX leaf scheme holding the same integers and scales
+EXACT = {"Q8_0": QuantScheme("int8", 32), "Q4_0": QuantScheme("int4", 32), "Q4_1": QuantScheme("int4", 32, offset=True)}
+FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DTYPE_OF = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def gguf_files(path: Path) -> Optional[list[Path]]:
+    """The GGUF file(s) `path` names: a `.gguf` file (the first of a split set `-00001-of-0000N.gguf`: all its
+    parts), or a directory holding one file or one split set and no config.json; None where `path` is neither (a
+    HuggingFace directory)."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return None
+        found = sorted(path.glob("*.gguf"))
+        if not found:
+            return None
+        singles = [p for p in found if not SPLIT_NAME.match(p.name)]
+        firsts = [p for p in found if (m := SPLIT_NAME.match(p.name)) and int(m["no"]) == 1]
+        if len(singles) + len(firsts) != 1:
+            names = ", ".join(p.name for p in singles + firsts)
+            raise PmxError(f"{path}: holds several GGUF models ({names}); give one as --input_dir {path}/FILE.gguf")
+        path = (singles + firsts)[0]
+    elif path.suffix != ".gguf":
+        return None
+    if not path.is_file():
+        raise PmxError(f"{path}: file not found")
+    m = SPLIT_NAME.match(path.name)
+    if m is None:
+        return [path]
+    count = int(m["count"])
+    if int(m["no"]) != 1:
+        raise PmxError(f"{path}: is part {int(m['no'])} of a split GGUF; give its first part, "
+                       f"{m['stem']}-00001-of-{m['count']}.gguf")
+    parts = [path.with_name(f"{m['stem']}-{i:05d}-of-{m['count']}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise PmxError(f"{path}: the split GGUF has {count} parts, but {', '.join(missing)} "
+                       f"{'is' if len(missing) == 1 else 'are'} missing beside it")
+    return parts
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of the file: its type's name, its shape in torch order (GGUF lists dimensions innermost first) and
+    the reader's memory-mapped data (bytes [.., rows, row bytes] for quantised types)."""
+    name: str
+    type: str
+    shape: tuple
+    data: np.ndarray
+    path: Path
+    offset: int  # of its data in `path`
+
+
+class GGUFCheckpoint:
+    """The metadata and tensors of a GGUF model (one file or a split set), memory-mapped."""
+
+    def __init__(self, files: list[Path]):
+        try:
+            import gguf
+        except ImportError:
+            raise PmxError(f"{files[0]}: reading a GGUF file needs the gguf package: pip install -e '.[gguf]' (or "
+                           f"bash scripts/install.sh)") from None
+        self.files, self.path = files, files[0]
+        self.tensors: dict[str, GGUFTensor] = {}
+        self.meta: dict = {}
+        for i, f in enumerate(files):
+            try:
+                reader = gguf.GGUFReader(f)
+            except Exception as e:  # noqa: BLE001 - the reader raises ValueError / struct / numpy errors on bad files
+                raise PmxError(f"{f}: not a readable GGUF file ({type(e).__name__}: {str(e)[:200]})") from None
+            fields = {k: v for k, v in reader.fields.items() if not k.startswith("GGUF.")}
+            if len(files) > 1:
+                no, count = _scalar(fields.get("split.no")), _scalar(fields.get("split.count"))
+                if (no, count) != (i, len(files)):
+                    raise PmxError(f"{f}: its split.no / split.count say part {no} of {count}, but its name says "
+                                   f"part {i} of {len(files)} (counting from 0)")
+            if i == 0:
+                self.meta = {k: v.contents() for k, v in fields.items() if len(v.data) <= SMALL_ARRAY}
+                tokens = fields.get("tokenizer.ggml.tokens")
+                self.token_count = 0 if tokens is None else len(tokens.data)
+            for t in reader.tensors:
+                if t.name in self.tensors:
+                    raise PmxError(f"{f}: tensor {t.name!r} is also in {self.tensors[t.name].path}")
+                self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
+                                                  t.data, f, int(t.data_offset))
+        if len(files) > 1 and "split.tensors.count" in self.meta and \
+                int(self.meta["split.tensors.count"]) != len(self.tensors):
+            raise PmxError(f"{self.path}: split.tensors.count says {self.meta['split.tensors.count']} tensors, the "
+                           f"{len(files)} parts hold {len(self.tensors)}")
+        self.architecture = self.meta.get("general.architecture")
+        if not isinstance(self.architecture, str):
+            raise PmxError(f"{self.path}: has no general.architecture")
+        self._check_types()
+
+    def _check_types(self) -> None:
+        """Every tensor's type must be a float, kept exact or dequantisable by gguf; refused before any work."""
+        import gguf
+        for type_name in sorted({t.type for t in self.tensors.values()}):
+            if type_name in FLOATS or type_name in EXACT:
+                continue
+            qtype = gguf.GGMLQuantizationType[type_name]
+            try:
+                gguf.quants.dequantize(np.zeros(gguf.GGML_QUANT_SIZES[qtype][1], dtype=np.uint8), qtype)
+            except (NotImplementedError, KeyError):
+                first = next(t.name for t in self.tensors.values() if t.type == type_name)
+                raise PmxError(f"{self.path}: tensor {first!r} is of type {type_name}, which cannot be read (gguf "
+                               f"has no dequantiser for it)") from None
+
+    def float_tensor(self, t: GGUFTensor) -> torch.Tensor:
+        """A float tensor (F32 / F16 / BF16) as stored, or any other type dequantised by gguf to float32."""
+        if t.type in ("F32", "F16"):
+            return torch.from_numpy(np.array(t.data, copy=True)).reshape(t.shape)
+        if t.type == "BF16":
+            return torch.from_numpy(np.array(t.data, copy=True).view(np.int16)).view(torch.bfloat16).reshape(t.shape)
+        import gguf
+        return torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType[t.type])
+                                .reshape(t.shape))
+
+    @staticmethod
+    def exact_parts(t: GGUFTensor) -> tuple:
+        """A Q8_0 / Q4_0 / Q4_1 tensor [.., N, K] as the parts of its PMX scheme (EXACT): qweight, scale[, offset]."""
+        *lead, k = t.shape
+        if t.type == "Q8_0":
+            b = np.asarray(t.data).reshape(*lead, k // 32, 34)        # per block: d (float16), 32 x int8
+            q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(*lead, k)
+            return torch.from_numpy(q), _halves(b, 0)
+        offset = t.type == "Q4_1"
+        b = np.asarray(t.data).reshape(*lead, k // 32, 20 if offset else 18)  # d[, m] (float16), 16 bytes
+        qs = b[..., -16:]
+        elems = np.concatenate([qs & 15, qs >> 4], axis=-1)         # block element j in byte j's low nibble,
+        packed = elems[..., 0::2] | (elems[..., 1::2] << 4)         # j + 16 in its high one -> PMX's pairs
+        q = torch.from_numpy(np.ascontiguousarray(packed).reshape(*lead, k // 2))
+        return (q, _halves(b, 0), _halves(b, 2)) if offset else (q, _halves(b, 0))
+
+
+def _halves(blocks: np.ndarray, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of each block, as float32 [.., blocks] (exact)."""
+    return torch.from_numpy(np.ascontiguousarray(blocks[..., at: at + 2]).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _scalar(field):
+    return None if field is None else field.contents()
+
+
+# --- the tokenizer ------------------------------------------------------------------------------------------------
+# llama.cpp's pre-tokenizers (tokenizer.ggml.pre) of the families converted here, as `tokenizers` pre-tokenizers
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _split_then_bytes(pattern: str):
+    from tokenizers import Regex, pre_tokenizers
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _gpt2():
+    from tokenizers import pre_tokenizers
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _smollm():  # digits one by one, then GPT-2's split (SmolLM's own tokenizer.json)
+    from tokenizers import pre_tokenizers
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+
+
+# llama.cpp's LLAMA3 type: a piece the vocabulary holds whole is taken as it is, merges ignored (HF's ignore_merges),
+# and BOS added where the file does not say
+LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "falcon3")
+PRE_TOKENIZERS = {  # no pre-tokenizer named, or "default" (llama.cpp's fallback): GPT-2's split, as transformers takes
+    "default": _gpt2, "gpt-2": _gpt2, "smollm": _smollm,
+    **{name: (lambda: _split_then_bytes(LLAMA3_SPLIT)) for name in LLAMA3_PRE},
+    **{name: (lambda: _split_then_bytes(QWEN2_SPLIT)) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
+}
+
+
+def tokenizer_files(ckpt: GGUFCheckpoint, max_positions: int) -> dict:
+    """tokenizer.json and tokenizer_config.json (name -> text) of the tokenizer the file's metadata describes."""
+    meta, path = ckpt.meta, ckpt.path
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise PmxError(f"{path}: tokenizer.ggml.model {kind!r} is not supported (gpt2: byte-level BPE, llama: "
+                       f"sentencepiece)")
+    pre = meta.get("tokenizer.ggml.pre", "default") if kind == "gpt2" else None
+    if kind == "gpt2" and pre not in PRE_TOKENIZERS:
+        raise PmxError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: "
+                       f"{', '.join(sorted(PRE_TOKENIZERS))})")
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from tokenizers import processors
+        # (not AutoTokenizer: it reads the whole file's metadata a second time for a config, to pick this same class)
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ImportError as e:
+        raise PmxError(f"{path}: converting a GGUF's tokenizer needs transformers ({e}): pip install -e '.[gguf]' "
+                       f"(or bash scripts/install.sh)") from None
+    backend = tok.backend_tokenizer
+    if pre is not None:
+        backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
+
+    def token(key: str) -> Optional[str]:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return None if i is None else backend.id_to_token(int(i))
+
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or pre in LLAMA3_PRE))  # llama.cpp's
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))  # defaults where the file says none
+    bos, eos = token("bos_token_id"), token("eos_token_id")
+    if (add_bos and bos is None) or (add_eos and eos is None):
+        raise PmxError(f"{path}: tokenizer.ggml.add_{'bos' if add_bos and bos is None else 'eos'}_token is true, "
+                       f"but the file names no such token")
+    single = ([bos] if add_bos else []) + ["$A"] + ([eos] if add_eos else [])
+    specials = [(t, backend.token_to_id(t)) for t in {bos if add_bos else None, eos if add_eos else None} - {None}]
+    backend.post_processor = processors.TemplateProcessing(single=" ".join(single), special_tokens=specials)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos, "add_eos_token": add_eos,
+              "bos_token": bos, "eos_token": eos, "unk_token": token("unknown_token_id"),
+              "pad_token": token("padding_token_id"), "model_max_length": max_positions,
+              "clean_up_tokenization_spaces": False}
+    template = meta.get("tokenizer.chat_template")
+    if isinstance(template, str):
+        config["chat_template"] = template
+    spec = json.loads(backend.to_str())  # without the tokens the converter's class adds on its own (GPT-2's
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < ckpt.token_count]  # <|endoftext|>)
+    if pre in LLAMA3_PRE:
+        spec["model"]["ignore_merges"] = True
+    config["added_tokens_decoder"] = {  # as transformers writes them: a chat template's special tokens are found here
+        str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+        for t in spec["added_tokens"]}
+    return {"tokenizer.json": json.dumps(spec, ensure_ascii=False),
+            "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+
+
+def eos_ids(meta: dict) -> list:
+    """The ids generation stops at: the EOS, and the end-of-turn / end-of-message tokens llama.cpp stops at too."""
+    ids = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
