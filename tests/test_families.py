@@ -5,6 +5,7 @@ tensor-parallel, through split / merge, and through the scripts end to end."""
 from __future__ import annotations
 
 import filecmp
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -182,30 +183,38 @@ def test_family_tensor_parallel(make_hf, tmp_path, name, n):
         assert PmxParams.load(tmp_path / f"pmx{n}").kv_replication == (2 if name == "gemma3" else 1)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mixtral", "mistral_window", "llama3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mixtral", "mistral_window", "llama3", "gemma3"])
 def test_scripts_end_to_end_match_transformers_greedy(make_hf, tmp_path, name):
-    """ConvertWeightToPmx.py -> Split.py -> mpirun -np 2 Demo.py: the greedy tokens of transformers."""
+    """ConvertWeightToPmx.py -> Split.py -> mpirun -np 2 Demo.py: the greedy tokens of transformers; Gemma 3's dumped
+    prefill and decode steps replay bit for bit through mpirun -np 2 benchmark.sh."""
     from runner.engine.tokenizer import Tokenizer
     from runner.pmx.random_model import _tokenizer_json
     src, model = make_hf(name if name not in ROPE else "llama_mha", vocab_size=300,
                          **({"rope_scaling": dict(ROPE[name]), "max_position_embeddings": 64} if name in ROPE else {}))
     (src / "tokenizer.json").write_text(_tokenizer_json(300))
-    py = sys.executable
+    py, dump = sys.executable, ["--dump_tensor_path", tmp_path / "dump", "--dump_steps", "0,5"] if name in NEW else []
     for cmd in ([py, ROOT / "scripts" / "ConvertWeightToPmx.py", "--input_dir", src, "--output_dir", tmp_path / "pmx"],
                 [py, ROOT / "scripts" / "Split.py", "--input_dir", tmp_path / "pmx", "--num_shards", 2,
                  "--output_dir", tmp_path / "pmx2"],
                 [ROOT / "scripts" / "mpirun.sh", "-np", 2, py, ROOT / "scripts" / "Demo.py", "--ckpt_dir",
-                 tmp_path / "pmx2", "--prompt", "Once upon a time", "--max_gen_len", 12, "--show_ids"]):
+                 tmp_path / "pmx2", "--prompt", "Once upon a time", "--max_gen_len", 12, "--show_ids", *dump]):
         res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
     ids = eval(res.stdout.split("ids: ")[1].splitlines()[0])  # noqa: S307 (our own output)
     p = PmxParams.load(tmp_path / "pmx")
     prompt = Tokenizer(str(tmp_path / "pmx"), p.bos_token_id).encode("Once upon a time")
-    eos = model.config.eos_token_id
-    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=eos,
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=list(p.eos_ids),
                           pad_token_id=0)[0, len(prompt):].tolist()
-    want = want[: want.index(eos)] if eos in want else want
+    want = next((want[:i] for i, t in enumerate(want) if t in p.eos_ids), want)
     assert ids == want
+    if dump:
+        res = subprocess.run([str(ROOT / "scripts" / "mpirun.sh"), "-np", "2", str(ROOT / "scripts" / "benchmark.sh"),
+                              "5"], capture_output=True, text=True, timeout=300, cwd=ROOT, env={
+            **os.environ, "MODEL_PATH": str(tmp_path / "pmx2"), "TEST_DATA_DIR": str(tmp_path / "dump"),
+            "OUTPUT_DIR": str(tmp_path / "out"), "MIN_PROFILING_SECONDS": "0.05", "WARMUP_ITERATIONS": "1",
+            "PYTHON": py})
+        rows = [ln.split() for ln in res.stdout.splitlines() if ln.strip().startswith(("0 ", "1 "))]
+        assert res.returncode == 0 and len(rows) == 2 and all(r[-1] == "exact" for r in rows), res.stdout + res.stderr
 
 
 def test_config_checks_sliding_window_kinds_and_rope_types():

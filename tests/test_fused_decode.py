@@ -53,6 +53,9 @@ def one_call(stepper):
     ("mistral_window", dict(cache_layout=2)),                        # sliding window
     ("mistral_window", dict(cache_layout=1, cache_mode=1, quantized_cache=True)),  # int8 cache: rows quantised in C++
     ("qwen3", dict(cache_layout=0, quantized_cache=True)),
+    ("gemma2", dict(cache_layout=1, cache_mode=1)),                 # GeGLU, post norms, soft caps, mixed layer kinds
+    ("gemma3", dict(cache_layout=2, quantized_cache=True)),         # a rope per layer kind, q/k norms (1 + w)
+    ("phi4_mini", dict(cache_layout=3)),                             # partial rotary, LongRoPE across its switch
 ])
 def test_one_call_decode_matches_the_torch_step_and_transformers(make_hf, tmp_path, arch, options):
     """Teacher-forced decode of 3 sequences of different lengths: every decode step goes through the one call, and its

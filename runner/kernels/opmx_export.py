@@ -159,6 +159,20 @@ silu_op = _define(
     "silu", "Tensor x, Tensor gate", OPMX, "SiLU", (0,), lambda x, gate, a: torch.zeros_like(x))
 gelu_op = _define(
     "gelu", "Tensor x, Tensor gate", OPMX, "GELU", (0,), lambda x, gate, a: torch.zeros_like(x))
+
+
+def _halves_symbolic(g, x, attrs):
+    """One standard Split (opset 11: sizes as an attribute) of the last dim into two halves of `size`."""
+    from torch.onnx import symbolic_helper as sh
+    n = json.loads(sh._get_const(attrs, "s", "attrs"))["size"]
+    return g.op("Split", x, axis_i=-1, split_i=[n, n], outputs=2)
+
+
+_LIB.define("halves(Tensor x, str attrs) -> (Tensor, Tensor)")
+_LIB.impl("halves", lambda x, a: tuple(x[..., :json.loads(a)["size"]].clone() for _ in range(2)),
+          "CompositeExplicitAutograd")
+torch.onnx.register_custom_op_symbolic(f"{NAMESPACE}::halves", _halves_symbolic, OPSET)
+halves_op = torch.ops.opmx_export.halves
 rotary_position_embedding = _define(
     "rotary_position_embedding", "Tensor q, Tensor k, Tensor seqstarts, Tensor start_pos, Tensor max_seqlen", DB,
     "RotaryPositionEmbedding", (0, 1), lambda q, k, *_: (torch.zeros_like(q), torch.zeros_like(k)))
@@ -381,10 +395,14 @@ def kernel_set(config: EngineConfig, num_layers: int) -> KernelSet:
     def geglu(gate, up):
         return gelu_op(gate, up, _attrs(approximate=True))
 
+    def geglu_packed(gate_up):  # the halves of a fused output as one Split of constant sizes (chunk traces shapes)
+        return geglu(*halves_op(gate_up, _attrs(size=int(gate_up.shape[-1]) // 2)))
+
     name = "onnx export (opmx)"
     why = "the opmx export traces steps as ppl.pmx's operators"
     return KernelSet(
         name, skip_rms_norm, lacking(name, "apply_rotary", why), lambda gate, up: silu_op(gate, up, _attrs()),
         lacking(name, "kv_store", why), lacking(name, "kv_load", why), lacking(name, "attend", why),
         rms_norm=rms_norm, swiglu_packed=lambda gate_up: swiglu_op(gate_up, _attrs(beta=1.0)), geglu=geglu,
+        geglu_packed=geglu_packed,
         rotary_step=rotary_step, cache_attention=cache_attention, layers=LAYERS)
