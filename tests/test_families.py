@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import filecmp
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -242,3 +243,48 @@ def test_config_checks_sliding_window_kinds_and_rope_types():
     yarn = fam.params({**base, "max_position_embeddings": 4096, "rope_scaling": {"type": "yarn", "factor": 2.0}},
                       "float32").rope_scaling
     assert yarn["original_max_position_embeddings"] == 4096  # filled in as transformers does
+
+
+CHATS = {  # the family's template where the checkpoint has none: the prompt text it renders for one user turn
+    "gemma3": ("<s><start_of_turn>user\nBe brief.\n\nOnce upon a time<end_of_turn>\n<start_of_turn>model\n",
+               ("<start_of_turn>", "<end_of_turn>")),
+    "phi3": ("<|system|>\nBe brief.<|end|>\n<|user|>\nOnce upon a time<|end|>\n<|assistant|>\n",
+             ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")),
+}
+
+
+@pytest.mark.parametrize("name", list(CHATS))
+def test_chat_template_and_server(make_hf, tmp_path, name):
+    """A checkpoint without a chat template gets its family's (Gemma's turns, Phi-3's roles) at conversion, with its
+    special tokens: the offline LLM's chat prompt is the family's format, its special tokens one id each, and its
+    greedy answer transformers'; for Gemma 3, `python -m runner serve` answers /v1/chat/completions the same."""
+    import openai
+
+    from jobs import Job
+    from runner import LLM, SamplingParams
+    from runner.pmx.random_model import _tokenizer_json
+    text, specials = CHATS[name]
+    src, model = make_hf(name, bos_token_id=1)
+    (src / "tokenizer.json").write_text(_tokenizer_json(300, specials))
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Once upon a time"}]
+    with LLM(str(tmp_path / "pmx"), kv_cache_tokens=1024) as llm:
+        out = llm.chat(msgs, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert out.prompt == text
+    ids = out.prompt_token_ids
+    assert [i for i in ids if i in (3, 4, 5, 6)] == [3 + specials.index(t) for t in re.findall(
+        "|".join(re.escape(t) for t in specials), text)]  # each special token one id (3.. in the tokenizer)
+    assert out.outputs[0].token_ids == hf_greedy(model, [ids], 6)[0]
+    if name != "gemma3":
+        return
+    job = Job([sys.executable, "-m", "runner", "serve", "--ckpt_dir", tmp_path / "pmx", "--host", "127.0.0.1",
+               "--port", 0, "--served_model_name", "g", "--kv_cache_tokens", 1024], tmp_path, {"OMP_NUM_THREADS": "1"})
+    try:
+        job.wait_for("serving ", 180)
+        url = re.search(r"serving .* at (http://127\.0\.0\.1:\d+)", job.stderr).group(1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="g", messages=msgs, max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert r.choices[0].message.content == out.outputs[0].text and r.usage.prompt_tokens == len(ids)
+    finally:
+        job.cleanup()

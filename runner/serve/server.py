@@ -73,8 +73,8 @@ def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template
     failed = None
     try:
         print(f"serving {name} at http://{front.address[0]}:{front.address[1]} ({sess.env.world_size} rank(s), "
-              f"{sess.device}; KV cache {llm.core.cache.rows} tokens, max batch {engine.max_batch})", file=sys.stderr,
-              flush=True)
+              f"{sess.device}; KV cache {llm.core.cache.rows} tokens, max batch {llm.core.config.max_batch})",
+              file=sys.stderr, flush=True)
         loop.run()
     except ChannelClosed:
         failed = "the HTTP front end exited unexpectedly"
