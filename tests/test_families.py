@@ -17,6 +17,7 @@ import torch
 from runner.engine.model import load_shard
 from runner.pmx.convert import convert, reshard
 from runner.pmx.params import PmxParams
+from runner.pmx.quant import QuantScheme
 from test_engine import core, engine, hf_logits, prompts_and_conts, rel_err, run_tp
 from tp_worker import teacher_forced_logits
 
@@ -288,3 +289,49 @@ def test_chat_template_and_server(make_hf, tmp_path, name):
         assert r.choices[0].message.content == out.outputs[0].text and r.usage.prompt_tokens == len(ids)
     finally:
         job.cleanup()
+
+
+@pytest.mark.parametrize("name,scheme", [("gemma3", QuantScheme("int4", 32, True)), ("phi4_mini", QuantScheme("int8", 0))])
+def test_quantised_families(make_hf, tmp_path, name, scheme):
+    """Weight-only int8 / int4 (the tied embedding too): the one-call decode step's logits the reference kernels', and
+    close to transformers' float model."""
+    from test_quant_engine import model_tol, snr_db
+    src, model = make_hf(name)
+    convert(str(src), str(tmp_path / "q"), progress=False, quant=scheme)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    fast_engine = engine(tmp_path / "q")
+    assert any(r.name == "one-call C++ decode" for r in fast_engine.runners)
+    fast = torch.stack(teacher_forced_logits(fast_engine, prompts, conts))
+    ref = torch.stack(teacher_forced_logits(engine(tmp_path / "q", kernels="reference"), prompts, conts))
+    assert rel_err(fast, ref) < model_tol(scheme.method)
+    hf = hf_logits(model, prompts, conts)  # (int4 in groups of 32 of these random weights: ~9 dB, int8 ~31)
+    assert snr_db(fast, hf) > (25 if scheme.method == "int8" else 7) and rel_err(fast, hf) > 1e-4
+
+
+def test_speculation_and_prefix_caching_with_layers_of_both_kinds(make_hf, tmp_path):
+    """Gemma 2 (a windowed layer of 5, a full one; soft caps): prompt-lookup speculation's verify steps and a prefix
+    shared from the cache's pages (300 tokens, two full pages) keep the greedy tokens computed without them, in the
+    float and the int8 cache."""
+    from runner import LLM
+    from runner.pmx.random_model import _tokenizer_json
+    from runner.serve.params import SamplingParams
+    src, model = make_hf("gemma2")
+    (src / "tokenizer.json").write_text(_tokenizer_json(300))
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    g = torch.Generator().manual_seed(2)
+    motif = torch.randint(3, 300, (9,), generator=g).tolist()
+    prompts = [motif * 4, torch.randint(3, 300, (20,), generator=g).tolist()]
+    for options in ({}, dict(cache_mode=1, cache_layout=2, quantized_cache=True)):
+        want = core(tmp_path / "pmx", **options).generate(prompts, 24)
+        spec = core(tmp_path / "pmx", speculative="ngram", **options)
+        assert spec.generate(prompts, 24) == want and spec.proposed > 0
+    prefix = torch.randint(3, 300, (300,), generator=g).tolist()
+    prompts = [prefix + [5, 6, 7], prefix + [8, 9]]
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for options in ({}, dict(quantized_cache=True)):
+        with LLM(str(tmp_path / "pmx"), kv_cache_tokens=8 * 128, enable_prefix_caching=False, **options) as plain:
+            want = [plain.generate([q], p)[0].outputs[0].token_ids for q in prompts]
+        with LLM(str(tmp_path / "pmx"), kv_cache_tokens=8 * 128, **options) as llm:
+            got = [llm.generate([q], p)[0].outputs[0].token_ids for q in prompts]
+            assert llm.engine.core.scheduler.allocator.hits == 2  # the second prompt took the first's 2 full pages
+        assert got == want
