@@ -4,9 +4,8 @@ Built from `pmx_params.json` alone (no family names): biases, GQA, q/k norms, ro
 (full attention or a sliding window, with a rope of its own), the norms' offset and the post norms, the embedding
 and attention scales, the soft caps, the MLP's activation and experts come from the params. Each rank holds its
 shard: heads H/N (KV heads KV/N, or one replicated KV head), intermediate F/N, vocabulary V/N, embedding columns
-D/N. `forward(tokens, plan, cache)` reads only the
-step's plan (runner.engine.plan), the weights and the cache; how a step is run (eagerly, compiled, as one C++
-call, from a CUDA graph) is runner.engine.runners' business.
+D/N. `forward(tokens, plan, cache)` reads only the step's plan (runner.engine.plan), the weights and the cache; how
+a step is run (eagerly, compiled, as one C++ call, from a CUDA graph) is runner.engine.runners' business.
 """
 
 from __future__ import annotations

@@ -585,14 +585,15 @@ def _prefill_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens
 
 
 def prefill_blocks(head_dim: int, quantized: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) of prefill attention (head_dim 256 over an int8 cache: 16 keys per
-    step, whose dequantised tiles spilled registers at 32 on sm_90)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) of prefill attention. head_dim 256 (Gemma): 16 keys a step for 64 rows,
+    or over an int8 cache (whose dequantised tiles are float32 a while) 32 rows on 4 warps; 64 x 32 spilled registers
+    on sm_80 and sm_90 (runner.kernels.aot)."""
     block_d = max(16, _pow2(head_dim))
     if block_d <= 64:
         return 64, 64, block_d, 4
     if block_d <= 128:
         return 64, 64, block_d, 8
-    return 64, 16 if quantized else 32, block_d, 8
+    return (32, 32, block_d, 4) if quantized else (64, 16, block_d, 8)
 
 
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
