@@ -335,3 +335,16 @@ def test_speculation_and_prefix_caching_with_layers_of_both_kinds(make_hf, tmp_p
             got = [llm.generate([q], p)[0].outputs[0].token_ids for q in prompts]
             assert llm.engine.core.scheduler.allocator.hits == 2  # the second prompt took the first's 2 full pages
         assert got == want
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi4_mini"])
+def test_configs_saved_by_transformers_5_convert_alike(make_hf, tmp_path, name):
+    """The same model saved by transformers 5 (rope_parameters per layer type, layer_types written out) converts to
+    the params and tensors of its published config.json."""
+    src, model = make_hf(name)
+    model.save_pretrained(tmp_path / "t5")
+    for d, out in ((src, "published"), (tmp_path / "t5", "saved")):
+        convert(str(d), str(tmp_path / out), progress=False)
+    assert PmxParams.load(tmp_path / "saved") == PmxParams.load(tmp_path / "published")
+    a, b = (load_shard(tmp_path / d, 0, torch.device("cpu"), torch.float32)[1] for d in ("saved", "published"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
