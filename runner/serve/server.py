@@ -59,13 +59,14 @@ def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template
         return
     name = served_model_name or ckpt_dir
     tok = loaded.tokenizer
-    config = frontend.FrontendConfig(
+    max_batch = config.max_batch
+    front_config = frontend.FrontendConfig(
         host, port, name, str(tok.path), tok.bos_id, tok.eos_id,
         loaded.chat_template.spec() if loaded.chat_template is not None else None, llm.max_model_len,
         llm.vocab_size, max_waiting, max_request_bytes, header_timeout, body_timeout, keep_alive_timeout,
         max_connections, int(time.time()))
     try:
-        front = frontend.start(config)
+        front = frontend.start(front_config)
     except PmxError as e:
         _leave(sess, llm, f"error: {e}", 2)
     loop = EngineLoop(llm, front.sock, max_waiting, drain_timeout, stats)
@@ -73,8 +74,8 @@ def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template
     failed = None
     try:
         print(f"serving {name} at http://{front.address[0]}:{front.address[1]} ({sess.env.world_size} rank(s), "
-              f"{sess.device}; KV cache {llm.core.cache.rows} tokens, max batch {llm.core.config.max_batch})",
-              file=sys.stderr, flush=True)
+              f"{sess.device}; KV cache {llm.core.cache.rows} tokens, max batch {max_batch})", file=sys.stderr,
+              flush=True)
         loop.run()
     except ChannelClosed:
         failed = "the HTTP front end exited unexpectedly"
