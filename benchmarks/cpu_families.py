@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""Decode bandwidth of the families with layers of their own (Gemma 3, Phi-4-mini) against a Llama of similar size,
+"""Decode bandwidth of the families with layers of their own (Gemma 3, Phi-4-mini) against a Llama of their size,
 on the CPU decode step (the one-call C++ step: `runner bench` says which runner served the decode steps).
 
 Each model is random weights in its published shapes (bfloat16 weights, computed in float32, as a CPU engine runs
 a bfloat16 checkpoint): Gemma 3 1B (26 layers, 4 heads of 256 over 1 KV head, 5 local layers of window 512 to 1
-global, two ropes, q/k norms, post norms, GeGLU, 262k tied vocabulary), Phi-4-mini cut to 8 of its 32 layers (its
-whole 200k tied vocabulary: partial rotary, LongRoPE, GQA), and Llama 3.2 1B. One process per run, `runner bench`
-at batch 1 (an 8-token prompt, GEN tokens); the runs take turns A B A B, so a swing of a shared box's speed falls
-on both, and each pair gives a ratio.
+global, two ropes, q/k norms, post norms, GeGLU, 262k tied vocabulary) and Phi-4-mini cut to 8 of its 32 layers (its
+whole 200k tied vocabulary: partial rotary, LongRoPE, GQA), each against its Llama twin: the same sizes (layers,
+heads, head_dim, intermediate, vocabulary: the same bytes a step) with Llama's layer (one rope over whole heads, two
+norms, SwiGLU, no window), so that the ratio is the cost of the family's features and nothing else (a Llama 3.2 1B,
+16 layers of 2048, reads 2.47 GB a step where Gemma 3 1B reads 2.00 GB in 26 layers: per-layer costs would mix in).
+One process per run, `runner bench` at batch 1 (an 8-token prompt, GEN tokens); the runs take turns A B, B A, so a
+swing of a shared box's speed falls on both, and each pair gives a ratio.
 
     python benchmarks/cpu_families.py [--pairs 3] [--gen 24] [--json OUT]
 
@@ -35,9 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 4096,
             "short_factor": [1.0 + 0.05 * i for i in range(48)], "long_factor": [1.0 + 0.5 * i for i in range(48)]}
 SHAPES = {
-    "llama-3.2-1b": dict(model_type="llama", hidden_dim=2048, intermediate_dim=8192, num_layers=16, num_heads=32,
-                         num_kv_heads=8, head_dim=64, vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0,
-                         max_position_embeddings=4096, tie_word_embeddings=True),
     "gemma-3-1b": dict(model_type="gemma3", hidden_dim=1152, intermediate_dim=6912, num_layers=26, num_heads=4,
                        num_kv_heads=1, head_dim=256, vocab_size=262144, norm_eps=1e-6, rope_theta=1e6,
                        max_position_embeddings=4096, sliding_window=512,
@@ -50,7 +50,12 @@ SHAPES = {
                           rope_theta=10000.0, rope_scaling=LONGROPE, max_position_embeddings=131072,
                           sliding_window=262144, tie_word_embeddings=True),
 }
-PAIRS = (("gemma-3-1b", "llama-3.2-1b"), ("phi-4-mini-8l", "llama-3.2-1b"))
+SIZES = ("hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+         "max_position_embeddings", "tie_word_embeddings")
+for _family in list(SHAPES):  # each family's Llama twin
+    SHAPES[f"llama-as-{_family}"] = dict(model_type="llama", norm_eps=1e-5, rope_theta=500000.0,
+                                         **{k: SHAPES[_family][k] for k in SIZES})
+PAIRS = tuple((family, f"llama-as-{family}") for family in ("gemma-3-1b", "phi-4-mini-8l"))
 
 
 def step_bytes(p: PmxParams) -> int:

@@ -298,8 +298,7 @@ struct DecodeModel : torch::CustomClassHolder {
     float* lp = logits.data_ptr<float>();
     linear(*output, h, B, world == 1 ? lp : local);
     if (world > 1) all_gather(local, B, Vn, gathered, lp, world * Vn);
-    if (final_softcap > 0)  // cap tanh(logits / cap), as reference.soft_cap
-      for (int64_t i = 0; i < B * world * Vn; ++i) lp[i] = final_softcap * std::tanh(lp[i] / final_softcap);
+    if (final_softcap > 0) pmx_cpu::soft_cap_into(lp, B * world * Vn, final_softcap);
     return logits;
   }
 };

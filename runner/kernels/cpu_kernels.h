@@ -138,6 +138,9 @@ void rotary(float* x, int64_t T, int64_t t_stride, int64_t h_stride, int64_t hea
 void skip_rms_norm_into(const float* x, const float* skip, const float* w, int64_t M, int64_t D, float eps, float* r,
                         float* y);
 
+// x[0..n) = cap tanh(x / cap) in place (reference.soft_cap; tanh as 2 sigmoid(2u) - 1, a vector at a time).
+void soft_cap_into(float* x, int64_t n, float cap);
+
 // out [M, D] = silu(gate) * up (swiglu) / gelu_tanh(gate) * up (geglu), rows of gate / up at strides gs / us.
 void swiglu_into(const float* gate, int64_t gs, const float* up, int64_t us, int64_t M, int64_t D, float* out);
 void geglu_into(const float* gate, int64_t gs, const float* up, int64_t us, int64_t M, int64_t D, float* out);

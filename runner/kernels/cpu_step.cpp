@@ -546,8 +546,7 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
         float* sr = s.data() + r * H * np;
         const int64_t len = lens[b0 + r], m = to[r] - from[r];
         if (softcap > 0)  // cap tanh(s / cap), as reference.soft_cap
-          for (int64_t hh = 0; hh < H; ++hh)
-            for (int64_t j = from[r]; j < to[r]; ++j) sr[hh * np + j] = softcap * std::tanh(sr[hh * np + j] / softcap);
+          for (int64_t hh = 0; hh < H; ++hh) soft_cap_into(sr + hh * np + from[r], to[r] - from[r], softcap);
         if (slopes)  // ALiBi: slope_h x (j - the query's position len - 1), as reference.alibi_bias
           for (int64_t hh = 0; hh < H; ++hh)
             for (int64_t j = from[r]; j < to[r]; ++j)
@@ -656,6 +655,16 @@ void skip_rms_norm_into(const float* xp, const float* sp, const float* wp, int64
       for (; i < D; ++i) out[i] = wp[i] * (src[i] * inv);
     }
   });
+}
+
+void soft_cap_into(float* x, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  int64_t i = 0;
+  for (; i + VN <= n; i += VN) {  // tanh(u) = 2 sigmoid(2u) - 1
+    const vnf u = loadv<vnf>(x + i) * (2.0f * inv);
+    storev(x + i, cap * (2.0f * sigmoid(u) - 1.0f));
+  }
+  for (; i < n; ++i) x[i] = cap * std::tanh(x[i] * inv);
 }
 
 // out [M, D] = act(gate) * up, act(g) = g * sigmoid(k(g)) a vector at a time: silu, k(g) = g; gelu_tanh,
