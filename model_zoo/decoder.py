@@ -179,7 +179,7 @@ class DecoderFamily:
     post_norms: bool = False                     # post_attention_layernorm / post_feedforward_layernorm on the
                                                  # attention's and the MLP's outputs (Gemma's four norms a layer)
     scale_embeddings: bool = False               # the embeddings times sqrt(hidden_size)
-    hf_modules: tuple = ()                       # (PMX module, HF module) where the family's names differ from HF_SUFFIX
+    hf_modules: tuple = ()                       # (PMX module, HF module) where the family's differ from HF_SUFFIX
     fused_qkv: Optional[str] = None              # HF module of q | k | v in one tensor (Phi-3's self_attn.qkv_proj)
     fused_gate_up: Optional[str] = None          # HF module of gate | up in one tensor (Phi-3's mlp.gate_up_proj)
     hf_prefixes: tuple = ("model.",)             # where the decoder's tensors sit (the first one present is used)

@@ -291,7 +291,8 @@ def test_chat_template_and_server(make_hf, tmp_path, name):
         job.cleanup()
 
 
-@pytest.mark.parametrize("name,scheme", [("gemma3", QuantScheme("int4", 32, True)), ("phi4_mini", QuantScheme("int8", 0))])
+@pytest.mark.parametrize("name,scheme", [("gemma3", QuantScheme("int4", 32, True)),
+                                         ("phi4_mini", QuantScheme("int8", 0))])
 def test_quantised_families(make_hf, tmp_path, name, scheme):
     """Weight-only int8 / int4 (the tied embedding too): the one-call decode step's logits the reference kernels', and
     close to transformers' float model."""

@@ -331,7 +331,8 @@ class DecodeInputs:
     def __init__(self, spec: PlanSpec, size_of: Callable[[int], int] = lambda b: b):
         self.size_of, self.device, self.paged = size_of, spec.device, spec.paged
         self.max_pages = -(-spec.rotaries[0].max_pos // PAGE_SIZE) if spec.paged else None
-        self.tables = tuple(np.stack([getattr(r, t).numpy() for r in spec.rotaries]) for t in ("cos_table", "sin_table"))
+        self.tables = tuple(np.stack([getattr(r, t).numpy() for r in spec.rotaries])  # [ropes, positions, D/2]
+                            for t in ("cos_table", "sin_table"))
         # positions it takes: those of the tables, and none a logn scaling would scale (their plans carry no q_scale)
         self.end = min(self.tables[0].shape[1], spec.logn_scaling or self.tables[0].shape[1])
         self.buffers: dict[int, _Buffers] = {}
