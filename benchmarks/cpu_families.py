@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Decode bandwidth of the families with layers of their own (Gemma 3, Phi-4-mini) against a Llama of their size,
-on the CPU decode step (the one-call C++ step: `runner bench` says which runner served the decode steps).
+on the CPU decode step (the one-call C++ step: each model's runner is printed).
 
 Each model is random weights in its published shapes (bfloat16 weights, computed in float32, as a CPU engine runs
 a bfloat16 checkpoint): Gemma 3 1B (26 layers, 4 heads of 256 over 1 KV head, 5 local layers of window 512 to 1
@@ -9,31 +9,36 @@ whole 200k tied vocabulary: partial rotary, LongRoPE, GQA), each against its Lla
 heads, head_dim, intermediate, vocabulary: the same bytes a step) with Llama's layer (one rope over whole heads, two
 norms, SwiGLU, no window), so that the ratio is the cost of the family's features and nothing else (a Llama 3.2 1B,
 16 layers of 2048, reads 2.47 GB a step where Gemma 3 1B reads 2.00 GB in 26 layers: per-layer costs would mix in).
-One process per run, `runner bench` at batch 1 (an 8-token prompt, GEN tokens); the runs take turns A B, B A, so a
-swing of a shared box's speed falls on both, and each pair gives a ratio.
 
-    python benchmarks/cpu_families.py [--pairs 3] [--gen 24] [--json OUT]
+Both models of a pair are loaded in one process and their batch-1 decode steps (ppl.pmx's step contract, a history
+of HIST tokens, benchmarks/cpu_step.py's decode_inputs) take turns step by step, A B, B A, ..., so that a swing of a
+shared box's speed falls on both; the figure is the ratio of their median steps, with the ratio of each A B pair's
+steps (their spread says how steady the box was).
+
+    python benchmarks/cpu_families.py [--steps 20] [--json_out OUT]
 
 Bytes per step: every weight a decode step reads (the linears and the vocabulary projection at their stored width;
 the embedding row, the norms and the KV cache of a short history are left out: < 0.1%). Bandwidth = bytes per step
-/ the mean decode step. The figure is each family's bandwidth over the Llama's in the same pair.
+/ the median decode step.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
+import time
 from pathlib import Path
 
 import fire
+import torch
 
+from cpu_step import HIST, decode_inputs
+from runner.config import EngineConfig
+from runner.engine.session import open_session
 from runner.pmx.params import PmxParams
 from runner.pmx.schema import pmx_tensors
-
-ROOT = Path(__file__).resolve().parents[1]
 
 LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 4096,
             "short_factor": [1.0 + 0.05 * i for i in range(48)], "long_factor": [1.0 + 0.5 * i for i in range(48)]}
@@ -60,49 +65,48 @@ PAIRS = tuple((family, f"llama-as-{family}") for family in ("gemma-3-1b", "phi-4
 
 def step_bytes(p: PmxParams) -> int:
     """Bytes of the weights one decode step reads: every matrix but the embedding (one row of it), at 2 bytes."""
-    return sum(2 * a * b for name, (a, b, *_) in ((n, s) for n, s in pmx_tensors(p).items() if len(s) == 2)
-               if name != "tok_embeddings.weight")
+    return sum(2 * s[0] * s[1] for name, s in pmx_tensors(p).items() if len(s) == 2 and name != "tok_embeddings.weight")
 
 
-def run(params: Path, gen: int) -> dict:
-    """One `runner bench` at batch 1: its decode step (ms) and which runner served the decode steps."""
-    cmd = [sys.executable, "-m", "runner", "bench", str(params), "--random_weights", "--batch_sizes", "1",
-           "--input_len", "8", "--gen_len", str(gen), "--warmup_loops", "1", "--benchmark_loops", "1"]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
-    if res.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
-    row = res.stdout.strip().splitlines()[-1].split(",")
-    runner = next((ln.split("decode steps: ")[1].split(",")[0] for ln in res.stderr.splitlines()
-                   if "decode steps: " in ln), "?")
-    return {"decode_ms": float(row[2]), "mem_gib": float(row[5]), "runner": runner}
-
-
-def main(pairs: int = 3, gen: int = 24, json_out: str = "") -> None:
+def main(steps: int = 20, warmup: int = 3, json_out: str = "") -> None:
     tmp = Path(tempfile.mkdtemp(prefix="cpu_families_"))
-    params = {}
-    for name, shape in SHAPES.items():
-        params[name] = PmxParams(dtype="bfloat16", **shape)
-        (tmp / name).mkdir()
-        params[name].save(tmp / name)
     results = []
     for family, llama in PAIRS:
-        for k in range(pairs):
-            pair = {}
-            for name in (llama, family) if k % 2 else (family, llama):  # A B, then B A: neither always goes first
-                r = run(tmp / name / "pmx_params.json", gen)
-                r["gb_per_s"] = step_bytes(params[name]) / r["decode_ms"] / 1e6
-                pair[name] = r
-                print(f"{name:>14}: decode {r['decode_ms']:8.1f} ms/token, {step_bytes(params[name]) / 1e9:.2f} GB "
-                      f"a step, {r['gb_per_s']:.2f} GB/s ({r['runner']}, peak {r['mem_gib']:.1f} GiB)", flush=True)
-            ratio = pair[family]["gb_per_s"] / pair[llama]["gb_per_s"]
-            print(f"   pair {k + 1}: {family} / {llama} bandwidth {ratio:.3f}", flush=True)
-            results.append({"family": family, "llama": llama, **{n: pair[n] for n in pair}, "ratio": ratio})
-    for family, llama in PAIRS:
-        ratios = [r["ratio"] for r in results if r["family"] == family]
-        print(f"{family} / {llama}: bandwidth ratio median {statistics.median(ratios):.3f} "
-              f"(pairs {', '.join(f'{x:.3f}' for x in ratios)})")
+        models = {}
+        for name in (family, llama):
+            (tmp / name).mkdir()
+            PmxParams(dtype="bfloat16", **SHAPES[name]).save(tmp / name)
+            sess = open_session(str(tmp / name / "pmx_params.json"), EngineConfig(), random_weights=True)
+            g = torch.Generator().manual_seed(0)
+            models[name] = (sess, decode_inputs(sess.model.params.vocab_size, 1, g),
+                            sess.model.new_cache(2 * HIST), step_bytes(sess.model.params))
+            print(f"{name}: {sess.stepper.describe()}", flush=True)
+        times = {name: [] for name in models}
+        for k in range(warmup + steps):
+            for name in (family, llama) if k % 2 else (llama, family):  # A B, then B A: neither always goes first
+                sess, inputs, (kv, scale), _ = models[name]
+                t0 = time.perf_counter()
+                sess.stepper.forward(**inputs, kv_cache=kv, kv_scale=scale)
+                if k >= warmup:
+                    times[name].append(time.perf_counter() - t0)
+        med = {name: statistics.median(t) for name, t in times.items()}
+        gbs = {name: models[name][3] / med[name] / 1e9 for name in models}
+        pairs = [a / b for a, b in zip(times[llama], times[family])]  # family's bandwidth / the twin's, per A B pair
+        for name in models:
+            print(f"{name:>24}: decode {med[name] * 1e3:8.1f} ms/token (median of {steps}), "
+                  f"{models[name][3] / 1e9:.2f} GB a step, {gbs[name]:.2f} GB/s", flush=True)
+        ratio = gbs[family] / gbs[llama]
+        q = statistics.quantiles(pairs, n=4)
+        print(f"{family} / {llama}: bandwidth ratio {ratio:.3f} (A B pairs: median {statistics.median(pairs):.3f}, "
+              f"quartiles {q[0]:.3f} .. {q[2]:.3f})", flush=True)
+        results.append({"family": family, "llama": llama, "steps_s": times, "median_s": med, "gb_per_s": gbs,
+                        "bytes_per_step": {n: models[n][3] for n in models}, "ratio": ratio, "pair_ratios": pairs})
+        for sess, *_ in models.values():
+            sess.close()
+        del models, sess
+        gc.collect()
     if json_out:
-        Path(json_out).write_text(json.dumps({"gen": gen, "results": results}, indent=1) + "\n")
+        Path(json_out).write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
