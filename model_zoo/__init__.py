@@ -9,18 +9,21 @@ from __future__ import annotations
 from model_zoo.baichuan import BAICHUAN
 from model_zoo.chatglm import CHATGLM
 from model_zoo.decoder import DecoderFamily
+from model_zoo.gemma2 import GEMMA2
+from model_zoo.gemma3 import GEMMA3
 from model_zoo.internlm import INTERNLM
 from model_zoo.internlm2 import INTERNLM2
 from model_zoo.llama import LLAMA
 from model_zoo.mistral import MISTRAL
 from model_zoo.mixtral import MIXTRAL
+from model_zoo.phi3 import PHI3
 from model_zoo.qwen import QWEN
 from model_zoo.qwen2 import QWEN2
 from model_zoo.qwen3 import QWEN3
 from runner.errors import PmxError
 
-FAMILIES: tuple[DecoderFamily, ...] = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, CHATGLM, INTERNLM, INTERNLM2, BAICHUAN,
-                                       QWEN)
+FAMILIES: tuple[DecoderFamily, ...] = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, CHATGLM, INTERNLM,
+                                       INTERNLM2, BAICHUAN, QWEN)
 
 
 def family_for(config: dict, source: str = "config.json") -> DecoderFamily:

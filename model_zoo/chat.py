@@ -43,6 +43,48 @@ INTERNLM_TEMPLATE = (
     "{% elif message['role'] == 'assistant' %}{{ message['content'] }}<eoa>\n{% endif %}{% endfor %}")
 
 
+# Gemma 2 / 3 (google/gemma-3-*-it's template, text content): turns as <start_of_turn>role ... <end_of_turn>, the
+# assistant's role "model", a system message prepended to the first user turn
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first_user_prefix = messages[0]['content'] + "
+    "'\n\n' %}{% set loop_messages = messages[1:] %}{% else %}{% set first_user_prefix = '' %}{% set loop_messages = "
+    "messages %}{% endif %}{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + message['content'] "
+    "| trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+GEMMA_SPECIALS = ("<start_of_turn>", "<end_of_turn>")
+# Phi-3 / 3.5 (microsoft/Phi-3-mini-4k-instruct's template): <|role|> "\n" content <|end|> "\n"
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] in ('system', 'user', 'assistant') %}{{ '<|' + "
+    "message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}{% endif %}{% endfor %}{% if add_generation_prompt "
+    "%}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+PHI3_SPECIALS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+
+
+def special_ids(directory: Optional[Path], pieces) -> dict:
+    """{piece: id} of the pieces (a special token's text, or an id for its text) the directory's tokenizer has:
+    tokenizer.json's added tokens and vocabulary, else tokenizer.model's pieces."""
+    path = Path(directory) / "tokenizer.json" if directory is not None else None
+    if path is None or not path.is_file():
+        return sentencepiece_ids(directory, pieces)
+    try:
+        tok = json.loads(path.read_text())
+        vocab = (tok.get("model") or {}).get("vocab")
+        vocab = {**(vocab if isinstance(vocab, dict) else {}),
+                 **{t["content"]: t["id"] for t in tok.get("added_tokens") or []}}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
+        raise PmxError(f"{path}: cannot read it as a tokenizer.json ({e})") from None
+    text = {i: t for t, i in vocab.items()}
+    found = {}
+    for piece in pieces:
+        t = text.get(piece) if isinstance(piece, int) else piece
+        if t in vocab:
+            found[t] = vocab[t]
+    return found
+
+
 def baichuan_template(user: str, assistant: str, eos: str) -> str:
     """Baichuan 2 chat (generation_utils.build_chat_input): a system prompt as plain text, then user_token_id +
     query, assistant_token_id + response + eos, ending with assistant_token_id; `user`, `assistant`, `eos` are
@@ -53,10 +95,12 @@ def baichuan_template(user: str, assistant: str, eos: str) -> str:
             "{% endif %}")
 
 
-def tokenizer_config_with(directory: Path, template: Optional[str], specials: dict) -> dict:
+def tokenizer_config_with(directory: Path, template: Optional[str], specials: dict, named: Optional[dict] = None
+                          ) -> dict:
     """{"tokenizer_config.json": text}: the checkpoint's tokenizer_config.json (or an empty one) with `template` as
-    its chat_template where it has none (neither there nor in chat_template.jinja), and the special tokens
-    `specials` (text -> id) added to its added_tokens_decoder where missing; {} where nothing is to add."""
+    its chat_template where it has none (neither there nor in chat_template.jinja), the special tokens
+    `specials` (text -> id) added to its added_tokens_decoder where missing, and with the template, the `named` ones
+    (e.g. "bos_token" -> its text) where it names none; {} where nothing is to add."""
     path = Path(directory) / "tokenizer_config.json"
     try:
         cfg = json.loads(path.read_text()) if path.is_file() else {}
@@ -67,6 +111,9 @@ def tokenizer_config_with(directory: Path, template: Optional[str], specials: di
     changed = False
     if template and not cfg.get("chat_template") and not (Path(directory) / "chat_template.jinja").is_file():
         cfg["chat_template"], changed = template, True
+        for key, text in (named or {}).items():
+            if cfg.get(key) is None:
+                cfg[key] = text
     added = dict(cfg.get("added_tokens_decoder") or {})
     have = {t.get("content") for t in added.values() if isinstance(t, dict)}
     for text, i in specials.items():

@@ -1,7 +1,8 @@
 """The decoder-only transformer mapping shared by Llama-like families (HF -> PMX).
 
-A family is this mapping plus a few switches (biases, sliding window); a new Llama-like family is a
-few lines in its own folder, not a copy of the pipeline.
+A family is this mapping plus a few switches (biases, sliding window and the layers' kinds, norms, fused HF
+tensors, the config defaults transformers' config class fills in); a new Llama-like family is a few lines in its own
+folder, not a copy of the pipeline.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from runner.errors import PmxError
-from runner.pmx.params import PmxParams
+from runner.kernels.reference import ROPE_TYPES
+from runner.pmx.params import HIDDEN_ACTS, PmxParams
 from runner.pmx.schema import pmx_tensors
 
 
@@ -26,6 +28,7 @@ class TensorSource:
     hf_names: tuple          # candidates, the first present is used (tied embeddings have two names)
     shape: tuple             # the PMX tensor's shape (and the HF tensor's, unless hf_shape says otherwise)
     rotary_heads: int = 0    # > 0: rows are rotate-half q/k of this many heads; un-permute to interleaved pairs
+    rotary_dims: int = 0     # with rotary_heads: the rows of each head rotated (a partial rotary's first ones; 0: all)
     stacked: tuple = ()      # MoE: the HF tensors (one per expert) stacked along a new first axis
     take: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # HF tensor -> this tensor (a part of a fused
                                                                    # q/k/v or gate/up tensor, a normalised head)
@@ -36,33 +39,41 @@ class TensorSource:
         return self.shape if self.hf_shape is None else self.hf_shape
 
 
-def unpermute_rotary(w: torch.Tensor, n_heads: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def unpermute_rotary(w: torch.Tensor, n_heads: int, out: torch.Tensor | None = None,
+                     rotary_dims: int = 0) -> torch.Tensor:
     """HF rotate-half q/k rows -> ppl.pmx / Meta interleaved-pair rows (inverse of HF's `permute`).
 
-    HF row j < d/2 of a head holds the real part of pair j, row d/2 + j its imaginary part; PMX
-    stores them side by side (rows 2j, 2j+1). Works for weights [rows, in] and biases [rows]. With
-    `out` (w's dtype and shape), written there (conversion reuses one buffer for every tensor).
+    HF row j < r/2 of a head holds the real part of pair j, row r/2 + j its imaginary part (r: the rows rotated,
+    `rotary_dims`, the first ones of each head; 0: all of it); PMX stores them side by side (rows 2j, 2j+1); the
+    rows past r pass as they are. Works for weights [rows, in] and biases [rows]. With `out` (w's dtype and shape),
+    written there (conversion reuses one buffer for every tensor).
     """
     rows = w.shape[0]
     d = rows // n_heads
-    tail = w.shape[1:]
-    pairs = w.reshape(n_heads, 2, d // 2, *tail).transpose(1, 2)  # (heads, d/2, 2, *tail)
+    r, tail = rotary_dims or d, w.shape[1:]
+    heads = w.reshape(n_heads, d, *tail)
+    pairs = heads[:, :r].reshape(n_heads, 2, r // 2, *tail).transpose(1, 2)  # (heads, r/2, 2, *tail)
     if out is None:
-        return pairs.reshape(rows, *tail)
-    out.view(n_heads, d // 2, 2, *tail).copy_(pairs)
+        out = torch.empty_like(w)
+    o = out.view(n_heads, d, *tail)
+    o[:, :r].unflatten(1, (r // 2, 2)).copy_(pairs)
+    o[:, r:].copy_(heads[:, r:])
     return out
 
 
-def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def permute_rotary(w: torch.Tensor, n_heads: int, rotary_dims: int = 0) -> torch.Tensor:
     """Interleaved-pair rows -> HF rotate-half rows (the inverse of :func:`unpermute_rotary`)."""
     rows = w.shape[0]
     d = rows // n_heads
-    tail = w.shape[1:]
-    return w.reshape(n_heads, d // 2, 2, *tail).transpose(1, 2).reshape(rows, *tail)
+    r, tail = rotary_dims or d, w.shape[1:]
+    heads = w.reshape(n_heads, d, *tail)
+    rot = heads[:, :r].reshape(n_heads, r // 2, 2, *tail).transpose(1, 2).reshape(n_heads, r, *tail)
+    return torch.cat((rot, heads[:, r:]), 1).reshape(rows, *tail)
 
 
 HF_SUFFIX = {  # PMX module -> HF module inside model.layers.{i}
     "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffn_norm": "post_feedforward_layernorm",
     "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
     "attention.wo": "self_attn.o_proj", "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
     "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
@@ -82,50 +93,72 @@ def hf_names(pmx_name: str) -> tuple:
     return (f"model.layers.{i}.{HF_SUFFIX['.'.join(rest[:-1])]}.{rest[-1]}",)
 
 
-def _rope(config: dict, source: str = "config.json") -> tuple[float, Optional[dict]]:
-    """(rope_theta, rope_scaling) from either the transformers<5 or the transformers>=5 config style.
+def _rope(c: dict, head_dim: int, source: str, layer_type: Optional[str] = None
+          ) -> tuple[float, Optional[dict], int]:
+    """(rope_theta, rope_scaling, rotary dims) from either the transformers<5 or the transformers>=5 config style
+    (`rope_parameters`, per layer type where its keys are layer types: pass `layer_type`).
 
-    As transformers does, llama3 / yarn scaling without `original_max_position_embeddings` takes the
-    config's top-level one, else max_position_embeddings, so the params are complete on their own.
+    As transformers does, llama3 / yarn / longrope scaling without `original_max_position_embeddings` takes the
+    config's top-level one, else max_position_embeddings, so the params are complete on their own; Phi-3's "su" is
+    longrope. The rotary dims are head_dim x partial_rotary_factor (the first ones of each head).
     """
-    rp = config.get("rope_parameters")
+    rp = c.get("rope_parameters")
+    if isinstance(rp, dict) and layer_type is not None and isinstance(rp.get(layer_type), dict):
+        rp = rp[layer_type]
     if isinstance(rp, dict):
-        theta = float(rp.get("rope_theta", config.get("rope_theta", 10000.0)))
+        theta = float(rp.get("rope_theta", c.get("rope_theta", 10000.0)))
         scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
     else:
-        theta, scaling = float(config.get("rope_theta", 10000.0)), dict(config.get("rope_scaling") or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if float(scaling.get("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0)) != 1.0:
-        raise PmxError(f"{source}: partial_rotary_factor != 1 is not supported")
+        theta, scaling = float(c.get("rope_theta", 10000.0)), dict(c.get("rope_scaling") or {})
+    factor = float(scaling.pop("partial_rotary_factor", None) or c.get("partial_rotary_factor") or 1.0)
+    dims = int(head_dim * factor)
+    if not 0 < dims <= head_dim or dims % 2:
+        raise PmxError(f"{source}: partial_rotary_factor {factor} gives {dims} rotary dims of head_dim {head_dim}; "
+                       f"expected an even number in [2, head_dim]")
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    kind = "longrope" if kind == "su" else kind
     if kind == "default":
-        return theta, None
+        return theta, None, dims
     if kind not in ROPE_TYPES:
         raise PmxError(f"{source}: rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    scaling.pop("partial_rotary_factor", None)
-    if kind in ("llama3", "yarn") and not scaling.get("original_max_position_embeddings"):
+    scaling = {"rope_type": kind, **scaling}
+    if kind in ("llama3", "yarn", "longrope") and not scaling.get("original_max_position_embeddings"):
         scaling["original_max_position_embeddings"] = int(
-            config.get("original_max_position_embeddings") or config.get("max_position_embeddings", 2048))
-    return theta, scaling
+            c.get("original_max_position_embeddings") or c.get("max_position_embeddings", 2048))
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            f = scaling.get(key)
+            if not (isinstance(f, list) and len(f) == dims // 2 and all(isinstance(x, (int, float)) for x in f)):
+                raise PmxError(f"{source}: rope_scaling {key!r} must be a list of {dims // 2} numbers (rotary dims "
+                               f"/ 2), got {f!r}")
+    return theta, scaling, dims
 
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
-def _sliding_window(c: dict, key: Optional[str], source: str) -> Optional[int]:
-    """The window every layer uses, None for full attention; per-layer mixes are refused, not ignored."""
+def _layer_kinds(c: dict, key: Optional[str], pattern: int, source: str) -> tuple[Optional[int], Optional[list]]:
+    """(the sliding window, each layer's kind): (None, None) where no layer slides, (window, None) where every layer
+    does, else (window, ["full_attention" | "sliding_attention", ...]). The kinds come from `layer_types`, else
+    Qwen's `max_window_layers` (layers from it on slide), else a pattern (`sliding_window_pattern`, else the family's
+    `pattern`: every pattern-th layer full, the others sliding, as Gemma's configs)."""
     if key is None or not c.get(key) or not c.get("sliding_window"):
-        return None
+        return None, None
     window, layers = int(c["sliding_window"]), int(c["num_hidden_layers"])
-    kinds = set(c.get("layer_types") or [])
-    if not kinds and "max_window_layers" in c:  # Qwen: layers >= max_window_layers slide
-        first = int(c["max_window_layers"])
-        kinds = {"full_attention"} if first >= layers else {"sliding_attention"} | ({"full_attention"} if first else set())
-    if kinds == {"full_attention"}:
-        return None
-    if kinds - {"sliding_attention"}:
-        raise PmxError(f"{source}: some layers use a sliding window and others full attention "
-                       f"({sorted(kinds)}); only one kind for all layers is supported")
-    return window
+    kinds = c.get("layer_types")
+    if kinds is None and "max_window_layers" in c:
+        kinds = ["sliding_attention" if i >= int(c["max_window_layers"]) else "full_attention" for i in range(layers)]
+    pattern = int(c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or pattern)
+    if kinds is None and pattern:
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if kinds is None:
+        return window, None
+    if not isinstance(kinds, list) or len(kinds) != layers or any(k not in LAYER_KINDS for k in kinds):
+        raise PmxError(f"{source}: layer_types must list {', '.join(LAYER_KINDS)} for each of the {layers} layers, "
+                       f"got {kinds!r}")
+    if "sliding_attention" not in kinds:
+        return None, None
+    return window, None if "full_attention" not in kinds else list(kinds)
 
 
 @dataclass(frozen=True)
@@ -141,65 +174,146 @@ class DecoderFamily:
     gguf_architecture: Optional[str] = None      # general.architecture of this family's GGUF files (llama.cpp's)
     gguf_rotate_half: bool = False               # the GGUF keeps q/k rows rotate-half (llama.cpp's NEOX rope), as HF;
                                                  # else (llama) its converter permuted them to interleaved pairs
+    config_defaults: tuple = ()                  # (key, value): what transformers' config class fills in where
+                                                 # config.json has no such key (published configs leave them out)
+    sliding_pattern: int = 0                     # without layer_types: every n-th layer full, the others sliding
+    local_rope_key: Optional[str] = None         # the sliding layers' rope theta (a rope of their own where set)
+    norm_offset: float = 0.0                     # RMSNorm multiplies by offset + weight (Gemma's 1 + w)
+    post_norms: bool = False                     # post_attention_layernorm / post_feedforward_layernorm on the
+                                                 # attention's and the MLP's outputs (Gemma's four norms a layer)
+    scale_embeddings: bool = False               # the embeddings times sqrt(hidden_size)
+    hf_modules: tuple = ()                       # (PMX module, HF module) where the family's differ from HF_SUFFIX
+    fused_qkv: Optional[str] = None              # HF module of q | k | v in one tensor (Phi-3's self_attn.qkv_proj)
+    fused_gate_up: Optional[str] = None          # HF module of gate | up in one tensor (Phi-3's mlp.gate_up_proj)
+    hf_prefixes: tuple = ("model.",)             # where the decoder's tensors sit (the first one present is used)
+    lm_heads: tuple = ("lm_head.weight",)        # the vocabulary projection's names
+    text_config: bool = False                    # config.json's language model is its "text_config" (a multimodal
+                                                 # checkpoint, whose other parts are not converted)
+    left_out: tuple = ()                         # (regex, what): tensors of parts that are not converted, said so
+    chat_template: Optional[str] = None          # the family's chat format where the checkpoint has no template
+    chat_specials: tuple = ()                    # the special tokens the template writes
+
+    def config(self, config: dict) -> dict:
+        """The language model's config: the family's defaults under config.json's keys (a multimodal checkpoint's
+        text_config, with the architecture and eos of the whole)."""
+        c = config
+        if self.text_config and isinstance(c.get("text_config"), dict):
+            c = {**c["text_config"], "architectures": c.get("architectures"),
+                 **({"eos_token_id": c["eos_token_id"]} if c.get("eos_token_id") is not None else {})}
+        return {**dict(self.config_defaults), **c}
 
     def params(self, config: dict, dtype: str, source: str = "config.json", directory: Optional[Path] = None
                ) -> PmxParams:
         """pmx_params of `config` (read from `source`; `directory`: the checkpoint's, for files beside it)."""
-        c = config
+        c = self.config(config)
         try:
             hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
             kv_heads = int(c.get("num_key_value_heads") or heads)
             head_dim = int(c.get("head_dim") or hidden // heads)
-            theta, scaling = _rope(c, source)
-            act = c.get("hidden_act", "silu")
-            if act != "silu":
-                raise PmxError(f"{source}: hidden_act {act!r} is not supported (expected 'silu')")
+            theta, scaling, rotary_dims = _rope(c, head_dim, source, "full_attention")
+            act = c.get("hidden_activation") or c.get("hidden_act") or "silu"
+            if act not in HIDDEN_ACTS:
+                raise PmxError(f"{source}: hidden activation {act!r} is not supported (expected one of "
+                               f"{', '.join(HIDDEN_ACTS)})")
+            if c.get("use_bidirectional_attention"):
+                raise PmxError(f"{source}: use_bidirectional_attention is true (an embedding model); only causal "
+                               f"attention is supported")
             attn_bias = bool(c.get("attention_bias", False))
-            window = _sliding_window(c, self.sliding_window_key, source)
+            window, kinds = _layer_kinds(c, self.sliding_window_key, self.sliding_pattern, source)
+            local = None
+            if self.local_rope_key is not None and window is not None:
+                local_c = {**c, "rope_theta": c.get(self.local_rope_key, 10000.0), "rope_scaling": None}
+                local = _rope(local_c, head_dim, source, "sliding_attention")
             experts = int(c.get("num_local_experts") or 0) if self.moe_module else 0
+            scalar = c.get("query_pre_attn_scalar")
+            eos = ConfigKeys(c, source).eos(directory, generation_first=True)
             return PmxParams(
                 model_type=self.name, architecture=c["architectures"][0],
                 hidden_dim=hidden, intermediate_dim=int(c["intermediate_size"]),
                 num_layers=int(c["num_hidden_layers"]), num_heads=heads, num_kv_heads=kv_heads,
                 head_dim=head_dim, vocab_size=int(c["vocab_size"]), norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                rope_theta=theta, rope_scaling=scaling,
+                rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dims,
                 max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
                 qkv_bias=attn_bias if self.qkv_bias is None else self.qkv_bias,
                 o_bias=attn_bias if self.o_bias is None else self.o_bias,
-                ffn_bias=bool(c.get("mlp_bias", False)), sliding_window=window, hidden_act=act,
+                ffn_bias=bool(c.get("mlp_bias", False)), sliding_window=window, layer_types=kinds, hidden_act=act,
+                sliding_rope_theta=None if local is None or local[:2] == (theta, scaling) else local[0],
+                sliding_rope_scaling=None if local is None or local[:2] == (theta, scaling) else local[1],
+                norm_offset=self.norm_offset, post_norms=self.post_norms,
+                embedding_scale=hidden ** 0.5 if self.scale_embeddings else 1.0,
+                attention_scale=None if scalar is None else float(scalar) ** -0.5,
+                attn_logit_softcapping=c.get("attn_logit_softcapping") or None,
+                final_logit_softcapping=c.get("final_logit_softcapping") or None,
                 qk_norm=self.qk_norm, num_experts=experts,
                 num_experts_per_token=int(c["num_experts_per_tok"]) if experts else 0,
                 tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-                bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"),
+                bos_token_id=c.get("bos_token_id"), eos_token_id=eos,
                 pad_token_id=c.get("pad_token_id"), dtype=dtype,
             )
         except KeyError as e:
             raise PmxError(f"{source}: missing key {e.args[0]!r} needed for {self.name}") from None
 
+    def hf_names(self, pmx_name: str) -> tuple:
+        """Candidate HF names of a PMX tensor, the first present is used (Llama's naming, with this family's
+        modules and prefixes)."""
+        embed = tuple(f"{p}embed_tokens.weight" for p in self.hf_prefixes)
+        if pmx_name == "tok_embeddings.weight":  # tied embeddings may be stored under either name
+            return embed + self.lm_heads
+        if pmx_name == "output.weight":
+            return self.lm_heads + embed
+        if pmx_name == "norm.weight":
+            return tuple(f"{p}norm.weight" for p in self.hf_prefixes)
+        _, i, *rest = pmx_name.split(".")
+        module = {**HF_SUFFIX, **dict(self.hf_modules)}[".".join(rest[:-1])]
+        return tuple(f"{p}layers.{i}.{module}.{rest[-1]}" for p in self.hf_prefixes)
+
     def tensor_sources(self, p: PmxParams) -> list[TensorSource]:
         """Every PMX tensor of an unsplit model, in file order, with its HF origin and expected shape."""
         out = []
+        q, kv = p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
+        fused = {"wq": (self.fused_qkv, (q, kv, kv), 0), "wk": (self.fused_qkv, (q, kv, kv), 1),
+                 "wv": (self.fused_qkv, (q, kv, kv), 2), "w1": (self.fused_gate_up, (p.intermediate_dim,) * 2, 0),
+                 "w3": (self.fused_gate_up, (p.intermediate_dim,) * 2, 1)}
         for name, shape in pmx_tensors(p).items():
             module = name.split(".")[-2]
             rotary = {"wq": p.num_heads, "wk": p.num_kv_heads, "q_norm": 1, "k_norm": 1}.get(module, 0) \
                 if ".attention." in name else 0  # q/k rows (and the q/k norm weights) to interleaved pairs
+            dims = p.rotary_dims if rotary else 0
             if p.num_experts and ".feed_forward." in name:
-                i, hf = name.split(".")[1], f"model.layers.{name.split('.')[1]}.{self.moe_module}"
+                i, hf = name.split(".")[1], f"{self.hf_prefixes[0]}layers.{name.split('.')[1]}.{self.moe_module}"
                 if module == "gate":
                     out.append(TensorSource(name, (f"{hf}.gate.weight",), shape))
                 else:
                     experts = tuple(f"{hf}.experts.{e}.{module}.weight" for e in range(p.num_experts))
                     out.append(TensorSource(name, experts[:1], shape, stacked=experts))
                 continue
-            out.append(TensorSource(name, hf_names(name), shape, rotary))
+            hf_module, sizes, k = fused.get(module, (None, (), 0)) if name.endswith(".weight") else (None, (), 0)
+            if hf_module is not None and name.startswith("layers."):
+                src = rows("", sizes, k)
+                i = name.split(".")[1]
+                out.append(TensorSource(name, tuple(f"{pre}layers.{i}.{hf_module}.weight" for pre in self.hf_prefixes),
+                                        shape, rotary, dims, take=src.take, hf_shape=(src.hf_rows, *shape[1:])))
+                continue
+            out.append(TensorSource(name, self.hf_names(name), shape, rotary, dims))
         return out
 
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(pat, hf_name) for pat in self.ignored)
 
+    def left_out_part(self, hf_name: str) -> Optional[str]:
+        """What part of a checkpoint `hf_name` belongs to that is not converted (said so), or None."""
+        return next((what for pat, what in self.left_out if re.fullmatch(pat, hf_name)), None)
+
     def tokenizer_extras(self, directory: Path, params: PmxParams) -> dict:
-        """Files (name -> text) the PMX directory gets beside the tokenizer files copied from `directory`."""
-        return {}
+        """Files (name -> text) the PMX directory gets beside the tokenizer files copied from `directory`: the
+        family's chat template where the checkpoint has none, its special tokens listed."""
+        if self.chat_template is None:
+            return {}
+        from model_zoo.chat import special_ids, tokenizer_config_with
+        named = {}  # the texts of BOS and EOS, which the template writes as bos_token / eos_token
+        for key, i in (("bos_token", params.bos_token_id), ("eos_token", (params.eos_ids or (None,))[0])):
+            named.update({key: text for text in (special_ids(directory, [i]) if i is not None else {})})
+        return tokenizer_config_with(directory, self.chat_template, special_ids(directory, self.chat_specials), named)
 
     # -- GGUF files: the same params and tensors from llama.cpp's keys and names ----------------------------------
     def gguf_config(self, meta: dict, tensors: dict, source: str, rope_factors: Optional[list] = None) -> dict:
@@ -383,15 +497,17 @@ class ConfigKeys:
         if v is not None and v not in allowed:
             raise PmxError(f"{self.source}: {key!r} = {v!r} is not supported ({what})")
 
-    def eos(self, directory: Optional[Path]):
-        """eos_token_id of config.json, else of generation_config.json beside it (an int or a list), else None."""
+    def eos(self, directory: Optional[Path], generation_first: bool = False):
+        """eos_token_id of config.json, else of generation_config.json beside it (an int or a list), else None;
+        `generation_first`: generation_config.json's where it has one (what transformers' generate stops at)."""
         eos = self.config.get("eos_token_id")
         gen = Path(directory) / "generation_config.json" if directory is not None else None
-        if eos is None and gen is not None and gen.is_file():
+        if (eos is None or generation_first) and gen is not None and gen.is_file():
             try:
-                eos = json.loads(gen.read_text()).get("eos_token_id")
+                got = json.loads(gen.read_text()).get("eos_token_id")
             except (OSError, ValueError, AttributeError) as e:
                 raise PmxError(f"{gen}: cannot read it as a JSON object ({e})") from None
+            eos = got if got is not None else eos
         if eos is not None and not (isinstance(eos, int) or (isinstance(eos, list) and eos and
                                                              all(isinstance(e, int) for e in eos))):
             raise PmxError(f"{self.source}: 'eos_token_id' must be an integer or a list of them, got {eos!r}")

@@ -84,6 +84,111 @@ ARCH_CONFIGS = {
 }
 
 
+# config.json as the hub publishes them (their keys and layout; the transformers version that wrote them), sizes made
+# tiny: built by make_hf as transformers reads such a file, weights saved in the published layout
+_LONGROPE = {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.4, 2.9, 3.4],
+             "long_factor": [1.0, 1.5, 2.2, 3.1, 4.4, 6.0, 8.1, 10.6]}
+PUBLISHED = {
+    # google/gemma-2-2b-it (transformers 4.42); soft caps small enough to cap these weights' scores and logits
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+               "attn_logit_softcapping": 0.15, "bos_token_id": 2, "cache_implementation": "hybrid",
+               "eos_token_id": [1, 107], "final_logit_softcapping": 0.5, "head_dim": 16,
+               "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 64,
+               "initializer_range": 0.02, "intermediate_size": 96, "max_position_embeddings": 8192,
+               "model_type": "gemma2", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+               "pad_token_id": 0, "query_pre_attn_scalar": 24, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+               "sliding_window": 5, "torch_dtype": "float32", "transformers_version": "4.42.4", "use_cache": True,
+               "vocab_size": 300},
+    # google/gemma-3-1b-it (transformers 4.50): one KV head, head_dim x heads != hidden; a global layer every 2nd
+    # (6th as published) so that 2 layers hold both kinds; the 4B's linear rope scaling on the global ones
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+               "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid",
+               "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 32,
+               "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 64, "initializer_range": 0.02,
+               "intermediate_size": 96, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+               "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 1, "pad_token_id": 0,
+               "query_pre_attn_scalar": 32, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+               "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "rope_theta": 1000000,
+               "sliding_window": 5, "sliding_window_pattern": 2, "torch_dtype": "float32",
+               "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 300},
+    # google/gemma-3-4b-it (transformers 4.50): the text_config gives a few keys, Gemma3TextConfig the rest (8 heads,
+    # 4 KV heads of 256, the ropes, ...); weights under language_model.*, a vision tower and projector beside them
+    "gemma3_mm": {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+                  "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+                  "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+                  "text_config": {"hidden_size": 64, "intermediate_size": 96, "model_type": "gemma3_text",
+                                  "num_hidden_layers": 2, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                  "sliding_window": 5, "vocab_size": 300},
+                  "torch_dtype": "float32", "transformers_version": "4.50.0.dev0",
+                  "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                                    "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                                    "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}},
+    # microsoft/Phi-3-mini-4k-instruct (transformers 4.40): a sliding window on every layer (2047 as published)
+    "phi3": {"_name_or_path": "Phi-3-mini-4k-instruct", "architectures": ["Phi3ForCausalLM"],
+             "attention_dropout": 0.0, "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000 % 300,
+             "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96,
+             "max_position_embeddings": 4096, "model_type": "phi3", "num_attention_heads": 4, "num_hidden_layers": 2,
+             "num_key_value_heads": 4, "original_max_position_embeddings": 4096, "pad_token_id": 32000 % 300,
+             "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+             "sliding_window": 5, "tie_word_embeddings": False, "torch_dtype": "float32",
+             "transformers_version": "4.40.2", "use_cache": True, "attention_bias": False, "vocab_size": 300},
+    # microsoft/Phi-3.5-mini-instruct: LongRoPE (short factors up to original_max 8 positions, long beyond)
+    "phi3_5": {"architectures": ["Phi3ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+               "embd_pdrop": 0.0, "eos_token_id": 32000 % 300, "hidden_act": "silu", "hidden_size": 64,
+               "initializer_range": 0.02, "intermediate_size": 96, "max_position_embeddings": 64,
+               "model_type": "phi3", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4,
+               "original_max_position_embeddings": 8, "pad_token_id": 32000 % 300, "resid_pdrop": 0.0,
+               "rms_norm_eps": 1e-05, "rope_scaling": _LONGROPE, "rope_theta": 10000.0, "sliding_window": 64,
+               "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.43.3",
+               "use_cache": True, "attention_bias": False, "vocab_size": 300},
+    # microsoft/Phi-4-mini-instruct: GQA, a partial rotary (0.75 of the head), LongRoPE, tied embeddings
+    "phi4_mini": {"architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                  "bos_token_id": 299, "embd_pdrop": 0.0, "eos_token_id": 299, "full_attn_mod": 1,
+                  "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96,
+                  "interpolate_factor": 1, "lm_head_bias": False, "max_position_embeddings": 64, "mlp_bias": False,
+                  "model_type": "phi3", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+                  "original_max_position_embeddings": 8, "pad_token_id": 299, "partial_rotary_factor": 0.75,
+                  "resid_pdrop": 0.0, "rms_norm_eps": 1e-05,
+                  "rope_scaling": {**_LONGROPE, "short_factor": _LONGROPE["short_factor"][:6],
+                                   "long_factor": _LONGROPE["long_factor"][:6]},
+                  "rope_theta": 10000.0, "sliding_window": 64, "tie_word_embeddings": True,
+                  "torch_dtype": "float32", "transformers_version": "4.45.0", "use_cache": True, "vocab_size": 300},
+}
+
+
+def make_published(name: str, directory: Path, seed: int = 0, fmt: str = "safetensors", num_files: int = 1,
+                   **overrides):
+    """(directory, HF model in eval mode) of PUBLISHED[name] (with `overrides` on its config.json, the text_config's
+    for a multimodal one): config.json as written, the model transformers builds from it (eager attention), random
+    weights (norms too) saved in the published layout."""
+    import transformers
+    cfg = json.loads(json.dumps(PUBLISHED[name]))
+    (cfg["text_config"] if "text_config" in cfg else cfg).update(overrides)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    hf = transformers.AutoConfig.from_pretrained(directory)
+    multimodal = "text_config" in cfg
+    if multimodal:  # the language model of the checkpoint, on its own
+        hf = hf.text_config
+        hf.architectures = ["Gemma3ForCausalLM"]
+    hf._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf, attn_implementation="eager").eval()
+    with torch.no_grad():  # norms at random (Gemma's 1 + w init at w = 0), the embeddings' scale as published
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(torch.randn_like(p) * 0.5)
+    sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if hf.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    if multimodal:
+        sd = {f"language_model.{k}": v for k, v in sd.items()}
+        sd["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.randn(8, 3, 2, 2)
+        sd["multi_modal_projector.mm_input_projection_weight"] = torch.randn(8, 64)
+        sd["multi_modal_projector.mm_soft_emb_norm.weight"] = torch.randn(8)
+    return save_state_dict(sd, directory, fmt, num_files), model
+
+
 def save_hf(model, directory: Path, fmt: str = "safetensors", num_files: int = 1) -> Path:
     """Writes `model` as a HF checkpoint: safetensors or pytorch .bin, in `num_files` files (+ index)."""
     from safetensors.torch import save_file
@@ -123,10 +228,14 @@ def save_state_dict(sd: dict, directory: Path, fmt: str = "safetensors", num_fil
 
 @pytest.fixture
 def make_hf(tmp_path):
-    """make_hf(arch, fmt="safetensors", num_files=1, seed=0, **overrides) -> (dir, HF model in eval mode)."""
+    """make_hf(arch, fmt="safetensors", num_files=1, seed=0, **overrides) -> (dir, HF model in eval mode): arch one of
+    ARCH_CONFIGS (the config as transformers writes it) or PUBLISHED (as the hub has it)."""
     import transformers
 
     def make(arch: str, fmt: str = "safetensors", num_files: int = 1, seed: int = 0, **overrides):
+        if arch in PUBLISHED:
+            return make_published(arch, tmp_path / f"{arch}-{fmt}-{num_files}-{seed}", seed, fmt, num_files,
+                                  **overrides)
         cls_name, kwargs = ARCH_CONFIGS[arch]
         cfg = getattr(transformers, cls_name)(**{**kwargs, **overrides})
         model_cls = getattr(transformers, cls_name.replace("Config", "ForCausalLM"))

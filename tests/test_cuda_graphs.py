@@ -25,7 +25,7 @@ def test_buckets_are_powers_of_two():
 
 
 def _spec(paged: bool, max_pos: int = 3 * PAGE, D: int = 8) -> PlanSpec:
-    return PlanSpec(ref.Rotary(D, 10000.0, None, max_pos, torch.device("cpu")), torch.device("cpu"), paged, None,
+    return PlanSpec((ref.Rotary(D, 10000.0, None, max_pos, torch.device("cpu")),), torch.device("cpu"), paged, (0,),
                     packed=False, read_cache_in_prefill=False, gather_prefill=False, gather_decode=False)
 
 
@@ -46,8 +46,8 @@ def test_bucket_inputs_hold_the_plan_and_pad_the_bucket(paged):
     assert buf.size == 4 and tokens.tolist() == [7, 8, 9] and buf.tokens.tolist() == [7, 8, 9, 0]
     assert plan.decode_only and plan.decode.kv_slots is None and plan.decode.batch == 4
     assert plan.slots.tolist() == want.slots.tolist() + [-1] and plan.decode.kvlens.tolist() == [130, 5, 17, 0]
-    assert torch.equal(plan.cos[:3], want.cos) and torch.equal(plan.sin[:3], want.sin)
-    assert not plan.cos[3:].any() and not plan.sin[3:].any()
+    assert torch.equal(plan.cos[:, :3], want.cos) and torch.equal(plan.sin[:, :3], want.sin)
+    assert not plan.cos[:, 3:].any() and not plan.sin[:, 3:].any()
     if paged:
         assert plan.decode.cachestarts.tolist() == [[PAGE, 0, 0], [0, 0, 0], [2 * PAGE, 0, 0], [0, 0, 0]]
     else:

@@ -36,9 +36,20 @@ def prompts_and_conts(vocab: int, seed: int = 1):
 
 @torch.no_grad()
 def hf_logits(model, prompts, conts) -> torch.Tensor:
-    """[STEPS + 1, B, V]: transformers' logits at the positions the engine produces them."""
+    """[STEPS + 1, B, V]: transformers' logits at the positions the engine produces them: each prompt and its
+    continuation in one call; where the rope depends on the length so far (LongRoPE), as transformers decodes, the
+    prompt and then one token a call over the cache."""
     per_seq = []
+    rope = getattr(model.config, "rope_parameters", None) or {}
     for p, c in zip(prompts, conts):
+        if rope.get("rope_type") == "longrope":
+            out = model(torch.tensor([p]), use_cache=True)
+            rows = [out.logits[0, -1]]
+            for t in c[:STEPS]:
+                out = model(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
+                rows.append(out.logits[0, -1])
+            per_seq.append(torch.stack(rows).float())
+            continue
         logits = model(torch.tensor([p + c])).logits[0].float()
         per_seq.append(logits[len(p) - 1: len(p) + STEPS])
     return torch.stack(per_seq, dim=1)

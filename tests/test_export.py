@@ -33,8 +33,9 @@ def export_job(tmp: Path, n: int, ckpt: Path, out: Path, *flags):
     return run_job(cmd, tmp, env, timeout=180)
 
 
-def check_slices(out: Path, n: int) -> dict:
-    """Every slice passes onnx.checker and holds only the opmx domains and the standard ops ppl.pmx's exports hold."""
+def check_slices(out: Path, n: int, scalings: bool = False) -> dict:
+    """Every slice passes onnx.checker and holds only the opmx domains and the standard ops ppl.pmx's exports hold
+    (`scalings`: and those of a model's own scalings written in plain torch, Gemma's: Mul, Div, Tanh)."""
     params = json.loads((out / "params.json").read_text())
     assert params["num_shards"] == n and sorted(p.name for p in out.glob("model_slice_*")) == \
         [f"model_slice_{r}" for r in range(n)]
@@ -44,7 +45,8 @@ def check_slices(out: Path, n: int) -> dict:
         m = onnx.load(str(path))
         domains = {(nd.domain, nd.op_type) for nd in m.graph.node}
         assert {d for d, _ in domains} <= {"", OPMX, DB}
-        assert {op for d, op in domains if d == ""} <= PPL_STANDARD_OPS
+        allowed = PPL_STANDARD_OPS | ({"Mul", "Div", "Tanh"} if scalings else set())
+        assert {op for d, op in domains if d == ""} <= allowed
         assert {i.name for i in m.graph.input} >= {"token_ids", "attn_mask", "seqstarts", "kv_cache"}
         assert [o.name for o in m.graph.output] == ["logits"]
     return params
@@ -128,7 +130,12 @@ VARIANTS = [
     ("llama_mha", dict(quantized_cache=True), QuantScheme("int4", 16)),
     # (the engine's int4 CPU kernel multiplies activations quantised to ~15 bits; the spec dequantises, as the op does)
     ("llama_mha", dict(quantized_cache=True, kernels="reference"), QuantScheme("int4", 16)),
+    ("gemma2", dict(cache_layout=1), None),                       # GeGLU (GELU), soft caps, post norms, layer kinds
+    ("gemma3", dict(quantized_cache=True, cache_mode=1), QuantScheme("int8", 0, True)),  # a rope per layer kind
+    ("phi4_mini", dict(fused_kvcache=False), None),               # partial rotary, LongRoPE across its switch
 ]
+# LongRoPE's switch (original_max 8): a prompt of 12 is long from its first token, a decode at 20 long by position
+LONGROPE = StepLengths(list(range(3, 16)), [1, 12], [20, 0], [0, 90], 1)
 
 
 def onnxruntime_against_the_engine(pmx: Path, onnx_dir: Path, cfg: EngineConfig, b: StepLengths,
@@ -186,12 +193,18 @@ def test_onnxruntime_step_matches_the_engine(make_hf, tmp_path, arch, opts, quan
         pmx = tmp_path / "q"
     cfg = EngineConfig(**opts)
     export(str(pmx), str(tmp_path / "onnx"), progress=False, config=cfg)
-    check_slices(tmp_path / "onnx", 1)
-    b = MIXED if not cfg.paged else StepLengths(MIXED.tokens, MIXED.seqlens, MIXED.start, [[128], [256], [0, 384]], 1)
+    check_slices(tmp_path / "onnx", 1, scalings=arch.startswith("gemma"))
+    b = LONGROPE if arch.startswith("phi") else MIXED
+    b = b if not cfg.paged else StepLengths(b.tokens, b.seqlens, b.start, [[128], [256], [0, 384]][:len(b.start)], 1)
     got, want, feeds, ours = onnxruntime_against_the_engine(pmx, tmp_path / "onnx", cfg, b)
     tol = 2e-3 if quant is not None and quant.method == "int4" and cfg.kernels != "reference" else 1e-5
     assert rel(got, want) <= tol, rel(got, want)
     assert_caches_agree(feeds, ours)
+    if arch in ("gemma2", "phi4_mini"):  # the standard-ops export in a stock session (float cache, layout 0, offsets)
+        export(str(pmx), str(tmp_path / "std"), opset="standard", progress=False)
+        got, want, feeds, ours = onnxruntime_against_the_engine(pmx, tmp_path / "std", EngineConfig(), b, standard=True)
+        assert rel(got, want) <= 1e-4, rel(got, want)
+        assert_caches_agree(feeds, ours)
 
 
 # --- the seed's families (tests/seed_families.py), in process at TP=1 ----------------------------------------------
@@ -481,12 +494,13 @@ def test_per_layer_tp1_against_tp2_and_the_onnx_replay(real, tmp_path, capsys):
 
 # --- the exports trace the model: a feature written in the model appears in both ----------------------------------
 class SandwichBlock(torch.nn.Module):
-    """A toy feature, written here and nowhere else: Gemma 2's sandwich norm (the attention's output normed by a weight
-    of its own, through the kernel set's rms_norm, before the residual add) over an engine Block's modules."""
+    """A toy feature, written here and nowhere else: a sandwich norm (the attention's output normed by a weight of its
+    own, through the kernel set's rms_norm, before the residual add; the engine's Block has Gemma's as post norms) over
+    an engine Block's modules."""
 
     def forward(self, x, residual, plan, cache, sp=None):
         h, residual = self.attention_norm(x, residual, sp)
-        a = self.attention.ops.rms_norm(self.attention(h, plan, cache, sp), self.post_attention_norm, 1e-6)
+        a = self.attention.ops.rms_norm(self.attention(h, plan, cache, sp), self.toy_norm, 1e-6)
         h, residual = self.ffn_norm(a, residual, sp)
         return self.feed_forward(h, sp), residual
 
@@ -506,7 +520,7 @@ def with_toy_features(model, norms: list):
     from runner.engine.model import Block
     for layer, w in zip(model.layers, norms):
         layer.__class__ = type("Sandwich", (SandwichBlock, Block), {})
-        layer.register_buffer("post_attention_norm", w.clone(), persistent=False)
+        layer.register_buffer("toy_norm", w.clone(), persistent=False)
     model.output = SoftCapped(model.output, 2.0)
     return model
 
@@ -547,7 +561,7 @@ def test_a_feature_added_to_the_model_appears_in_both_exports(make_hf, tmp_path)
         assert ("", "Tanh") in ops
         if opset == "opmx":
             norm_ops = [n for n in nodes if n.op_type == "RMSNorm"]
-            post = [n for n in norm_ops if n.input[1] == "layers.0.post_attention_norm"]
+            post = [n for n in norm_ops if n.input[1] == "layers.0.toy_norm"]
             assert len(norm_ops) == 3 * p.num_layers + 1 and len(post) == 1
             assert {a.name: onnx.helper.get_attribute_value(a) for a in post[0].attribute}["skip_term"] == 0
             got = OpmxSession(tmp_path / opset, sess.comm).run(dict(t, kv_cache=kv.clone()))["logits"]

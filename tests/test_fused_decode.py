@@ -53,6 +53,9 @@ def one_call(stepper):
     ("mistral_window", dict(cache_layout=2)),                        # sliding window
     ("mistral_window", dict(cache_layout=1, cache_mode=1, quantized_cache=True)),  # int8 cache: rows quantised in C++
     ("qwen3", dict(cache_layout=0, quantized_cache=True)),
+    ("gemma2", dict(cache_layout=1, cache_mode=1)),                 # GeGLU, post norms, soft caps, mixed layer kinds
+    ("gemma3", dict(cache_layout=2, quantized_cache=True)),         # a rope per layer kind, q/k norms (1 + w)
+    ("phi4_mini", dict(cache_layout=3)),                             # partial rotary, LongRoPE across its switch
 ])
 def test_one_call_decode_matches_the_torch_step_and_transformers(make_hf, tmp_path, arch, options):
     """Teacher-forced decode of 3 sequences of different lengths: every decode step goes through the one call, and its
@@ -159,16 +162,16 @@ def test_a_verify_step_runs_as_decode_rows_in_one_call(make_hf, tmp_path, arch, 
 
 def test_layer_features_are_declared_or_declined_by_name():
     """Each layer's features against the step's declared ones: what it lacks (MoE, linears it cannot run) is named,
-    in the layer where it first appears; ALiBi and a partial rotary it has."""
+    in the layer where it first appears; ALiBi, a partial rotary, GeGLU, post norms and soft-capped scores it has."""
     supported = torch.classes.pmx_cpu.DecodeModel.features()
     plain = fd.LayerFeatures(position="rotary", mlp="swiglu", linears="packed_linears", split_qkv=False,
                              split_gate_up=False, qkv_bias=True, o_bias=True, ffn_bias=True, qk_norm=True,
-                             sliding_window=True)
+                             post_norms=True, sliding_window=True, attn_softcap=True)
     assert plain.names() == ["rotary", "swiglu", "packed_linears", "qkv_bias", "o_bias", "ffn_bias", "qk_norm",
-                             "sliding_window"]
+                             "post_norms", "sliding_window", "attn_softcap"]
     assert fd.first_unsupported([plain, plain], supported) is None
-    for position in ("alibi", "rotary_partial"):
-        assert fd.first_unsupported([plain, replace(plain, position=position)], supported) is None
+    for change in (dict(position="alibi"), dict(position="rotary_partial"), dict(mlp="geglu")):
+        assert fd.first_unsupported([plain, replace(plain, **change)], supported) is None
     for change, name in [(dict(mlp="moe"), "moe"), (dict(linears="other_linears"), "other_linears")]:
         assert fd.first_unsupported([plain, replace(plain, **change)], supported) == \
             f"layer 1 has {name}, which it does not support"

@@ -32,7 +32,9 @@ ROPE_CASES = [None, {"rope_type": "linear", "factor": 4.0},
                "original_max_position_embeddings": 64},
               {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
               {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 16,
-               "beta_slow": 2, "mscale": 1.2, "mscale_all_dim": 0.8, "truncate": False}]
+               "beta_slow": 2, "mscale": 1.2, "mscale_all_dim": 0.8, "truncate": False},
+              {"rope_type": "longrope", "original_max_position_embeddings": 32, "short_factor": [1, 1.2, 1.5, 2, 3, 4],
+               "long_factor": [1, 2, 4, 8, 16, 32]}]
 
 
 @pytest.mark.parametrize("scaling", ROPE_CASES, ids=lambda c: "default" if not c else c["rope_type"])
@@ -47,7 +49,9 @@ def test_rotary_matches_transformers(scaling, max_pos):
     q = torch.randn(1, H, T, D)  # HF rotate-half layout
     cos, sin = LlamaRotaryEmbedding(cfg)(q, pos[None])
     want, _ = apply_rotary_pos_emb(q, q, cos, sin)
-    c, s = ref.Rotary(D, 500.0, scaling, max_pos, torch.device("cpu")).cos_sin(pos)
+    # (transformers takes the step's longest sequence for every token: LongRoPE's long factors here, 301 > 32)
+    ends = torch.full_like(pos, int(pos.max()) + 1)
+    c, s = ref.Rotary(D, 500.0, scaling, max_pos, torch.device("cpu")).cos_sin(pos, seq_end=ends)
     x = unpermute_rotary(q[0].transpose(0, 1).reshape(T, H * D).T, H).T.reshape(T, H, D)  # to interleaved
     got = ref.apply_rotary(x, c, s)
     want_i = unpermute_rotary(want[0].transpose(0, 1).reshape(T, H * D).T, H).T.reshape(T, H, D)
@@ -62,8 +66,27 @@ def test_dynamic_ntk_only_rescales_beyond_max_positions():
 
 
 def test_unknown_rope_scaling_is_refused():
-    with pytest.raises(NotImplementedError, match="longrope"):
-        ref.rope_inv_freq(8, 1e4, {"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(NotImplementedError, match="'mrope' is not supported"):
+        ref.rope_inv_freq(8, 1e4, {"rope_type": "mrope", "factor": 2.0})
+
+
+def test_longrope_switches_per_sequence_at_original_max():
+    """A token of a sequence that reaches past original_max in the step takes the long factors (a prompt longer than
+    it from its first token), a decoding one from position original_max on; the tables are a decoding token's."""
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 8, "short_factor": [1.0, 2.0],
+               "long_factor": [3.0, 5.0]}
+    rot = ref.Rotary(4, 1e4, scaling, 64, torch.device("cpu"))
+    short, long = (ref.rope_inv_freq(4, 1e4, scaling, 64, n) for n in (8, 9))
+    scale = math.sqrt(1 + math.log(64 / 8) / math.log(8))
+    assert rot.scale == pytest.approx(scale) and not torch.allclose(short, long)
+    pos = torch.tensor([3, 7, 8, 20])
+    for ends, longs in ((pos + 1, [False, False, True, True]), (torch.tensor([12, 12, 12, 21]), [True] * 4),
+                        (torch.tensor([5, 8, 9, 21]), [False, False, True, True])):
+        c, _ = rot.cos_sin(pos, seq_end=ends)
+        for i, is_long in enumerate(longs):
+            want = ref.rope_cos_sin(pos[i:i + 1], long if is_long else short, scale)[0]
+            torch.testing.assert_close(c[i:i + 1], want)
+    assert torch.equal(rot.cos_sin(pos)[0], rot.cos_sin(pos, seq_end=pos + 1)[0])
 
 
 def test_swiglu():
@@ -403,3 +426,36 @@ def test_cpu_skip_rms_norm_and_swiglu_match_the_spec(shape):
     want = ref.swiglu(gate, up)
     assert (torch_ops.swiglu(gate, up) - want).abs().max() <= 1e-6 * want.abs().max()
     assert torch.equal(torch_ops.swiglu(gate.double(), up.double()), ref.swiglu(gate.double(), up.double()))
+    want = ref.geglu(gate, up)  # GeGLU: gelu_tanh(g) = g sigmoid(2u) in the kernel
+    assert (torch_ops.geglu(gate, up) - want).abs().max() <= 2e-6 * want.abs().max()
+    y, w = torch_ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5)  # (a post norm: no residual)
+    assert (y - w).abs().max() <= 2e-6 * w.abs().max()
+
+
+@needs_ext
+@pytest.mark.parametrize("int8", [False, True])
+def test_cpu_decode_attention_soft_caps_the_scores(int8):
+    """Gemma 2's cap c tanh(s / c) on the scores, in the C++ kernel (rows read in place) and in the torch attention
+    (decode and prefill), against the reference over the same rows; with scores past the cap, so capping matters."""
+    from runner.kernels import torch_ops
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(ref.cache_shape(2, 2, 256, 2, 32), generator=g)
+    scale = None
+    if int8:
+        cache, scale = ref.quantize_int8(cache)
+    q, lens = 3 * torch.randn(3, 4, 32, generator=g), torch.tensor([40, 7, 100])
+    starts = torch.tensor([0, 50, 120])
+    rows = starts[:, None] + torch.arange(100)
+    k, v = ref.kv_load(cache, scale, 2, 1, rows, torch.float32)                                  # (B, N, KV, D)
+    seen = (torch.arange(100)[None] < lens[:, None])[:, None, None]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    want = ref.attend(q[:, :, None], k, v, seen, False, softcap=2.0)[:, :, 0]
+    got = torch_ops.decode_attention_rows(q, cache, scale, 2, 1, starts, lens, None, softcap=2.0)
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+    assert (got - ref.attend(q[:, :, None], k, v, seen, False)[:, :, 0]).abs().max() > 1e-2 * want.abs().max()
+    assert (torch_ops.attend(q[:, :, None], k, v, seen, False, softcap=2.0)[:, :, 0] - want).abs().max() <= \
+        2e-6 * want.abs().max()
+    qs = 3 * torch.randn(3, 4, 5, 32, generator=g)  # prefill: 5 queries over 5 keys, causal
+    want = ref.attend(qs, k[:, :, :5], v[:, :, :5], None, True, softcap=2.0)
+    assert (torch_ops.attend(qs, k[:, :, :5], v[:, :, :5], None, True, softcap=2.0) - want).abs().max() <= \
+        2e-6 * want.abs().max()

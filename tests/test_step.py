@@ -156,7 +156,7 @@ def test_bad_step_inputs_are_refused(make_hf, tmp_path):
 
 
 def spec(paged: bool, in_place: bool = True, window=None) -> PlanSpec:
-    return PlanSpec(Rotary(16, 10000.0, None, 4096, torch.device("cpu")), torch.device("cpu"), paged, window,
+    return PlanSpec((Rotary(16, 10000.0, None, 4096, torch.device("cpu")),), torch.device("cpu"), paged, (window or 0,),
                     packed=False, read_cache_in_prefill=False, gather_prefill=True, gather_decode=not in_place)
 
 
@@ -179,7 +179,7 @@ def test_decode_inputs_plan_is_the_general_plan(paged, start):
     for got, exp in ((plan.slots, want.slots), (plan.cos, want.cos), (plan.sin, want.sin),
                      (plan.decode.kvlens, want.decode.kvlens)):
         assert got.dtype == exp.dtype and torch.equal(got, exp)
-    assert plan.decode.kv_slots is None and plan.decode.mask is None and want.decode.kv_slots is None
+    assert plan.decode.kv_slots is None and want.decode.kv_slots is None
     cs = plan.decode.cachestarts
     if paged:
         width = want.decode.cachestarts.shape[1]
@@ -205,7 +205,7 @@ def test_gathered_decode_plan_masks_histories_of_different_lengths(window):
     assert d.kv_slots.tolist() == [[0, 1, 1, 1, 1], [100, 101, 102, 103, 104]]
     seen = [[True, True, False, False, False], [True] * 5] if window is None else \
         [[True, True, False, False, False], [False, False, True, True, True]]
-    assert d.mask[:, 0, 0].tolist() == seen
+    assert d.masks[window or 0][:, 0, 0].tolist() == seen
 
 
 def test_engine_decode_steps_match_forward(make_hf, tmp_path):

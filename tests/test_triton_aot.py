@@ -1,8 +1,8 @@
 """Ahead-of-time compiles of every Triton kernel for sm_80 and sm_90, without a GPU (runner.kernels.aot).
 
-The engine's real specialisations (head_dim 64 and 128, float16 and bfloat16, every cache layout, offset and
+The engine's real specialisations (head_dim 64, 128 and 256, float16 and bfloat16, every cache layout, offset and
 paged, float and int8 caches, decode with and without split-K, prefill, sliding windows, ALiBi, a partial rotary,
-int8 / int4 linears),
+GeGLU and soft-capped scores, int8 / int4 linears),
 as the ops' wrappers pick their block sizes and warps, are compiled down to cubins by Triton and ptxas (which
 ships in the triton wheel): what the interpreter cannot check. Each architecture compiles in its own process
 (without TRITON_INTERPRET, which conftest sets for this one), both at once."""
@@ -83,7 +83,7 @@ def test_aot_covers_the_engine_specialisations(aot, arch):
     labels = " | ".join(lab for r in results for lab in r["labels"])
     for needed in ("float16", "bfloat16", "int8", "paged", "offset", "decode B=1", "decode B=64", "prefill",
                    "rotary+store", "swiglu", "norm 16384", "int4 g128", "mistral-7b-window",
-                   "chatglm3-6b float16 rotary", "baichuan2-13b-alibi"):
+                   "chatglm3-6b float16 rotary", "baichuan2-13b-alibi", "gemma-2-9b float16 geglu", "full layer"):
         assert needed in labels, needed
     for layout in range(4):
         assert f"layout {layout}" in labels
@@ -92,11 +92,13 @@ def test_aot_covers_the_engine_specialisations(aot, arch):
         for k, v in r["constexprs"].items():
             by_kernel.setdefault((r["kernel"], k), set()).add(v)
     for kernel in ("_decode_attn_kernel", "_prefill_attn_kernel"):
-        assert by_kernel[(kernel, "BLOCK_D")] == {64, 128}          # head dims 64 and 128
+        assert by_kernel[(kernel, "BLOCK_D")] == {64, 128, 256}     # head dims 64, 128 and 256 (Gemma)
         assert by_kernel[(kernel, "QUANT")] == {False, True}
         assert by_kernel[(kernel, "PAGED")] == {False, True}
         assert by_kernel[(kernel, "HAS_WINDOW")] == {False, True}
         assert by_kernel[(kernel, "ALIBI")] == {False, True}
+        assert by_kernel[(kernel, "SOFTCAP")] == {False, True}
     assert by_kernel[("_decode_attn_kernel", "SPLIT")] == {False, True}
     assert by_kernel[("_rotary_kv_kernel", "QUANT")] == {False, True}
+    assert by_kernel[("_swiglu_kernel", "GELU")] == {False, True}
     assert by_kernel[("_skip_rms_norm_kernel", "BLOCK")] >= {2048, 4096, 8192, 16384}

@@ -65,6 +65,7 @@ def test_swiglu_on_fused_halves(dtype, rows, F):
     gate_up = torch.randn(rows, 2 * F, device=DEV, dtype=dtype)
     gate, up = gate_up.chunk(2, dim=-1)  # views with row stride 2F, as the fused GEMM leaves them
     close(triton_ops.swiglu(gate, up), ref.swiglu(gate, up), dtype, scale=2)
+    close(triton_ops.geglu(gate, up), ref.geglu(gate, up), dtype, scale=2)  # GeGLU: the kernel with GELU's tanh
 
 
 def _cache(layout, layers, rows, kv, D, quant, dtype):
@@ -121,12 +122,13 @@ def _filled_cache(mode, quant, dtype, KV, D, kvlens, layout=2):
     return cache, scale, starts, kv_all
 
 
-def _packed_reference(q, kv_all, seqlens, kvlens, window, alibi=None):
+def _packed_reference(q, kv_all, seqlens, kvlens, window, alibi=None, softcap=0.0):
     kh, vh = torch.cat([k for k, _ in kv_all]), torch.cat([v for _, v in kv_all])
     seqstarts = torch.tensor([0] + seqlens, device=DEV).cumsum(0)
     kvstarts = torch.tensor([0] + kvlens, device=DEV).cumsum(0)
     start = torch.tensor(kvlens, device=DEV) - torch.tensor(seqlens, device=DEV)
-    return ref.attention_packed(q, kh, vh, seqstarts, kvstarts, start, sliding_window=window, alibi=alibi)
+    return ref.attention_packed(q, kh, vh, seqstarts, kvstarts, start, sliding_window=window, alibi=alibi,
+                                softcap=softcap)
 
 
 @pytest.mark.parametrize("mode", [0, 1])
@@ -178,6 +180,29 @@ def test_prefill_attention_alibi(mode, quant, dtype):
     got = triton_ops.prefill_attention(q, cache, scale, 2, 0, cstarts, torch.tensor(kvlens, device=DEV), mode, S,
                                        alibi=slopes)
     close(got, _packed_reference(q, kv_all, [S] * len(starts), kvlens, None, slopes), dtype, scale=2)
+
+
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_and_prefill_attention_soft_cap(quant, dtype):
+    """Gemma 2's soft cap c tanh(s / c) on the scores (in natural units, before the log2 ones the kernels run in), in
+    the decode kernel (split, with a sliding window) and the prefill kernel (paged), over scores past the cap."""
+    torch.manual_seed(5)
+    H, KV, D, cap = 4, 2, 16, 1.5
+    kvlens = [9, 70]
+    cache, scale, starts, kv_all = _filled_cache(0, quant, dtype, KV, D, kvlens)
+    q = 3 * torch.randn(len(kvlens), H, D, device=DEV, dtype=dtype)
+    got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens, device=DEV), 0, 40,
+                                      num_splits=2, softcap=cap)
+    want = _packed_reference(q, kv_all, [1, 1], kvlens, 40, softcap=cap)
+    close(got, want, dtype, scale=2)
+    assert (want - _packed_reference(q, kv_all, [1, 1], kvlens, 40)).abs().max() > 0.1  # it matters
+    S = 6
+    cache, scale, cstarts, kv_all = _filled_cache(1, quant, dtype, KV, D, [3 + S])
+    q = 3 * torch.randn(S, H, D, device=DEV, dtype=dtype)
+    got = triton_ops.prefill_attention(q, cache, scale, 2, 0, cstarts, torch.tensor([3 + S], device=DEV), 1, S,
+                                       softcap=cap)
+    close(got, _packed_reference(q, kv_all, [S], [3 + S], None, softcap=cap), dtype, scale=2)
 
 
 def test_alibi_slopes_are_baichuans():
@@ -359,20 +384,24 @@ def test_engine_with_triton_kernels_runs_the_seed_families(tmp_path, name):
     assert rel_err(last, want[0, 2]) < 1e-4, rel_err(last, want[0, 2])
 
 
-def test_engine_with_triton_kernels_matches_transformers(make_hf, tmp_path):
+@pytest.mark.parametrize("arch,options,steps", [
+    ("llama_gqa_odd", dict(cache_layout=3, cache_mode=1), 16),
+    ("gemma2", dict(cache_layout=2, cache_mode=1), 2),  # soft caps, GeGLU, a windowed layer (5) and a full one
+])
+def test_engine_with_triton_kernels_matches_transformers(make_hf, tmp_path, arch, options, steps):
     """The whole engine on the Triton kernels (decode steps through the flash-decoding kernel)."""
     from runner.pmx.convert import convert
     from test_engine import engine, hf_logits, prompts_and_conts, rel_err
     from tp_worker import teacher_forced_logits
-    src, model = make_hf("llama_gqa_odd")
+    src, model = make_hf(arch)
     convert(str(src), str(tmp_path / "pmx"), progress=False)
     prompts, conts = prompts_and_conts(model.config.vocab_size)
-    ref_logits = hf_logits(model, prompts, conts)
-    for options in (dict(cache_layout=3, cache_mode=1),):
-        eng = engine(tmp_path / "pmx", DEV, kernels="triton", **options)
-        assert eng.model.ops.name == "triton" and eng.model.ops.decode_attention is triton_ops.decode_attention
-        got = torch.stack(teacher_forced_logits(eng, prompts, conts)).cpu()
-        assert rel_err(got, ref_logits) < 1e-4, (options, rel_err(got, ref_logits))
+    conts = [c[:steps] for c in conts]
+    ref_logits = hf_logits(model, prompts, conts)[: steps + 1]
+    eng = engine(tmp_path / "pmx", DEV, kernels="triton", **options)
+    assert eng.model.ops.name == "triton" and eng.model.ops.decode_attention is triton_ops.decode_attention
+    got = torch.stack(teacher_forced_logits(eng, prompts, conts)).cpu()
+    assert rel_err(got, ref_logits) < 1e-4, (options, rel_err(got, ref_logits))
 
 
 LOWP_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2}  # max |logit error| / max |logit|, int8 cache included

@@ -7,10 +7,12 @@ by a description of the model's own layers. Each layer's :class:`LayerFeatures` 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
+from torch import nn
 
 from runner.kernels import reference as ref
 from runner.kernels.cpu_ext import cpu_ops, pack_blocks
@@ -24,7 +26,7 @@ class LayerFeatures:
     """What one decoder layer computes, read from its modules; :meth:`names`: what a runner must support to run it."""
     position: str         # "rotary": interleaved pairs of all head_dim; "rotary_partial": of its first dims; "alibi":
                           # no rotary, a bias per head on the scores
-    mlp: str              # "swiglu" (FeedForward) or "moe"
+    mlp: str              # "swiglu" or "geglu" (FeedForward), or "moe"
     linears: str          # "packed_linears": this project's CPU kernels (float32, bf16, fp16, int8, int4); else
                           # "other_linears"
     split_qkv: bool       # q, k, v in linears of their own (fused_qkv off)
@@ -33,7 +35,9 @@ class LayerFeatures:
     o_bias: bool
     ffn_bias: bool
     qk_norm: bool         # per-head RMSNorm of q and k before rotary
+    post_norms: bool      # the attention's and the MLP's outputs RMS-normed before the residual adds
     sliding_window: bool
+    attn_softcap: bool    # the scores soft-capped
 
     def names(self) -> list[str]:
         """Field by field: a str field's value, a true bool field's name."""
@@ -55,12 +59,13 @@ def layer_features(model, i: int) -> LayerFeatures:
     lins = [*(m.linear for m in a.qkv), a.wo.linear] + ([] if moe else [*(m.linear for m in f.gate_up), f.w2.linear])
     position = "alibi" if a.alibi is not None else "rotary" if rotary_dims == a.head_dim else "rotary_partial"
     return LayerFeatures(
-        position=position, mlp="moe" if moe else "swiglu",
+        position=position, mlp="moe" if moe else "geglu" if f.gelu else "swiglu",
         linears="packed_linears" if all(map(_packable, lins)) else "other_linears",
         split_qkv=len(a.qkv) != 1, split_gate_up=not moe and len(f.gate_up) != 1,
         qkv_bias=any(m.linear.bias is not None for m in a.qkv), o_bias=a.wo.bias is not None,
         ffn_bias=not moe and (f.w2.bias is not None or any(m.linear.bias is not None for m in f.gate_up)),
-        qk_norm=a.q_norm is not None, sliding_window=bool(a.window))
+        qk_norm=a.q_norm is not None, post_norms=not isinstance(layer.post_attention_norm, nn.Identity),
+        sliding_window=bool(a.window), attn_softcap=bool(a.softcap))
 
 
 def first_unsupported(features: list[LayerFeatures], supported) -> Optional[str]:
@@ -116,11 +121,15 @@ class OneCallDecode:
             a = layer.attention
             qkv, wo, gate_up, w2 = (_linear(layer.get_submodule(p), f"layers.{i}.{p}") for p in (
                 "attention.qkv.0", "attention.wo", "feed_forward.gate_up.0", "feed_forward.w2"))
+            post = [None if isinstance(n, nn.Identity) else n.weight
+                    for n in (layer.post_attention_norm, layer.post_ffn_norm)]
             layers.append(torch.classes.pmx_cpu.Layer(
                 index=i, attention_norm=layer.attention_norm.weight, ffn_norm=layer.ffn_norm.weight, q_norm=a.q_norm,
                 k_norm=a.k_norm, qkv=qkv, wo=wo, gate_up=gate_up, w2=w2, heads=a.heads, kv_heads=a.kv_heads,
                 head_dim=a.head_dim, window=a.window or 0, eps=layer.attention_norm.eps,
-                rotary_dim=2 * model.rotary.inv_freq.numel(), alibi=a.alibi))
+                rotary_dim=2 * model.rotary.inv_freq.numel(), alibi=a.alibi, post_attention_norm=post[0],
+                post_ffn_norm=post[1], gelu=layer.feed_forward.gelu, scale=a.q_mult / math.sqrt(a.head_dim),
+                softcap=a.softcap, rope=a.rope))
         self.vocab_size, self.layout, self.paged = model.params.vocab_size, model.config.cache_layout, model.config.paged
         emb = model.tok_embeddings.weight  # float32, or a QuantWeight dequantised as its rows are gathered
         quant = isinstance(emb, QuantWeight)
@@ -132,7 +141,8 @@ class OneCallDecode:
             embedding_group=emb.scheme.group_size if quant else 0, layers=layers, norm=model.norm.weight,
             eps=model.norm.eps, output=_linear(model.output, "output"), dequant_above=CPU_KERNEL_MAX_ROWS,
             workspace=torch.empty(0, dtype=torch.uint8) if shm is None else shm.workspace, rank=comm.rank,
-            world=comm.world_size, deadline_s=0.0 if shm is None else float(shm.deadline_s))
+            world=comm.world_size, deadline_s=0.0 if shm is None else float(shm.deadline_s),
+            embedding_multiplier=model.embedding_scale, final_softcap=model.final_softcap or 0.0)
 
     @staticmethod
     def accepts(plan, cache) -> bool:

@@ -1,10 +1,11 @@
 """The transformer of a PMX model, one tensor-parallel rank of it: the modules and their forward, nothing else.
 
-Built from `pmx_params.json` alone (no family names): biases, GQA, q/k norms, rope settings, the sliding window
-and experts come from the params. Each rank holds its shard: heads H/N (KV heads KV/N, or one replicated KV
-head), intermediate F/N, vocabulary V/N, embedding columns D/N. `forward(tokens, plan, cache)` reads only the
-step's plan (runner.engine.plan), the weights and the cache; how a step is run (eagerly, compiled, as one C++
-call, from a CUDA graph) is runner.engine.runners' business.
+Built from `pmx_params.json` alone (no family names): biases, GQA, q/k norms, rope settings, each layer's kind
+(full attention or a sliding window, with a rope of its own), the norms' offset and the post norms, the embedding
+and attention scales, the soft caps, the MLP's activation and experts come from the params. Each rank holds its
+shard: heads H/N (KV heads KV/N, or one replicated KV head), intermediate F/N, vocabulary V/N, embedding columns
+D/N. `forward(tokens, plan, cache)` reads only the step's plan (runner.engine.plan), the weights and the cache; how
+a step is run (eagerly, compiled, as one C++ call, from a CUDA graph) is runner.engine.runners' business.
 """
 
 from __future__ import annotations
@@ -103,16 +104,32 @@ class SkipRMSNorm(nn.Module):
         return self.ops.skip_rms_norm(x, residual, self.weight, self.eps)
 
 
+class RMSNorm(nn.Module):
+    """rms_norm(x) * weight (the post norms: the attention's and the MLP's outputs, before the residual add)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, ops):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.eps, self.ops = eps, ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
 class Attention(nn.Module):
     """Self-attention of one layer over the step's packed tokens, reading and writing the KV cache.
 
-    Positions enter as rotary (q and k rotated on the plan's cos / sin, whose width says how many dims turn) or, where
-    the spec has ALiBi heads, as ALiBi's bias slope_h x (j - i) on the scores; with the plan's `q_scale` (logn
-    scaling) each query is scaled by its position's factor. A traced step (plan.inputs: an export) rotates and attends
-    with the kernel set's step ops, which read ppl.pmx's step inputs themselves."""
+    Positions enter as rotary (q and k rotated on the plan's cos / sin of this layer's rope, `rope`: its index in the
+    plan's ropes; their width says how many dims turn) or, where the spec has ALiBi heads, as ALiBi's bias
+    slope_h x (j - i) on the scores; with the plan's `q_scale` (logn scaling) each query is scaled by its position's
+    factor. The scores are q k / sqrt(head_dim) (`q_mult` != 1: the queries multiplied by it first, a model's own
+    scale), soft-capped where the spec has a cap, and a sliding layer sees the last `window` positions. A traced step
+    (plan.inputs: an export) rotates and attends with the kernel set's step ops, which read ppl.pmx's step inputs
+    themselves."""
 
     def __init__(self, spec: ref.AttentionSpec, qkv: list, wo, q_norm, k_norm, eps: float,
-                 rotary: Optional[ref.Rotary], config: EngineConfig, ops, device: torch.device):
+                 rotary: Optional[ref.Rotary], rope: int, q_mult: float, config: EngineConfig, ops,
+                 device: torch.device):
         super().__init__()
         self.spec, self.layer, self.heads, self.kv_heads, self.head_dim = (spec, spec.layer, spec.heads,
                                                                            spec.kv_heads, spec.head_dim)
@@ -121,7 +138,8 @@ class Attention(nn.Module):
         self.register_buffer("k_norm", k_norm, persistent=False)
         alibi = spec.alibi_slopes()
         self.register_buffer("alibi", None if alibi is None else alibi.to(device), persistent=False)     # (H,)
-        self.eps, self.window, self.rotary, self.ops = eps, spec.sliding_window or None, rotary, ops
+        self.eps, self.window, self.rotary, self.rope, self.ops = eps, spec.sliding_window or None, rotary, rope, ops
+        self.q_mult, self.softcap = q_mult, spec.softcap
         self.friendly_gqa, self.cache_mode = config.friendly_gqa, config.cache_mode
 
     def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None
@@ -130,11 +148,15 @@ class Attention(nn.Module):
             q, k, v = self._qkv(x)
             if self.alibi is None:
                 q, k = self.ops.rotary_step(q, k, plan.inputs, self.rotary)
+            if self.q_mult != 1.0:
+                q = q * self.q_mult
             out = self.ops.cache_attention(q, k, v, plan.inputs, cache, self.spec)
             return self.wo(out.reshape(-1, self.heads * self.head_dim), sp=sp)
         q, k, v = self._qkv_stored(x, plan, cache)                                # (T, H|KV|KV, D)
         if plan.q_scale is not None:                                              # logn scaling of the queries
             q = q * plan.q_scale[:, None, None].to(q.dtype)
+        if self.q_mult != 1.0:                                                    # the model's own score scale
+            q = q * self.q_mult
         if plan.packed is not None:
             out = self._packed(q, plan, cache)
         else:
@@ -154,8 +176,8 @@ class Attention(nn.Module):
             cache.store(self.layer, k, v, plan.slots)
         elif self.ops.rotary_kv_store is not None:  # one kernel rotates q, k in place and writes k, v to the cache
             q, k, v = self._qkv(x)
-            self.ops.rotary_kv_store(q, k, v, plan.cos, plan.sin, cache.data, cache.scale, cache.layout, self.layer,
-                                     plan.slots)
+            self.ops.rotary_kv_store(q, k, v, plan.cos[self.rope], plan.sin[self.rope], cache.data, cache.scale,
+                                     cache.layout, self.layer, plan.slots)
         else:
             q, k, v = self._qkv_rotated(x, plan)
             cache.store(self.layer, k, v, plan.slots)
@@ -176,12 +198,13 @@ class Attention(nn.Module):
 
     def _qkv_rotated(self, x, plan):
         T, H, KV, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        cos, sin = plan.cos[self.rope], plan.sin[self.rope]
         if len(self.qkv) == 1 and self.q_norm is None:  # q and k side by side: rotate both in one pass
             qkv = self.qkv[0](x)                                                  # (T, (H + 2 KV) D)
-            qk = self.ops.apply_rotary(qkv[:, : (H + KV) * D].view(T, H + KV, D), plan.cos, plan.sin)
+            qk = self.ops.apply_rotary(qkv[:, : (H + KV) * D].view(T, H + KV, D), cos, sin)
             return qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
         q, k, v = self._qkv(x)
-        return self.ops.apply_rotary(q, plan.cos, plan.sin), self.ops.apply_rotary(k, plan.cos, plan.sin), v
+        return self.ops.apply_rotary(q, cos, sin), self.ops.apply_rotary(k, cos, sin), v
 
     def _repeat_kv(self, k, v, dim):
         if not self.friendly_gqa or self.heads == self.kv_heads:
@@ -194,32 +217,37 @@ class Attention(nn.Module):
         Bd = q.shape[0]
         if self.ops.decode_attention is not None:  # a kernel that walks the cache itself
             out = self.ops.decode_attention(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
-                                            d.kvlens, self.cache_mode, self.window, alibi=self.alibi)
+                                            d.kvlens, self.cache_mode, self.window, alibi=self.alibi,
+                                            softcap=self.softcap)
         elif self.ops.decode_attention_rows is not None and d.kv_slots is None:  # rows read in place
             out = self.ops.decode_attention_rows(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
                                                  d.kvlens, self.window,
-                                                 ref.PAGE_SIZE if d.cachestarts.dim() == 2 else 0, alibi=self.alibi)
+                                                 ref.PAGE_SIZE if d.cachestarts.dim() == 2 else 0, alibi=self.alibi,
+                                                 softcap=self.softcap)
         else:
             k, v = cache.gather(self.layer, d.kv_slots, q.dtype)                  # (Bd, N, KV, D)
             k, v = self._repeat_kv(k.transpose(1, 2), v.transpose(1, 2), 1)       # (Bd, KV, N, D)
-            mask = self._with_alibi(d.mask, (d.kvlens - 1)[:, None], k.shape[2], False)
-            out = self.ops.attend(q[:, :, None], k, v, mask, causal=False)        # (Bd, H, 1, D)
+            mask = self._with_alibi(d.masks[self.spec.sliding_window], (d.kvlens - 1)[:, None], k.shape[2], False)
+            out = self.ops.attend(q[:, :, None], k, v, mask, causal=False, softcap=self.softcap)  # (Bd, H, 1, D)
         return out.reshape(Bd, self.heads * self.head_dim)
 
     def _prefill(self, q, k, v, g, cache):
         """g.n sequences of g.seqlen new tokens: q, k, v (n S, heads, D)."""
-        n, S, D = g.n, g.seqlen, self.head_dim
-        if self.ops.prefill_attention is not None and not g.plain_causal:
+        n, S, D, window = g.n, g.seqlen, self.head_dim, self.spec.sliding_window
+        if self.ops.prefill_attention is not None and not g.plain_for(window):
             out = self.ops.prefill_attention(q, cache.data, cache.scale, cache.layout, self.layer, g.cachestarts,
-                                             g.kvlens, self.cache_mode, S, self.window, alibi=self.alibi)
+                                             g.kvlens, self.cache_mode, S, self.window, alibi=self.alibi,
+                                             softcap=self.softcap)
             return out.reshape(n * S, self.heads * D)                              # (over the cache)
         if g.kv_slots is None:                                                    # a fresh prompt's own keys
             k, v = k.reshape(n, S, self.kv_heads, D), v.reshape(n, S, self.kv_heads, D)
         else:
             k, v = cache.gather(self.layer, g.kv_slots, q.dtype)                  # (n, N, KV, D)
         k, v = self._repeat_kv(k.transpose(1, 2), v.transpose(1, 2), 1)
-        mask = self._with_alibi(g.mask, g.kvlens[:, None] - S + torch.arange(S, device=q.device), k.shape[2], True)
-        out = self.ops.attend(q.reshape(n, S, self.heads, D).transpose(1, 2), k, v, mask, causal=True)
+        mask = self._with_alibi(g.masks[window], g.kvlens[:, None] - S + torch.arange(S, device=q.device),
+                                k.shape[2], True)
+        out = self.ops.attend(q.reshape(n, S, self.heads, D).transpose(1, 2), k, v, mask, causal=True,
+                              softcap=self.softcap)
         return out.transpose(1, 2).reshape(n * S, self.heads * D)                 # (n S, H D)
 
     def _with_alibi(self, mask: Optional[torch.Tensor], q_pos: torch.Tensor, n_keys: int, causal: bool):
@@ -238,26 +266,28 @@ class Attention(nn.Module):
         kh, vh = cache.gather(self.layer, p.kv_slots, q.dtype)                   # (Tkv, KV, D)
         kh, vh = self._repeat_kv(kh, vh, 1)
         out = ref.attention_packed(q, kh, vh, p.seqstarts, p.kvstarts, p.start_pos, p.attn_mask, self.window,
-                                   self.alibi)
+                                   self.alibi, self.softcap)
         return out.reshape(q.shape[0], self.heads * self.head_dim)
 
 
 class FeedForward(nn.Module):
-    """w2(silu(w1 x) * w3 x): gate and up in one GEMM when fused."""
+    """w2(act(w1 x) * w3 x), act silu (SwiGLU) or GELU's tanh form (GeGLU, `gelu`): gate and up in one GEMM when
+    fused."""
 
-    def __init__(self, gate_up: list, w2, ops):
+    def __init__(self, gate_up: list, w2, ops, gelu: bool = False):
         super().__init__()
-        self.gate_up, self.w2, self.ops = nn.ModuleList(gate_up), w2, ops
+        self.gate_up, self.w2, self.ops, self.gelu = nn.ModuleList(gate_up), w2, ops, gelu
+        self.glu, self.glu_packed = (ops.geglu, ops.geglu_packed) if gelu else (ops.swiglu, ops.swiglu_packed)
 
     def forward(self, x: torch.Tensor, sp: Optional[SeqParallel] = None) -> torch.Tensor:
         w2 = self.w2 if sp is None else partial(self.w2, sp=sp)  # (sp: w2 is row-parallel; an expert's is plain)
         if len(self.gate_up) == 1:
             gate_up = self.gate_up[0](x)
-            if getattr(self.w2, "takes_swiglu", None) is not None and self.w2.takes_swiglu(gate_up):
+            if not self.gelu and getattr(self.w2, "takes_swiglu", None) is not None and self.w2.takes_swiglu(gate_up):
                 return w2(gate_up, swiglu=True)  # SwiGLU computed as the down projection loads its input
-            return w2(self.ops.swiglu_packed(gate_up))
+            return w2(self.glu_packed(gate_up))
         gate, up = (lin(x) for lin in self.gate_up)
-        return w2(self.ops.swiglu(gate, up))
+        return w2(self.glu(gate, up))
 
 
 class MoE(nn.Module):
@@ -305,17 +335,23 @@ ENGINE_LAYERS = Layers(column=_unnamed(ColumnParallelLinear), row=_unnamed(RowPa
 
 
 class Block(nn.Module):
-    def __init__(self, attention_norm, attention, ffn_norm, feed_forward):
+    """One decoder layer: x + attention(norm(x)), then + mlp(norm(.)); with post norms (Gemma's sandwich) the
+    attention's and the MLP's outputs are normed before their residual adds (nn.Identity where the model has none)."""
+
+    def __init__(self, attention_norm, attention, ffn_norm, feed_forward,
+                 post_attention_norm: Optional[nn.Module] = None, post_ffn_norm: Optional[nn.Module] = None):
         super().__init__()
         self.attention_norm, self.attention = attention_norm, attention
         self.ffn_norm, self.feed_forward = ffn_norm, feed_forward
+        self.post_attention_norm = post_attention_norm or nn.Identity()
+        self.post_ffn_norm = post_ffn_norm or nn.Identity()
 
     def forward(self, x, residual, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None):
         """(the MLP's output, the residual stream): with `sp`, partial sums the next norm reduces and this rank's
         rows of the residual."""
         h, residual = self.attention_norm(x, residual, sp)
-        h, residual = self.ffn_norm(self.attention(h, plan, cache, sp), residual, sp)
-        return self.feed_forward(h, sp), residual
+        h, residual = self.ffn_norm(self.post_attention_norm(self.attention(h, plan, cache, sp)), residual, sp)
+        return self.post_ffn_norm(self.feed_forward(h, sp)), residual
 
 
 class Transformer(nn.Module):
@@ -338,8 +374,6 @@ class Transformer(nn.Module):
                            f"launch with -np {n} (or split it for {comm.world_size})")
         self.heads, self.kv_heads, self.head_dim = p.num_heads // n, max(p.num_kv_heads // n, 1), p.head_dim
         c.check_model(p.head_dim)
-        if p.sliding_window is not None and p.sliding_window <= 0:
-            raise PmxError(f"sliding_window must be positive, got {p.sliding_window}")
         if p.num_experts and p.ffn_bias:
             raise PmxError("mixture-of-experts models with MLP biases are not supported")
         w = weights
@@ -349,11 +383,26 @@ class Transformer(nn.Module):
         self.num_params = sum(t.numel() for t in w.values())
         self.ops = ops = ops or kernel_set(c.kernels, self.device, self.dtype)
         kinds = ops.layers or ENGINE_LAYERS
-        self.rotary = ref.Rotary(p.rotary_dims, p.rope_theta, p.rope_scaling, p.max_position_embeddings, self.device)
+        ropes = [(p.rope_theta, p.rope_scaling)]  # (theta, scaling) of each rope the layers use, the full layers' first
+        for i in range(p.num_layers):
+            if p.layer_rope(i) not in ropes:
+                ropes.append(p.layer_rope(i))
+        self.rotaries = [ref.Rotary(p.rotary_dims, theta, scaling, p.max_position_embeddings, self.device)
+                         for theta, scaling in ropes]
+        self.rotary = self.rotaries[0]
         alibi = (p.num_heads, comm.rank * self.heads) if p.position_embedding == "alibi" else ()  # this rank's heads
         weight = partial(pop_weight, w, scheme=scheme_of(p), kernels=c.kernels)  # float, or weight-only quantised
+
+        def norm(name: str) -> Optional[torch.Tensor]:
+            """A norm's weight, popped: offset + w (Gemma's 1 + w), computed in float32."""
+            t = w.pop(name, None)
+            return t if t is None or not p.norm_offset else (t.float() + p.norm_offset).to(t.dtype)
+
         self.tok_embeddings = kinds.embedding(weight("tok_embeddings"), p.hidden_dim, comm, self.dtype,
                                               ops.quant_embedding, names=["tok_embeddings"])
+        # (transformers multiplies by the scale rounded to the weights' dtype)
+        self.embedding_scale = float(torch.tensor(p.embedding_scale, dtype=self.dtype))
+        q_mult = 1.0 if p.attention_scale is None else p.attention_scale * p.head_dim ** 0.5
 
         def linears(kind, names, bias_on, fuse=True, **kw):
             """The layers of the weights (and biases, when the model has them) of `names`, popped: one GEMM over
@@ -368,23 +417,28 @@ class Transformer(nn.Module):
         layers = []
         for i in range(p.num_layers):
             a, m = f"layers.{i}.attention", f"layers.{i}.feed_forward"
-            spec = ref.AttentionSpec(i, self.heads, self.kv_heads, self.head_dim, p.sliding_window or 0, alibi,
-                                     p.logn_scaling or 0)
+            spec = ref.AttentionSpec(i, self.heads, self.kv_heads, self.head_dim, p.layer_window(i), alibi,
+                                     p.logn_scaling or 0, p.attn_logit_softcapping or 0.0)
+            rope = ropes.index(p.layer_rope(i))
             attention = Attention(
                 spec, linears(kinds.column, [f"{a}.wq", f"{a}.wk", f"{a}.wv"], p.qkv_bias, c.fused_qkv),
-                linears(kinds.row, [f"{a}.wo"], p.o_bias)[0], w.pop(f"{a}.q_norm.weight", None),
-                w.pop(f"{a}.k_norm.weight", None), p.norm_eps, None if alibi else self.rotary, c, ops, self.device)
+                linears(kinds.row, [f"{a}.wo"], p.o_bias)[0], norm(f"{a}.q_norm.weight"), norm(f"{a}.k_norm.weight"),
+                p.norm_eps, None if alibi else self.rotaries[rope], rope, q_mult, c, ops, self.device)
             if p.num_experts:  # the experts' weights stacked: [E, F/n, D], [E, D, F/n]
                 ffn = kinds.moe(w.pop(f"{m}.gate.weight"), *(weight(f"{m}.{x}") for x in ("w1", "w3", "w2")),
                                 p.num_experts_per_token, comm, c.fused_ffn_glu, c.prepack, ops,
                                 names=[f"{m}.{x}" for x in ("gate", "w1", "w3", "w2")])
             else:
                 ffn = FeedForward(linears(kinds.column, [f"{m}.w1", f"{m}.w3"], p.ffn_bias, c.fused_ffn_glu),
-                                  linears(kinds.row, [f"{m}.w2"], p.ffn_bias)[0], ops)
-            layers.append(Block(SkipRMSNorm(w.pop(f"layers.{i}.attention_norm.weight"), p.norm_eps, ops), attention,
-                                SkipRMSNorm(w.pop(f"layers.{i}.ffn_norm.weight"), p.norm_eps, ops), ffn))
+                                  linears(kinds.row, [f"{m}.w2"], p.ffn_bias)[0], ops,
+                                  gelu=p.hidden_act == "gelu_pytorch_tanh")
+            post = [RMSNorm(norm(f"layers.{i}.{n}.weight"), p.norm_eps, ops) if p.post_norms else None
+                    for n in ("post_attention_norm", "post_ffn_norm")]
+            layers.append(Block(SkipRMSNorm(norm(f"layers.{i}.attention_norm.weight"), p.norm_eps, ops), attention,
+                                SkipRMSNorm(norm(f"layers.{i}.ffn_norm.weight"), p.norm_eps, ops), ffn, *post))
         self.layers = nn.ModuleList(layers)
-        self.norm = SkipRMSNorm(w.pop("norm.weight"), p.norm_eps, ops)
+        self.norm = SkipRMSNorm(norm("norm.weight"), p.norm_eps, ops)
+        self.final_softcap = p.final_logit_softcapping
         self.output = linears(kinds.column, ["output"], False, gather_output=True)[0]
         if c.decode_linears and self.device.type == "cuda" and ops.decode_linear is not None:
             for mod in self.modules():
@@ -403,6 +457,8 @@ class Transformer(nn.Module):
         """float32 logits [rows, vocab] of the plan's wanted rows (each sequence's last token); the cache updated in
         place. With `sp`, the residual stream between the row-parallel layers is cut by rows (SeqParallel)."""
         x, residual = self.tok_embeddings(tokens), None                            # (T, hidden)
+        if self.embedding_scale != 1.0:
+            x = x * self.embedding_scale
         for layer in self.layers:
             x, residual = layer(x, residual, plan, cache, sp)
         if sp is not None:  # the final norm reduces the last partial sums (every row, each rank its own)
@@ -412,4 +468,5 @@ class Transformer(nn.Module):
             if plan.last is not None:
                 x, residual = x[plan.last], residual[plan.last]                     # (B, hidden)
             h, _ = self.norm(x, residual)
-        return self.output(h)[:, : self.params.vocab_size].float()
+        logits = self.output(h)[:, : self.params.vocab_size].float()
+        return logits if self.final_softcap is None else ref.soft_cap(logits, self.final_softcap)

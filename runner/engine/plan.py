@@ -7,7 +7,8 @@ attention runs:
 
 - the decoding sequences (one new token each, packed first) attend together: one query row each against its
   history, read in place by kernels that walk the cache themselves (`PlanSpec.gather_decode` off: cachestarts and
-  kvlens are all they read), else gathered to the longest history (a mask where lengths differ or a window cuts);
+  kvlens are all they read), else gathered to the longest history (a mask where lengths differ or a window cuts:
+  one per window the layers have);
 - the sequences in prefill attend by groups, without padding: consecutive fresh prompts of one length form one
   batched causal attention over their own new keys; a prompt that continues (a later chunk) attends over its
   history in the cache with a causal mask offset by its start;
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from runner.kernels import reference as ref
-from runner.kernels.reference import PAGE_SIZE, Rotary
+from runner.kernels.reference import PAGE_SIZE
 
 
 @dataclass
@@ -37,7 +38,8 @@ class DecodeAttention:
     """The leading `batch` query rows each decode one token of their sequence."""
     kv_slots: Optional[torch.Tensor]       # [Bd, N] int64: cache rows of each history (new token included),
                                            # padded by repeating its last row; None where kernels read it in place
-    mask: Optional[torch.Tensor]           # [Bd, 1, 1, N] bool, True where a key is seen; None: all N are
+    masks: dict                            # layers' window (0: none) -> [Bd, 1, 1, N] bool, True where a key is
+                                           # seen, or None: all N are
     cachestarts: torch.Tensor              # [Bd] or [Bd, MaxP]: what kernels that walk the cache themselves read
     kvlens: torch.Tensor                   # [Bd] int64
 
@@ -54,10 +56,14 @@ class PrefillGroup:
     seqlen: int
     kv_slots: Optional[torch.Tensor]       # [n, N] cache rows of the history + new tokens; None: a fresh
                                            # prompt attends over its own new keys (no cache read)
-    mask: Optional[torch.Tensor]           # [n, 1, seqlen, N] bool; None: plain causal
-    plain_causal: bool = True              # fresh prompts attending causally over their own new keys, no window
+    masks: dict                            # layers' window (0: none) -> [n, 1, seqlen, N] bool, or None: plain causal
+    plain_causal: bool = True              # fresh prompts attending causally over their own new keys (no window cut)
     cachestarts: Optional[torch.Tensor] = None   # [n] or [n, MaxP], and
     kvlens: Optional[torch.Tensor] = None        # [n]: what kernels that walk the cache themselves read
+
+    def plain_for(self, window: int) -> bool:
+        """Plain causal attention over the new keys for a layer of `window` (0: none), which cuts none of them."""
+        return self.plain_causal and not (window and self.seqlen > window)
 
 
 @dataclass
@@ -89,8 +95,8 @@ class StepInputs:
 class StepPlan:
     """Everything one step reads besides the token ids, the weights and the cache."""
     slots: Optional[torch.Tensor]          # [T] int64: cache row of each new token
-    cos: Optional[torch.Tensor]            # [T, D/2] float32 rotary tables at each token's position
-    sin: Optional[torch.Tensor]
+    cos: Optional[torch.Tensor]            # [K, T, D/2] float32: each of the model's K ropes at each token's position
+    sin: Optional[torch.Tensor]            # (a layer reads its rope's, Attention.rope)
     last: Optional[torch.Tensor]           # rows whose logits are wanted (each sequence's last, or all of a
                                            # scored one's); None: every row
     decode: Optional[DecodeAttention] = None
@@ -142,10 +148,10 @@ class StepLengths:
 @dataclass(frozen=True)
 class PlanSpec:
     """How an engine's steps are planned: fixed when the engine is built."""
-    rotary: Rotary
+    rotaries: tuple              # the model's ropes (reference.Rotary), its layers' kinds
     device: torch.device
     paged: bool
-    sliding_window: Optional[int]
+    windows: tuple               # the windows of the model's layers (0: a layer without one), each once
     packed: bool                 # ppl.pmx's unfused attention over packed histories (fused_kvcache off)
     read_cache_in_prefill: bool  # fresh prompts attend over their keys as stored (an int8 cache: what later steps see)
     gather_prefill: bool         # prefill attention over gathered rows (else a kernel walks the cache)
@@ -190,9 +196,13 @@ def make_plan(b: StepLengths, spec: PlanSpec, attn_mask: Optional[torch.Tensor] 
         positions = start_t[bot] + torch.arange(T) - first[bot]
     slots = (_rows(cache, positions[:, None], paged)[:, 0] if bot is None
              else _rows(cache[bot], positions[:, None], paged)[:, 0])
-    kvlens = start_t + seqlen_t
     end = max(int(p) + int(n) for p, n in zip(start_pos, seqlens)) if B else 0
-    cos, sin = spec.rotary.cos_sin(positions, end=end)
+    kvlens = start_t + seqlen_t
+    seq_end = None  # (LongRoPE's: one past the last position of each token's sequence)
+    if any(r.long_from is not None for r in spec.rotaries):
+        seq_end = kvlens if bot is None else kvlens[bot]
+    cos, sin = (t[0][None] if len(t) == 1 else torch.stack(t)
+                for t in zip(*(r.cos_sin(positions, end, seq_end) for r in spec.rotaries)))
     q_scale = ref.logn_scale(positions, spec.logn_scaling) if spec.logn_scaling and end > spec.logn_scaling else None
     ends = torch.cumsum(seqlen_t, 0)
     if any(b.all_rows):
@@ -212,18 +222,18 @@ def make_plan(b: StepLengths, spec: PlanSpec, attn_mask: Optional[torch.Tensor] 
         packed = PackedHistory(kv_slots.to(**to), torch.cat((zero, ends)), torch.cat((zero, torch.cumsum(kvlens, 0))),
                                start_t, attn_mask if attn_mask is not None and attn_mask.numel() else None)
     else:
-        window = spec.sliding_window
         if nd:
             dl = kvlens[:nd]
-            kv_slots = mask = None
+            kv_slots, masks = None, dict.fromkeys(spec.windows)
             if spec.gather_decode:
                 n_max = int(dl.max())
                 kv_pos = torch.minimum(torch.arange(n_max)[None, :], (dl - 1)[:, None])  # [Bd, N], last row repeated
                 kv_slots = _rows(cache[:nd], kv_pos, paged).to(**to)
-                if int(dl.min()) != n_max or (window and n_max > window):
-                    mask = _window_mask((dl - 1)[:, None], torch.arange(n_max)[None, :].expand(nd, n_max), dl,
-                                        window).to(**to)
-            decode = DecodeAttention(kv_slots, mask, cache[:nd].to(**to), dl.to(**to))
+                for window in spec.windows:
+                    if int(dl.min()) != n_max or (window and n_max > window):
+                        masks[window] = _window_mask((dl - 1)[:, None], torch.arange(n_max)[None, :].expand(
+                            nd, n_max), dl, window).to(**to)
+            decode = DecodeAttention(kv_slots, masks, cache[:nd].to(**to), dl.to(**to))
         row, i = nd, nd
         while i < B:
             S, p0 = int(seqlens[i]), int(start_pos[i])
@@ -232,15 +242,16 @@ def make_plan(b: StepLengths, spec: PlanSpec, attn_mask: Optional[torch.Tensor] 
                 while i + n < B and int(start_pos[i + n]) == 0 and int(seqlens[i + n]) == S:
                     n += 1
             group, N = slice(i, i + n), int(kvlens[i])
-            kv_slots = mask = None
-            windowed = bool(window and S > window)
+            kv_slots, masks = None, dict.fromkeys(spec.windows)
             if spec.gather_prefill and (p0 > 0 or spec.read_cache_in_prefill):
                 kv_slots = _rows(cache[group], torch.arange(N)[None, :].expand(n, N), paged).to(**to)
-            if spec.gather_prefill and (p0 > 0 or windowed):
-                q_pos = start_t[group, None] + torch.arange(S)[None, :]
-                mask = _window_mask(q_pos, torch.arange(N)[None, :].expand(n, N), kvlens[group], window).to(**to)
-            plain = p0 == 0 and not spec.read_cache_in_prefill and not windowed
-            prefill.append(PrefillGroup(row, n, S, kv_slots, mask, plain, cache[group].to(**to),
+            for window in spec.windows:
+                if spec.gather_prefill and (p0 > 0 or (window and S > window)):
+                    q_pos = start_t[group, None] + torch.arange(S)[None, :]
+                    masks[window] = _window_mask(q_pos, torch.arange(N)[None, :].expand(n, N), kvlens[group],
+                                                 window).to(**to)
+            plain = p0 == 0 and not spec.read_cache_in_prefill
+            prefill.append(PrefillGroup(row, n, S, kv_slots, masks, plain, cache[group].to(**to),
                                         kvlens[group].to(**to)))
             row, i = row + n * S, i + n
     return StepPlan(slots.to(**to), cos.to(**to), sin.to(**to), None if last is None else last.to(**to),
@@ -249,35 +260,37 @@ def make_plan(b: StepLengths, spec: PlanSpec, attn_mask: Optional[torch.Tensor] 
 
 class _Buffers:
     """The persistent tensors of a decode step of `size` sequences: token ids, cache slots, history lengths and
-    cache starts (one int64 buffer), cos / sin (one float32 buffer), and the plan that reads them. On CUDA each has a
-    pinned host mirror that the step's ints are written into, then copied over; on CPU the host buffers are the plan."""
+    cache starts (one int64 buffer), cos / sin of each of `ropes` ropes (one float32 buffer), and the plan that reads
+    them. On CUDA each has a pinned host mirror that the step's ints are written into, then copied over; on CPU the
+    host buffers are the plan."""
 
-    def __init__(self, size: int, half: int, max_pages: Optional[int], device: torch.device):
+    def __init__(self, size: int, ropes: int, half: int, max_pages: Optional[int], device: torch.device):
         self.size, self.max_pages = size, max_pages
         pin = device.type == "cuda"
         self.host_ints = torch.zeros((3 + (max_pages or 1)) * size, dtype=torch.int64, pin_memory=pin)
-        self.host_floats = torch.zeros(2 * size * half, dtype=torch.float32, pin_memory=pin)
+        self.host_floats = torch.zeros(2 * ropes * size * half, dtype=torch.float32, pin_memory=pin)
         self.ints = self.host_ints.to(device) if pin else self.host_ints
         self.floats = self.host_floats.to(device) if pin else self.host_floats
         self.copied = torch.cuda.Event() if pin else None   # the last write's copies out of the host buffers
         self.tokens, slots, kvlens = self.ints[: 3 * size].view(3, size)
         cs = self.ints[3 * size:]
-        cos, sin = self.floats.view(2, size, half)
+        cos, sin = self.floats.view(2, ropes, size, half)
         self.plan = StepPlan(slots, cos, sin, None, DecodeAttention(
-            None, None, cs.view(size, max_pages) if max_pages is not None else cs, kvlens))
+            None, {}, cs.view(size, max_pages) if max_pages is not None else cs, kvlens))
         slots.fill_(-1)
 
     def write(self, tokens: Sequence[int], start_pos: Sequence[int], caches: Sequence[CacheOf], cos_table: np.ndarray,
               sin_table: np.ndarray) -> None:
-        """The step's ints, written with numpy into the host buffers; rows past the batch are padding (token 0 at
-        slot -1, which stores nothing, with a history of length 0)."""
+        """The step's ints, written with numpy into the host buffers (cos / sin of each rope from its tables [K, n,
+        half]); rows past the batch are padding (token 0 at slot -1, which stores nothing, with a history of length
+        0)."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous write's copies have left the host buffers
         ints, floats = self.host_ints.numpy(), self.host_floats.numpy()
         B, S, W = len(start_pos), self.size, self.max_pages
         tok, slots, kvlens = ints[: 3 * S].reshape(3, S)
         cs = ints[3 * S:] if W is None else ints[3 * S:].reshape(S, W)
-        cos, sin = floats.reshape(2, S, -1)
+        cos, sin = floats.reshape(2, cos_table.shape[0], S, -1)
         if B == S == 1:  # scalar writes: a fifth of the time of the array calls below
             p, c = int(start_pos[0]), caches[0]
             tok[0], kvlens[0] = tokens[0], p + 1
@@ -286,7 +299,7 @@ class _Buffers:
             else:
                 cs[0, : len(c)], cs[0, len(c):] = c, 0
                 slots[0] = c[p // PAGE_SIZE] + p % PAGE_SIZE
-            cos[0], sin[0] = cos_table[p], sin_table[p]
+            cos[:, 0], sin[:, 0] = cos_table[:, p], sin_table[:, p]
         else:
             start = np.asarray(start_pos, dtype=np.int64)
             tok[:B], tok[B:], kvlens[B:], slots[B:] = tokens, 0, 0, -1
@@ -299,9 +312,10 @@ class _Buffers:
                 for i, pages in enumerate(caches):
                     cs[i, : len(pages)] = pages
                 np.add(cs[np.arange(B), start // PAGE_SIZE], start % PAGE_SIZE, out=slots[:B])
-            np.take(cos_table, start, axis=0, out=cos[:B])
-            np.take(sin_table, start, axis=0, out=sin[:B])
-            cos[B:], sin[B:] = 0.0, 0.0
+            for k in range(cos_table.shape[0]):
+                np.take(cos_table[k], start, axis=0, out=cos[k, :B])
+                np.take(sin_table[k], start, axis=0, out=sin[k, :B])
+            cos[:, B:], sin[:, B:] = 0.0, 0.0
         if self.copied is not None:
             self.ints.copy_(self.host_ints, non_blocking=True)
             self.floats.copy_(self.host_floats, non_blocking=True)
@@ -316,10 +330,11 @@ class DecodeInputs:
 
     def __init__(self, spec: PlanSpec, size_of: Callable[[int], int] = lambda b: b):
         self.size_of, self.device, self.paged = size_of, spec.device, spec.paged
-        self.max_pages = -(-spec.rotary.max_pos // PAGE_SIZE) if spec.paged else None
-        self.tables = (spec.rotary.cos_table.numpy(), spec.rotary.sin_table.numpy())
+        self.max_pages = -(-spec.rotaries[0].max_pos // PAGE_SIZE) if spec.paged else None
+        self.tables = tuple(np.stack([getattr(r, t).numpy() for r in spec.rotaries])  # [ropes, positions, D/2]
+                            for t in ("cos_table", "sin_table"))
         # positions it takes: those of the tables, and none a logn scaling would scale (their plans carry no q_scale)
-        self.end = min(self.tables[0].shape[0], spec.logn_scaling or self.tables[0].shape[0])
+        self.end = min(self.tables[0].shape[1], spec.logn_scaling or self.tables[0].shape[1])
         self.buffers: dict[int, _Buffers] = {}
 
     def write(self, tokens: Sequence[int], start_pos: Sequence[int], caches: Sequence[CacheOf]
@@ -333,7 +348,7 @@ class DecodeInputs:
         size = self.size_of(B)
         buf = self.buffers.get(size)
         if buf is None:
-            buf = self.buffers[size] = _Buffers(size, self.tables[0].shape[1], self.max_pages, self.device)
+            buf = self.buffers[size] = _Buffers(size, *self.tables[0].shape[::2], self.max_pages, self.device)
         buf.write(tokens, start_pos, caches, *self.tables)
         return buf.tokens if size == B else buf.tokens[:B], buf.plan
 

@@ -78,7 +78,7 @@ class Compiled:
 
     def __call__(self, tokens, plan, cache):
         d = plan.decode
-        variant = (d.batch == 1, d.kv_slots is None, d.mask is None,
+        variant = (d.batch == 1, d.kv_slots is None, tuple(m is None for m in d.masks.values()),
                    d.cachestarts.dim() == 2 and d.cachestarts.shape[1] == 1)
         try:
             if variant in self.variants:
@@ -102,16 +102,19 @@ def _mark_dynamic(tokens: torch.Tensor, plan: StepPlan, cache: KVCache) -> None:
     """The dims of a decode step that vary from step to step (batch, history length, cache rows); heads, head_dim
     and layers stay static, so the kernels are specialised to them."""
     mark, d = torch._dynamo.maybe_mark_dynamic, plan.decode
-    for t in (tokens, plan.slots, plan.cos, plan.sin, d.cachestarts, d.kvlens):
+    for t in (tokens, plan.slots, d.cachestarts, d.kvlens):
         mark(t, 0)
+    for t in (plan.cos, plan.sin):  # [ropes, B, D/2]
+        mark(t, 1)
     if d.kv_slots is not None:
         mark(d.kv_slots, 0)
         mark(d.kv_slots, 1)
     if d.cachestarts.dim() == 2:
         mark(d.cachestarts, 1)
-    if d.mask is not None:
-        mark(d.mask, 0)
-        mark(d.mask, 3)
+    for mask in d.masks.values():
+        if mask is not None:
+            mark(mask, 0)
+            mark(mask, 3)
     for t in (cache.data, cache.scale):
         if t is not None:
             mark(t, cache.layout)  # layout k keeps its MaxT rows in dim k (reference.cache_shape)
@@ -125,10 +128,11 @@ def _is_compile_error(e: Exception) -> bool:
 def seq_parallel(model: Transformer, config: EngineConfig) -> Optional[SeqParallel]:
     """Sequence parallelism for the eager step, or None: it needs TP > 1 on the ranks' shared memory, float32 on CPU
     with the torch kernels, and a dense model without row-parallel biases (a bias is added once, after the
-    all-reduce)."""
+    all-reduce) or post norms (which norm the attention's and the MLP's whole outputs, not partial sums)."""
     p, comm = model.params, model.comm
     if (not config.seq_parallel or comm.shm is None or comm.world_size == 1 or model.device.type != "cpu"
-            or model.dtype != torch.float32 or model.ops.name != "torch" or p.o_bias or p.ffn_bias or p.num_experts):
+            or model.dtype != torch.float32 or model.ops.name != "torch" or p.o_bias or p.ffn_bias or p.num_experts
+            or p.post_norms):
         return None
     return SeqParallel(comm, model.ops.skip_rms_norm)
 
@@ -150,9 +154,11 @@ class Stepper:
     def __init__(self, model: Transformer, config: EngineConfig):
         c, ops, comm = config, model.ops, model.comm
         self.model, self.config = model, c
-        self.spec = PlanSpec(model.rotary, model.device, c.paged, model.params.sliding_window, not c.fused_kvcache,
+        p = model.params
+        self.spec = PlanSpec(tuple(model.rotaries), model.device, c.paged,
+                             tuple(sorted({p.layer_window(i) for i in range(p.num_layers)})), not c.fused_kvcache,
                              c.quantized_cache, ops.prefill_attention is None, not ops.reads_history_in_place,
-                             model.params.logn_scaling)
+                             p.logn_scaling)
         graphs = (c.cuda_graphs and model.device.type == "cuda" and ops.decode_attention is not None
                   and not model.params.num_experts and comm.captures_cuda_graphs)
         in_place = not self.spec.gather_decode and c.fused_kvcache
@@ -183,8 +189,9 @@ class Stepper:
         return torch.tensor(b.tokens, dtype=torch.int64), make_plan(b, spec or self.spec, attn_mask)
 
     def mask(self, b: StepLengths) -> Optional[torch.Tensor]:
-        """The explicit causal mask a step takes with auto_causal off (None otherwise)."""
-        return None if self.config.auto_causal else causal_mask(b, self.spec.sliding_window, self.model.dtype)
+        """The explicit causal mask a step takes with auto_causal off (None otherwise): with the window where every
+        layer has it (layers of both kinds cut their own windows on top of a plain causal one)."""
+        return None if self.config.auto_causal else causal_mask(b, self.model.params.uniform_window, self.model.dtype)
 
     def run(self, tokens: torch.Tensor, plan: StepPlan, cache: KVCache) -> torch.Tensor:
         """float32 logits of the plan's wanted rows; the cache updated in place. (No autograd: no tensor of the model

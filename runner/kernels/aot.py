@@ -3,10 +3,11 @@
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` runs Triton's whole pipeline down to
 ptxas (which ships in the triton wheel) with no driver, which catches what the interpreter cannot: code that
 does not compile for a real GPU, and register spills. The specialisations compiled are the engine's own:
-each op's wrapper is called on meta tensors shaped as the engine's tensors are (models with head_dim 64 and
-128, float16 and bfloat16, every cache layout, offset and paged, float and int8 caches, decode and prefill
-batches, a partial rotary (ChatGLM3) and ALiBi (Baichuan2-13B)), with a `launch` that records the kernel, its
-arguments and the block sizes / warps the wrapper picked instead of launching; each recorded launch is specialised exactly as a launch on a GPU would be
+each op's wrapper is called on meta tensors shaped as the engine's tensors are (models with head_dim 64, 128 and
+256, float16 and bfloat16, every cache layout, offset and paged, float and int8 caches, decode and prefill
+batches, a partial rotary (ChatGLM3), ALiBi (Baichuan2-13B), GeGLU and soft-capped scores (Gemma 2), the windowed
+and full layers of Gemma 3), with a `launch` that records the kernel, its arguments and the block sizes / warps the
+wrapper picked instead of launching; each recorded launch is specialised exactly as a launch on a GPU would be
 (Triton's own argument binder: types, 16-byte alignment and divisibility of the integers) and compiled for
 each target.
 
@@ -56,6 +57,9 @@ class ModelShape:
     window: Optional[int] = None
     rotary_dim: Optional[int] = None   # a partial rotary's dims (None: all of head_dim)
     alibi: bool = False                # ALiBi instead of rotary (the attention kernels add the slopes' bias)
+    gelu: bool = False                 # GeGLU (its own kernel: the down projection takes no fused SwiGLU input)
+    softcap: float = 0.0               # the scores soft-capped (Gemma 2)
+    full_layers: bool = False          # layers without the window too (Gemma's global ones)
 
 
 MODELS = (
@@ -65,6 +69,9 @@ MODELS = (
     ModelShape("mistral-7b-window", 4096, 32, 8, 128, 14336, window=4096),
     ModelShape("chatglm3-6b", 4096, 32, 2, 128, 13696, layers=28, rotary_dim=64),
     ModelShape("baichuan2-13b-alibi", 5120, 40, 40, 128, 13696, layers=40, alibi=True),
+    ModelShape("gemma-2-9b", 3584, 16, 8, 256, 14336, layers=42, window=4096, gelu=True, softcap=50.0,
+               full_layers=True),
+    ModelShape("gemma-3-4b", 2560, 8, 4, 256, 10240, layers=34, window=1024, gelu=True, full_layers=True),
 )
 WIDE_NORMS = (8192, 16384)   # hidden sizes of 70B / 405B models: the norm's warps grow with the width
 DTYPES = (torch.float16, torch.bfloat16)
@@ -112,7 +119,8 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
                 add(f"{tag} norm", triton_ops.skip_rms_norm, x, x, x[0], 1e-5)
                 add(f"{tag} norm (no residual)", triton_ops.skip_rms_norm, x, None, x[0], 1e-5)
                 gate_up = torch.empty(T, 2 * m.intermediate, dtype=dt, device=META)
-                add(f"{tag} swiglu", triton_ops.swiglu, *gate_up.chunk(2, dim=-1))
+                glu = triton_ops.geglu if m.gelu else triton_ops.swiglu
+                add(f"{tag} {'geglu' if m.gelu else 'swiglu'}", glu, *gate_up.chunk(2, dim=-1))
                 # int8 in groups of 32 and int4 with offsets: GGUF's Q8_0 and Q4_1
                 for method, group, offset in (("int8", 0, False), ("int4", 128, False), ("int4", 16, False),
                                               ("int8", 32, False), ("int4", 32, True)):
@@ -130,7 +138,7 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
             rows = triton_ops.DECODE_LINEAR_ROWS   # the decode linears: qkv, o, gate/up, down, output head
             for n, k, swiglu, bias in (((H + 2 * KV) * D, m.hidden, False, True), (m.hidden, H * D, False, False),
                                        (2 * m.intermediate, m.hidden, False, False),
-                                       (m.hidden, m.intermediate, True, False), (32000, m.hidden, False, False)):
+                                       (m.hidden, m.intermediate, not m.gelu, False), (32000, m.hidden, False, False)):
                 xi = torch.empty(rows, 2 * k if swiglu else k, dtype=dt, device=META)
                 w = torch.empty(n, k, dtype=dt, device=META)
                 add(f"{tag} decode linear {n}x{k}{' swiglu' if swiglu else ''}", triton_ops.decode_linear, xi, w,
@@ -148,18 +156,21 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
                     add(f"{ctag} rotary+store", triton_ops.rotary_kv_store, q, k, v, cos, cos, cache, scale, layout,
                         3, slots)
                     add(f"{ctag} store", triton_ops.kv_store, cache, scale, layout, 3, k, v, slots)
-                    for mode in (0, 1):
-                        mtag = f"{ctag} {'paged' if mode else 'offset'}"
+                    for mode, window in ((mode, w) for mode in (0, 1)
+                                         for w in ((m.window, None) if m.full_layers else (m.window,))):
+                        full = " full layer" if m.full_layers and not window else ""
+                        mtag = f"{ctag} {'paged' if mode else 'offset'}{full}"
                         for B in (1, 64):
                             starts = torch.empty((B, 32) if mode else (B,), dtype=torch.int64, device=META)
                             kvlens = torch.empty(B, dtype=torch.int64, device=META)
                             qd = torch.empty(B, (H + 2 * KV) * D, dtype=dt, device=META)[:, : H * D].view(B, H, D)
                             add(f"{mtag} decode B={B}", triton_ops.decode_attention, qd, cache, scale, layout, 3,
-                                starts, kvlens, mode, m.window, num_splits=triton_ops.decode_splits(B, KV, H100_SMS),
-                                alibi=alibi)
+                                starts, kvlens, mode, window, num_splits=triton_ops.decode_splits(B, KV, H100_SMS),
+                                alibi=alibi, softcap=m.softcap)
                         starts = torch.empty((2, 32) if mode else (2,), dtype=torch.int64, device=META)
                         add(f"{mtag} prefill", triton_ops.prefill_attention, q, cache, scale, layout, 3, starts,
-                            torch.empty(2, dtype=torch.int64, device=META), mode, 256, m.window, alibi=alibi)
+                            torch.empty(2, dtype=torch.int64, device=META), mode, 256, window, alibi=alibi,
+                            softcap=m.softcap)
     return found
 
 

@@ -44,26 +44,34 @@ struct Linear : torch::CustomClassHolder {
 };
 using LinearPtr = c10::intrusive_ptr<Linear>;
 
-// A decoder layer (runner.engine.model.Block): x += wo(attention(norm(x))), x += w2(swiglu(gate_up(norm(x)))), with
-// `heads` over kv_heads K/V heads of head_dim, q and k rms-normed where q_norm / k_norm are given, then their first
-// rotary_dim dims rotated on interleaved pairs (0: none), ALiBi's slope per head added to the scores where `alibi`
-// is given, the last `window` positions seen (0: all).
+// A decoder layer (runner.engine.model.Block): x += post_attention_norm(wo(attention(norm(x)))),
+// x += post_ffn_norm(w2(act(gate) * up)), gate | up = gate_up(norm(x)), act silu or (gelu) GELU's tanh form, the post
+// norms where given; with `heads` over kv_heads K/V heads of head_dim, q and k rms-normed where q_norm / k_norm are
+// given, then their first rotary_dim dims rotated on interleaved pairs (0: none) with the step's rope number `rope`,
+// the scores q k * scale (soft-capped, softcap tanh(s / softcap), where softcap > 0), ALiBi's slope per head added to
+// them where `alibi` is given, the last `window` positions seen (0: all).
 struct Layer : torch::CustomClassHolder {
   at::Tensor attention_norm, ffn_norm, q_norm, k_norm;  // q_norm, k_norm: both undefined where the layer has none
+  at::Tensor post_attention_norm, post_ffn_norm;         // both undefined where the layer has none
   at::Tensor alibi;                                      // this rank's heads' slopes [heads], or undefined
   LinearPtr qkv, wo, gate_up, w2;
-  int64_t heads, kv_heads, head_dim, window, ffn, rotary_dim;  // ffn: this rank's intermediate size (w2's inputs)
-  float eps;
+  int64_t heads, kv_heads, head_dim, window, ffn, rotary_dim, rope;  // ffn: this rank's intermediate size
+  float eps, scale, softcap;
+  bool gelu;
 
   Layer(int64_t index, at::Tensor attention_norm_, at::Tensor ffn_norm_, c10::optional<at::Tensor> q_norm_,
         c10::optional<at::Tensor> k_norm_, LinearPtr qkv_, LinearPtr wo_, LinearPtr gate_up_, LinearPtr w2_,
         int64_t heads_, int64_t kv_heads_, int64_t head_dim_, int64_t window_, double eps_, int64_t rotary_dim_,
-        c10::optional<at::Tensor> alibi_)
+        c10::optional<at::Tensor> alibi_, c10::optional<at::Tensor> post_attention_norm_,
+        c10::optional<at::Tensor> post_ffn_norm_, bool gelu_, double scale_, double softcap_, int64_t rope_)
       : attention_norm(std::move(attention_norm_)), ffn_norm(std::move(ffn_norm_)),
         q_norm(q_norm_.value_or(at::Tensor())), k_norm(k_norm_.value_or(at::Tensor())),
+        post_attention_norm(post_attention_norm_.value_or(at::Tensor())),
+        post_ffn_norm(post_ffn_norm_.value_or(at::Tensor())),
         alibi(alibi_.value_or(at::Tensor())), qkv(std::move(qkv_)), wo(std::move(wo_)), gate_up(std::move(gate_up_)),
         w2(std::move(w2_)), heads(heads_), kv_heads(kv_heads_), head_dim(head_dim_), window(window_), ffn(w2->p.k),
-        rotary_dim(rotary_dim_), eps(static_cast<float>(eps_)) {
+        rotary_dim(rotary_dim_), rope(rope_), eps(static_cast<float>(eps_)), scale(static_cast<float>(scale_)),
+        softcap(static_cast<float>(softcap_)), gelu(gelu_) {
     const int64_t D = attention_norm.numel(), hd = head_dim;
     const auto need = [&](bool ok, const char* field, const std::string& want) {
       TORCH_CHECK(ok, "decoder layer ", index, ": ", field, " must be ", want);
@@ -80,6 +88,11 @@ struct Layer : torch::CustomClassHolder {
     need(rotary_dim >= 0 && rotary_dim <= hd && rotary_dim % 2 == 0, "rotary_dim",
          c10::str("even, in [0, ", hd, "], not ", rotary_dim));
     need(!alibi.defined() || vec(alibi, heads), "alibi", c10::str("absent or contiguous float32 [", heads, "]"));
+    need(post_attention_norm.defined() == post_ffn_norm.defined() &&
+             (!post_ffn_norm.defined() || (vec(post_attention_norm, D) && vec(post_ffn_norm, D))),
+         "post_attention_norm and post_ffn_norm", "both absent or contiguous float32 [hidden]");
+    need(scale > 0 && softcap >= 0 && rope >= 0, "scale, softcap, rope",
+         c10::str("> 0, >= 0, >= 0, not ", scale, ", ", softcap, ", ", rope));
     const std::tuple<const Linear*, const char*, int64_t, int64_t, bool> lins[] = {
         {qkv.get(), "qkv", (heads + 2 * kv_heads) * hd, D, false}, {wo.get(), "wo", D, heads * hd, true},
         {gate_up.get(), "gate_up", 2 * ffn, D, false}, {w2.get(), "w2", D, ffn, true}};
@@ -163,7 +176,8 @@ struct DecodeModel : torch::CustomClassHolder {
   at::Tensor norm;      // the final norm [hidden]
   std::vector<c10::intrusive_ptr<Layer>> layers;
   LinearPtr output;  // this rank's part of the vocabulary
-  float eps;
+  float eps, embedding_multiplier, final_softcap;  // the embeddings times the multiplier; the logits soft-capped (> 0)
+  int64_t ropes = 1;  // the cos / sin a step takes: one per rope the layers use
   int64_t hidden, dequant_above, widest_window = 0, ffn = 0;  // widest_window 0: a layer sees every position
   at::Tensor ws;  // shared-memory workspace of the ranks (world > 1)
   int64_t rank, world;
@@ -172,12 +186,16 @@ struct DecodeModel : torch::CustomClassHolder {
   std::mutex busy;  // one step at a time per model (the scratch is shared)
 
   // dequant_above: the quantised linears' row count above which they dequantise (pmx_cpu::linear_into)
-  DecodeModel(at::Tensor embedding_, c10::optional<at::Tensor> embedding_scale, int64_t embedding_group,
+  DecodeModel(at::Tensor embedding_, c10::optional<at::Tensor> embedding_scale_, int64_t embedding_group,
               std::vector<c10::intrusive_ptr<Layer>> layers_, at::Tensor norm_, double eps_, LinearPtr output_,
-              int64_t dequant_above_, at::Tensor workspace, int64_t rank_, int64_t world_, double deadline_s)
-      : embedding(std::move(embedding_), embedding_scale.value_or(at::Tensor()), embedding_group),
+              int64_t dequant_above_, at::Tensor workspace, int64_t rank_, int64_t world_, double deadline_s,
+              double embedding_multiplier_, double final_softcap_)
+      : embedding(std::move(embedding_), embedding_scale_.value_or(at::Tensor()), embedding_group),
         norm(std::move(norm_)), layers(std::move(layers_)),
-        output(std::move(output_)), eps(static_cast<float>(eps_)), hidden(norm.numel()), dequant_above(dequant_above_),
+        output(std::move(output_)), eps(static_cast<float>(eps_)),
+        embedding_multiplier(static_cast<float>(embedding_multiplier_)),
+        final_softcap(static_cast<float>(final_softcap_)),
+        hidden(norm.numel()), dequant_above(dequant_above_),
         ws(std::move(workspace)), rank(rank_), world(world_), timeout_s(deadline_s) {
     TORCH_CHECK(!layers.empty() && norm.scalar_type() == at::kFloat && norm.is_contiguous() && norm.dim() == 1,
                 "DecodeModel: decoder layers and a final norm of contiguous float32 [hidden] expected");
@@ -189,6 +207,7 @@ struct DecodeModel : torch::CustomClassHolder {
                   "rotary_dim (", l0.heads, ", ", l0.kv_heads, ", ", l0.head_dim, ", ", l0.rotary_dim, ")");
       widest_window = (i == 0 || widest_window > 0) && l.window > 0 ? std::max(widest_window, l.window) : 0;
       ffn = std::max(ffn, l.ffn);
+      ropes = std::max(ropes, l.rope + 1);
     }
     TORCH_CHECK(output->p.k == hidden && !output->reduced, "DecodeModel: output must be column-parallel with ", hidden,
                 " inputs, not ", output->p.k);
@@ -216,7 +235,8 @@ struct DecodeModel : torch::CustomClassHolder {
 
   // logits [B, ranks x vocab part] of the step where each of the B sequences decodes tokens[b] at position
   // kvlens[b] - 1: k and v written at cache row slots[b] of every layer, the history read where cachestarts says
-  // (offsets [B], or page starts [B, MaxP] of page_size rows), cos / sin [B, rotary_dim / 2] of each position.
+  // (offsets [B], or page starts [B, MaxP] of page_size rows), cos / sin [ropes, B, rotary_dim / 2] of each
+  // position for each rope.
   at::Tensor step(const at::Tensor& tokens, const at::Tensor& cache, const c10::optional<at::Tensor>& cache_scale,
                   int64_t layout, const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin,
                   const at::Tensor& cachestarts, const at::Tensor& kvlens, int64_t page_size) {
@@ -231,9 +251,9 @@ struct DecodeModel : torch::CustomClassHolder {
     const int64_t* slot = int64_vec(slots, "slots");
     const int64_t* lens = int64_vec(kvlens, "kvlens");
     for (const at::Tensor* t : {&cos, &sin})
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == B &&
-                      t->size(1) == rd / 2,
-                  "decode step: cos and sin must be contiguous float32 [", B, ", ", rd / 2, "]");
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) >= ropes &&
+                      t->size(1) == B && t->size(2) == rd / 2,
+                  "decode step: cos and sin must be contiguous float32 [", ropes, ", ", B, ", ", rd / 2, "]");
     const auto [cv, sv] = pmx_cpu::cache_views(cache, cache_scale, layout, "decode step");
     const pmx_cpu::CacheView* scales = cache.scalar_type() == at::kChar ? &sv : nullptr;
     TORCH_CHECK(cv.L == L && cv.KV == KV && cv.last == hd, "decode step: cache of shape ", cache.sizes(), " is not ",
@@ -263,7 +283,8 @@ struct DecodeModel : torch::CustomClassHolder {
     for (int64_t b = 0; b < B; ++b)  // this rank's columns (ParallelEmbedding), gathered into resid
       embedding.row(tok[b], world == 1 ? resid + b * D : local + b * Dn);
     if (world > 1) all_gather(local, B, Dn, gathered, resid, D);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    if (embedding_multiplier != 1.0f)
+      for (int64_t i = 0; i < B * D; ++i) resid[i] *= embedding_multiplier;
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = *layers[l];
       pmx_cpu::skip_rms_norm_into(l == 0 ? resid : x, l == 0 ? nullptr : resid, y.attention_norm.data_ptr<float>(), B,
@@ -275,22 +296,28 @@ struct DecodeModel : torch::CustomClassHolder {
         pmx_cpu::skip_rms_norm_into(k, nullptr, y.k_norm.data_ptr<float>(), KV, hd, y.eps, nullptr, k);
       }
       if (rd > 0)  // q, k: adjacent heads; their first rd dims rotate
-        pmx_cpu::rotary(qkv, B, NQKV, hd, H + KV, rd, cos.data_ptr<float>(), sin.data_ptr<float>());
+        pmx_cpu::rotary(qkv, B, NQKV, hd, H + KV, rd, cos.data_ptr<float>() + y.rope * B * (rd / 2),
+                        sin.data_ptr<float>() + y.rope * B * (rd / 2));
       pmx_cpu::kv_store(qkv + H * hd, qkv + (H + KV) * hd, B, NQKV, hd, cv, scales, l, slot);
       pmx_cpu::decode_attention_into(qkv, NQKV, B, H, pmx_cpu::kv_rows(cv, scales, l, 0),
-                                     pmx_cpu::kv_rows(cv, scales, l, 1), hist, lens, y.window, scale, attn,
-                                     y.alibi.defined() ? y.alibi.data_ptr<float>() : nullptr);
+                                     pmx_cpu::kv_rows(cv, scales, l, 1), hist, lens, y.window, y.scale, attn,
+                                     y.alibi.defined() ? y.alibi.data_ptr<float>() : nullptr, y.softcap);
       linear(*y.wo, attn, B, x);
+      if (y.post_attention_norm.defined())  // (in place: each value is read before it is written)
+        pmx_cpu::skip_rms_norm_into(x, nullptr, y.post_attention_norm.data_ptr<float>(), B, D, y.eps, nullptr, x);
       pmx_cpu::skip_rms_norm_into(x, resid, y.ffn_norm.data_ptr<float>(), B, D, y.eps, resid, h);
       linear(*y.gate_up, h, B, gu);
-      pmx_cpu::swiglu_into(gu, 2 * y.ffn, gu + y.ffn, 2 * y.ffn, B, y.ffn, act);
+      (y.gelu ? pmx_cpu::geglu_into : pmx_cpu::swiglu_into)(gu, 2 * y.ffn, gu + y.ffn, 2 * y.ffn, B, y.ffn, act);
       linear(*y.w2, act, B, x);
+      if (y.post_ffn_norm.defined())
+        pmx_cpu::skip_rms_norm_into(x, nullptr, y.post_ffn_norm.data_ptr<float>(), B, D, y.eps, nullptr, x);
     }
     pmx_cpu::skip_rms_norm_into(x, resid, norm.data_ptr<float>(), B, D, eps, resid, h);
     at::Tensor logits = at::empty({B, world * Vn}, norm.options());
     float* lp = logits.data_ptr<float>();
     linear(*output, h, B, world == 1 ? lp : local);
     if (world > 1) all_gather(local, B, Vn, gathered, lp, world * Vn);
+    if (final_softcap > 0) pmx_cpu::soft_cap_into(lp, B * world * Vn, final_softcap);
     return logits;
   }
 };
@@ -306,18 +333,23 @@ TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
   m.class_<Layer>("Layer").def(
       torch::init<int64_t, at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, LinearPtr,
                   LinearPtr, LinearPtr, LinearPtr, int64_t, int64_t, int64_t, int64_t, double, int64_t,
-                  c10::optional<at::Tensor>>(), "",
+                  c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool, double,
+                  double, int64_t>(), "",
       {arg("index"), arg("attention_norm"), arg("ffn_norm"), arg("q_norm"), arg("k_norm"), arg("qkv"), arg("wo"),
        arg("gate_up"), arg("w2"), arg("heads"), arg("kv_heads"), arg("head_dim"), arg("window"), arg("eps"),
-       arg("rotary_dim"), arg("alibi")});
+       arg("rotary_dim"), arg("alibi"), arg("post_attention_norm"), arg("post_ffn_norm"), arg("gelu"), arg("scale"),
+       arg("softcap"), arg("rope")});
   m.class_<DecodeModel>("DecodeModel")
       .def(torch::init<at::Tensor, c10::optional<at::Tensor>, int64_t, std::vector<c10::intrusive_ptr<Layer>>,
-                       at::Tensor, double, LinearPtr, int64_t, at::Tensor, int64_t, int64_t, double>(), "",
+                       at::Tensor, double, LinearPtr, int64_t, at::Tensor, int64_t, int64_t, double, double,
+                       double>(), "",
            {arg("embedding"), arg("embedding_scale"), arg("embedding_group"), arg("layers"), arg("norm"), arg("eps"),
-            arg("output"), arg("dequant_above"), arg("workspace"), arg("rank"), arg("world"), arg("deadline_s")})
+            arg("output"), arg("dequant_above"), arg("workspace"), arg("rank"), arg("world"), arg("deadline_s"),
+            arg("embedding_multiplier"), arg("final_softcap")})
       .def("step", &DecodeModel::step)
       .def_static("features", []() {  // what a layer may have (fused_decode.LayerFeatures.names); nothing else
-        return std::vector<std::string>{"rotary", "rotary_partial", "alibi", "swiglu", "packed_linears", "qkv_bias",
-                                        "o_bias", "ffn_bias", "qk_norm", "sliding_window"};
+        return std::vector<std::string>{"rotary", "rotary_partial", "alibi", "swiglu", "geglu", "packed_linears",
+                                        "qkv_bias", "o_bias", "ffn_bias", "qk_norm", "post_norms", "sliding_window",
+                                        "attn_softcap"};
       });
 }

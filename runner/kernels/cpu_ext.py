@@ -100,7 +100,7 @@ def cpu_ops():
     torch.library.register_fake("pmx_cpu::linear_int8_group")(lambda x, w, s, g, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::linear_dequant")(lambda x, w, s, m, g, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::decode_attention")(lambda q, cache, kv_scale, layout, layer, rows, kvlens,
-                                                             window, scale, page_size=0, alibi=None:
+                                                             window, scale, page_size=0, alibi=None, softcap=0.0:
                                                              torch.empty_like(q))
     torch.library.register_fake("pmx_cpu::shm_all_reduce_")(lambda t, ws, rank, world, timeout: None)
     torch.library.register_fake("pmx_cpu::shm_all_gather")(lambda t, ws, rank, world, timeout:

@@ -95,10 +95,11 @@ struct HistoryRows {
 };
 
 // out [B, H, D] = decode attention of q (row b at q + b * q_stride, H x D contiguous) over the history rows, read in
-// place (cpu_step.cpp, pmx_cpu::decode_attention); h from history_rows (checked); slopes: ALiBi's [H], or null.
+// place (cpu_step.cpp, pmx_cpu::decode_attention); h from history_rows (checked); slopes: ALiBi's [H], or null;
+// softcap > 0: the scores soft-capped, softcap tanh(s / softcap).
 void decode_attention_into(const float* q, int64_t q_stride, int64_t B, int64_t H, const KVRows& k, const KVRows& v,
                            const HistoryRows& h, const int64_t* kvlens, int64_t window, float scale, float* out,
-                           const float* slopes = nullptr);
+                           const float* slopes = nullptr, float softcap = 0.0f);
 
 // A KV cache (or its int8 scales) of ppl.pmx `layout` 0..3 as (L, 2, MaxT, KV, last) strides (reference.cache_view).
 struct CacheView {
@@ -141,8 +142,12 @@ void rotary(float* x, int64_t T, int64_t t_stride, int64_t h_stride, int64_t hea
 void skip_rms_norm_into(const float* x, const float* skip, const float* w, int64_t M, int64_t D, float eps, float* r,
                         float* y);
 
-// out [M, D] = silu(gate) * up, rows of gate / up at strides gs / us.
+// x[0..n) = cap tanh(x / cap) in place (reference.soft_cap; tanh as 2 sigmoid(2u) - 1, a vector at a time).
+void soft_cap_into(float* x, int64_t n, float cap);
+
+// out [M, D] = silu(gate) * up (swiglu) / gelu_tanh(gate) * up (geglu), rows of gate / up at strides gs / us.
 void swiglu_into(const float* gate, int64_t gs, const float* up, int64_t us, int64_t M, int64_t D, float* out);
+void geglu_into(const float* gate, int64_t gs, const float* up, int64_t us, int64_t M, int64_t D, float* out);
 
 // Releases the GIL for as long as it lives, if this thread holds it (callers may come from Python or not), so other
 // Python threads (the communicator's watchdog, a server's event loop) run meanwhile.

@@ -1,11 +1,13 @@
 // The non-GEMM ops of a step on CPU, in C++ where torch's would take several passes over memory:
 // - decode_attention: one query token per sequence against its history, read in place from the KV cache;
-// - skip_rms_norm: the residual add and RMSNorm in one pass over each row; swiglu: silu(gate) * up in one pass;
+// - skip_rms_norm: the residual add and RMSNorm in one pass over each row; swiglu: silu(gate) * up, geglu:
+//   gelu_tanh(gate) * up, in one pass;
 // - rotary_, kv_store_: reference.apply_rotary and kv_store (the int8 quantiser, every cache layout), which the
 //   one-call decode step (cpu_decode.cpp) runs too.
 //
 // Decode attention.
-// out[b, h] = softmax_n(q[b, h] . k[rows[b, n], h / G] * scale) v[rows[b, n], h / G] over the keys a sequence sees:
+// out[b, h] = softmax_n(q[b, h] . k[rows[b, n], h / G] * scale) v[rows[b, n], h / G] over the keys a sequence sees
+// (the scores soft-capped, cap tanh(s / cap), where softcap > 0):
 // n in [max(0, kvlens[b] - window), kvlens[b]) (window <= 0: all). rows[b] holds the cache row of each position of
 // the sequence's history (rows past kvlens[b] are never read); or, without a row table, the cache's own bookkeeping:
 // rows [B] the offset of each sequence (position j at row rows[b] + j), or with page_size > 0 rows [B, MaxP] its
@@ -233,7 +235,8 @@ inline int64_t row_at(const pmx_cpu::HistoryRows& h, int64_t b, int64_t j) {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const c10::optional<at::Tensor>& kv_scale,
                             int64_t layout, int64_t layer, const at::Tensor& rows, const at::Tensor& kvlens,
-                            int64_t window, double scale, int64_t page_size, const c10::optional<at::Tensor>& alibi) {
+                            int64_t window, double scale, int64_t page_size, const c10::optional<at::Tensor>& alibi,
+                            double softcap) {
   const auto [c, s] = pmx_cpu::cache_views(cache, kv_scale, layout, "decode_attention");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.size(2) == c.last,
               "q must be contiguous float32 [B, H, ", c.last, "]");
@@ -251,7 +254,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const 
   at::Tensor out = at::empty({B, H, c.last}, q.options());
   pmx_cpu::decode_attention_into(q.data_ptr<float>(), H * c.last, B, H, pmx_cpu::kv_rows(c, sp, layer, 0),
                                  pmx_cpu::kv_rows(c, sp, layer, 1), h, kl.data_ptr<int64_t>(), window, (float)scale,
-                                 out.data_ptr<float>(), has_alibi ? alibi->data_ptr<float>() : nullptr);
+                                 out.data_ptr<float>(), has_alibi ? alibi->data_ptr<float>() : nullptr,
+                                 static_cast<float>(softcap));
   return out;
 }
 
@@ -289,6 +293,18 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   at::Tensor out = at::empty({M, D}, gate.options());
   pmx_cpu::swiglu_into(g2.data_ptr<float>(), g2.stride(0), u2.data_ptr<float>(), u2.stride(0), M, D,
                        out.data_ptr<float>());
+  return out.view(gate.sizes());
+}
+
+at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.sizes() == up.sizes() &&
+                  gate.dim() >= 1 && gate.stride(-1) == 1 && up.stride(-1) == 1,
+              "geglu: float32 gate and up of one shape, last dim contiguous");
+  const int64_t D = gate.size(-1), M = D ? gate.numel() / D : 0;
+  const at::Tensor g2 = gate.reshape({M, D}), u2 = up.reshape({M, D});
+  at::Tensor out = at::empty({M, D}, gate.options());
+  pmx_cpu::geglu_into(g2.data_ptr<float>(), g2.stride(0), u2.data_ptr<float>(), u2.stride(0), M, D,
+                      out.data_ptr<float>());
   return out.view(gate.sizes());
 }
 
@@ -433,7 +449,7 @@ inline bool same_history(const pmx_cpu::HistoryRows& h, int64_t a, int64_t b) {
 
 void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t H, const KVRows& k, const KVRows& v,
                            const HistoryRows& h, const int64_t* lens, int64_t window, float sc, float* op,
-                           const float* slopes) {
+                           const float* slopes, float softcap) {
   const int64_t D = k.D, KV = k.KV, G = H / KV;
   // groups: runs of rows of one sequence at consecutive positions (the rows of a verify step), each history row
   // read once for all of them; a lone row is a group of one
@@ -529,6 +545,8 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
       for (int64_t r = 0; r < R; ++r) {
         float* sr = s.data() + r * H * np;
         const int64_t len = lens[b0 + r], m = to[r] - from[r];
+        if (softcap > 0)  // cap tanh(s / cap), as reference.soft_cap
+          for (int64_t hh = 0; hh < H; ++hh) soft_cap_into(sr + hh * np + from[r], to[r] - from[r], softcap);
         if (slopes)  // ALiBi: slope_h x (j - the query's position len - 1), as reference.alibi_bias
           for (int64_t hh = 0; hh < H; ++hh)
             for (int64_t j = from[r]; j < to[r]; ++j)
@@ -639,35 +657,58 @@ void skip_rms_norm_into(const float* xp, const float* sp, const float* wp, int64
   });
 }
 
-void swiglu_into(const float* gp, int64_t gs, const float* upp, int64_t us, int64_t M, int64_t D, float* op) {
+void soft_cap_into(float* x, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  int64_t i = 0;
+  for (; i + VN <= n; i += VN) {  // tanh(u) = 2 sigmoid(2u) - 1
+    const vnf u = loadv<vnf>(x + i) * (2.0f * inv);
+    storev(x + i, cap * (2.0f * sigmoid(u) - 1.0f));
+  }
+  for (; i < n; ++i) x[i] = cap * std::tanh(x[i] * inv);
+}
+
+// out [M, D] = act(gate) * up, act(g) = g * sigmoid(k(g)) a vector at a time: silu, k(g) = g; gelu_tanh,
+// k(g) = 2 sqrt(2 / pi) (g + 0.044715 g^3) (0.5 (1 + tanh(u)) = sigmoid(2u)).
+template <bool GELU>
+void gated_into(const float* gp, int64_t gs, const float* upp, int64_t us, int64_t M, int64_t D, float* op) {
+  const auto act = [](vnf g) {
+    if constexpr (GELU) return g * sigmoid(1.5957691216057308f * (g + 0.044715f * g * g * g));
+    else return g * sigmoid(g);
+  };
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* g = gp + m * gs;
       const float* u = upp + m * us;
       float* o = op + m * D;
       int64_t i = 0;
-      for (; i + VN <= D; i += VN) {
-        const vnf gv = loadv<vnf>(g + i);
-        storev(o + i, gv * sigmoid(gv) * loadv<vnf>(u + i));
-      }
+      for (; i + VN <= D; i += VN) storev(o + i, act(loadv<vnf>(g + i)) * loadv<vnf>(u + i));
       if (i < D) {
         float gt[VN] = {}, ut[VN] = {};
         std::memcpy(gt, g + i, (D - i) * sizeof(float));
         std::memcpy(ut, u + i, (D - i) * sizeof(float));
-        const vnf gv = loadv<vnf>(gt), r = gv * sigmoid(gv) * loadv<vnf>(ut);
+        const vnf r = act(loadv<vnf>(gt)) * loadv<vnf>(ut);
         for (int64_t j = 0; i + j < D; ++j) o[i + j] = r[j];
       }
     }
   });
 }
 
+void swiglu_into(const float* gp, int64_t gs, const float* upp, int64_t us, int64_t M, int64_t D, float* op) {
+  gated_into<false>(gp, gs, upp, us, M, D, op);
+}
+
+void geglu_into(const float* gp, int64_t gs, const float* upp, int64_t us, int64_t M, int64_t D, float* op) {
+  gated_into<true>(gp, gs, upp, us, M, D, op);
+}
+
 }  // namespace pmx_cpu
 
 TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor cache, Tensor? kv_scale, int layout, int layer, Tensor rows, Tensor kvlens, "
-        "int window, float scale, int page_size=0, Tensor? alibi=None) -> Tensor");
+        "int window, float scale, int page_size=0, Tensor? alibi=None, float softcap=0.0) -> Tensor");
   m.def("skip_rms_norm(Tensor x, Tensor? skip, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  m.def("geglu(Tensor gate, Tensor up) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("kv_store_(Tensor(a!) cache, Tensor(b!)? scale, int layout, int layer, Tensor k, Tensor v, Tensor slots) "
         "-> ()");
@@ -677,6 +718,7 @@ TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("skip_rms_norm", &skip_rms_norm);
   m.impl("swiglu", &swiglu);
+  m.impl("geglu", &geglu);
   m.impl("rotary_", &rotary_);
   m.impl("kv_store_", &kv_store_);
 }

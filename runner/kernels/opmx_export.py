@@ -12,6 +12,8 @@ The ops (the model calls them through the kernel set, runner.kernels.sets.Kernel
 
 - skip_rms_norm / rms_norm: RMSNorm (skip_term 1 with the residual add and two outputs; 0 for the q/k norms);
 - swiglu_packed / swiglu: SwiGLU of a fused gate/up output (beta 1), SiLU(gate, up) of separate ones;
+- geglu / geglu_packed: GELU(gate, up) with approximate 1 (GELU's tanh form times up; a fused output's halves
+  sliced first);
 - rotary_step: dynamic_batching RotaryPositionEmbedding(q, k, seqstarts, start_pos, max_seqlen);
 - cache_attention: dynamic_batching MultiHeadCacheAttention (fused_kvcache), or KeyValueCache then
   MultiHeadAttention (fused_kvcache off: the history gathered, GQA heads repeated where friendly_gqa);
@@ -29,7 +31,14 @@ needs one runs right only here; absent reads as the neutral value):
   derives the slopes from the operator's `num_heads`, the rank's head count, which is right at TP=1 only; this rank's
   heads are heads offset .. offset + num_heads - 1 of a model of alibi_num_heads (0: num_heads, ppl.pmx's reading);
 - `logn_scaling` on the attention operators (Qwen's use_logn_attn, which ppl.pmx's Qwen export leaves out): L > 0
-  scales the query at position p by log(p + 1) / log(L) where p + 1 > L.
+  scales the query at position p by log(p + 1) / log(L) where p + 1 > L;
+- `softcap` on the attention operators (Gemma 2's attn_logit_softcapping): c > 0 caps the scores to c tanh(s / c)
+  before the mask;
+- per layer, each attention operator's `sliding_window` and each RotaryPositionEmbedding's theta and `rope_scaling`
+  are its layer's (Gemma's sliding and full layers; LongRoPE's short / long switch is `rope_scaling`'s, by each
+  sequence's length in the step).
+The model's own scalings (an embedding or query multiplier, the soft cap of the logits) are plain torch in the model,
+traced as standard ONNX operators (Mul, Div, Tanh); a norm's offset (Gemma's 1 + w) is in its weight initializer.
 ALiBi itself is ppl.pmx's reading: no RotaryPositionEmbedding and `is_alibi` 1 on the attention operators; a
 partial rotary (ChatGLM) is RotaryPositionEmbedding's `rotary_dim` (0: the whole head). A quantised token embedding
 is dequantised into a float initializer, element for element what the engine computes as it gathers rows (ppl.pmx's
@@ -154,6 +163,22 @@ swiglu_op = _define(
     "swiglu", "Tensor x", OPMX, "SwiGLU", (0,), lambda x, a: _zeros(x, *x.shape[:-1], x.shape[-1] // 2))
 silu_op = _define(
     "silu", "Tensor x, Tensor gate", OPMX, "SiLU", (0,), lambda x, gate, a: torch.zeros_like(x))
+gelu_op = _define(
+    "gelu", "Tensor x, Tensor gate", OPMX, "GELU", (0,), lambda x, gate, a: torch.zeros_like(x))
+
+
+def _halves_symbolic(g, x, attrs):
+    """One standard Split (opset 11: sizes as an attribute) of the last dim into two halves of `size`."""
+    from torch.onnx import symbolic_helper as sh
+    n = json.loads(sh._get_const(attrs, "s", "attrs"))["size"]
+    return g.op("Split", x, axis_i=-1, split_i=[n, n], outputs=2)
+
+
+_LIB.define("halves(Tensor x, str attrs) -> (Tensor, Tensor)")
+_LIB.impl("halves", lambda x, a: tuple(x[..., :json.loads(a)["size"]].clone() for _ in range(2)),
+          "CompositeExplicitAutograd")
+torch.onnx.register_custom_op_symbolic(f"{NAMESPACE}::halves", _halves_symbolic, OPSET)
+halves_op = torch.ops.opmx_export.halves
 rotary_position_embedding = _define(
     "rotary_position_embedding", "Tensor q, Tensor k, Tensor seqstarts, Tensor start_pos, Tensor max_seqlen", DB,
     "RotaryPositionEmbedding", (0, 1), lambda q, k, *_: (torch.zeros_like(q), torch.zeros_like(k)))
@@ -366,7 +391,7 @@ def kernel_set(config: EngineConfig, num_layers: int, dtype: torch.dtype = torch
         i, alibi = inputs, bool(spec.alibi_heads)
         position = dict(is_alibi=alibi, alibi_num_heads=spec.alibi_heads[0] if alibi else 0,
                         alibi_head_offset=spec.alibi_heads[1] if alibi else 0, logn_scaling=spec.logn_scaling,
-                        sliding_window=spec.sliding_window)
+                        sliding_window=spec.sliding_window, softcap=float(spec.softcap))
         stored = dict(num_layer=num_layers, layer_idx=spec.layer, quant_bit=8 if cache.scale is not None else 0,
                       quant_group=QUANT_GROUP if cache.scale is not None else 0, cache_mode=c.cache_mode,
                       cache_layout=cache.layout, page_size=PAGE_SIZE)
@@ -383,10 +408,17 @@ def kernel_set(config: EngineConfig, num_layers: int, dtype: torch.dtype = torch
                                     i.max_kvlen, i.attn_mask,
                                     _attrs(**heads, num_kv_heads=0 if c.friendly_gqa else spec.kv_heads))
 
+    def geglu(gate, up):
+        return gelu_op(gate, up, _attrs(approximate=True))
+
+    def geglu_packed(gate_up):  # the halves of a fused output as one Split of constant sizes (chunk traces shapes)
+        return geglu(*halves_op(gate_up, _attrs(size=int(gate_up.shape[-1]) // 2)))
+
     name = "onnx export (opmx)"
     why = "the opmx export traces steps as ppl.pmx's operators"
     return KernelSet(
         name, skip_rms_norm, lacking(name, "apply_rotary", why), lambda gate, up: silu_op(gate, up, _attrs()),
         lacking(name, "kv_store", why), lacking(name, "kv_load", why), lacking(name, "attend", why),
-        rms_norm=rms_norm, swiglu_packed=lambda gate_up: swiglu_op(gate_up, _attrs(beta=1.0)),
+        rms_norm=rms_norm, swiglu_packed=lambda gate_up: swiglu_op(gate_up, _attrs(beta=1.0)), geglu=geglu,
+        geglu_packed=geglu_packed,
         rotary_step=rotary_step, cache_attention=cache_attention, layers=layers(dtype))

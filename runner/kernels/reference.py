@@ -45,6 +45,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None, m
       (inv_freq / factor), those rotating more than beta_fast (32) times are kept, with a linear ramp
       between (correction range floored / ceiled unless truncate is false); cos and sin are also
       scaled by :func:`rope_attention_scale`.
+    - longrope (Phi-3's "su"): inv_freq[j] / short_factor[j] for a sequence of seq_len <= original_max positions,
+      / long_factor[j] beyond (:class:`Rotary` picks per sequence); cos and sin scaled by
+      :func:`rope_attention_scale`.
     """
     ar = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     kind = rope_type(scaling)
@@ -58,6 +61,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None, m
         return 1.0 / (theta ** ar)
     if kind == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling, max_position_embeddings)
+    if kind == "longrope":
+        long = seq_len > int(scaling["original_max_position_embeddings"])
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if kind == "default":
         return inv.float()
@@ -71,8 +78,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict] = None, m
         scaled = torch.where(wavelen > old / lo, inv / factor, inv)
         mid = (wavelen <= old / lo) & (wavelen >= old / hi)
         return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
-    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, dynamic, "
-                              f"llama3, yarn)")
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
 
 
 def _yarn_factor(scaling: dict, max_position_embeddings: int) -> float:
@@ -101,10 +107,22 @@ def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict, max_position_embe
     return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+
 def rope_attention_scale(scaling: Optional[dict], max_position_embeddings: int = 0) -> float:
     """The factor cos and sin are multiplied by: 1, except for yarn: attention_factor, or
-    0.1 ln(factor) + 1 (with mscale / mscale_all_dim: the ratio of those two such terms)."""
-    if rope_type(scaling) != "yarn":
+    0.1 ln(factor) + 1 (with mscale / mscale_all_dim: the ratio of those two such terms); and for longrope:
+    attention_factor, or sqrt(1 + ln(factor) / ln(original_max)) for factor (max_position_embeddings / original_max
+    where not given) > 1."""
+    kind = rope_type(scaling)
+    if kind == "longrope":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        old = int(scaling["original_max_position_embeddings"])
+        factor = float(scaling.get("factor") or max_position_embeddings / old)
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old))
+    if kind != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -135,13 +153,17 @@ ROTARY_TABLE_POSITIONS = 8192  # cos/sin kept in tables for the positions below 
 
 
 class Rotary:
-    """The rotary tables of one model: cos/sin for the positions of a step.
+    """The rotary tables of one rope: cos/sin for the positions of a step.
 
     Static kinds precompute inv_freq once, and cos/sin of the first positions (below ROTARY_TABLE_POSITIONS and
     max_position_embeddings) in host tables that a step's plan indexes; a step with a position past them computes
     its cos/sin. Dynamic NTK recomputes inv_freq from the step's longest sequence (max position + 1) once that
     passes max_position_embeddings, as transformers does in each forward call of a growing sequence (below it,
-    inv_freq and so the tables are the static ones).
+    inv_freq and so the tables are the static ones). LongRoPE takes the long factors for the tokens of a sequence
+    that reaches past original_max_position_embeddings in the step (its `seq_end`), the short ones otherwise, as
+    transformers switches per forward call: a decoding token at position p is long from p + 1 > original_max on
+    (the tables' rows from original_max on are the long ones), a prompt longer than that is long from its first
+    token.
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: Optional[dict], max_position_embeddings: int,
@@ -151,22 +173,42 @@ class Rotary:
         self.dynamic = rope_type(scaling) == "dynamic" and head_dim > 0
         self.inv_freq = (rope_inv_freq(head_dim, theta, scaling, max_position_embeddings) if head_dim
                          else torch.zeros(0)).to(device)
+        self.long_from: Optional[int] = None   # longrope: sequences longer than this take long_inv_freq
+        self.long_inv_freq: Optional[torch.Tensor] = None
+        if rope_type(scaling) == "longrope" and head_dim:
+            self.long_from = int(scaling["original_max_position_embeddings"])
+            self.long_inv_freq = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings,
+                                               self.long_from + 1).to(device)
         self.scale = rope_attention_scale(scaling, max_position_embeddings)
         n = max(1, min(max_position_embeddings, ROTARY_TABLE_POSITIONS))
-        self.cos_table, self.sin_table = rope_cos_sin(torch.arange(n), self.inv_freq.cpu(), self.scale)  # [n, D/2]
+        self.cos_table, self.sin_table = self._at(torch.arange(n), torch.arange(n) + 1)  # [n, D/2]
 
-    def cos_sin(self, positions: torch.Tensor, end: Optional[int] = None):
+    def _at(self, positions: torch.Tensor, seq_end: torch.Tensor, inv: Optional[torch.Tensor] = None):
+        """cos, sin computed at `positions` of sequences that reach `seq_end` (each token's; longrope only)."""
+        inv = (self.inv_freq if inv is None else inv).to(positions.device)
+        if self.long_from is None:
+            return rope_cos_sin(positions, inv, self.scale)
+        long = (seq_end > self.long_from)[:, None]
+        (cs, ss), (cl, sl) = (rope_cos_sin(positions, f.to(positions.device), self.scale)
+                              for f in (inv, self.long_inv_freq))
+        return torch.where(long, cl, cs), torch.where(long, sl, ss)
+
+    def cos_sin(self, positions: torch.Tensor, end: Optional[int] = None, seq_end: Optional[torch.Tensor] = None):
         """cos, sin [T, D/2] float32 at `positions` [T] (on their device); `end`, where the caller knows it: one past
-        the largest position (saves reading it from the tensor)."""
+        the largest position (saves reading it from the tensor); `seq_end` [T]: one past the last position of each
+        token's sequence in the step (None: each token's own position + 1, a decoding token's)."""
         if positions.numel() == 0:
             return rope_cos_sin(positions, self.inv_freq, self.scale)
         end = int(positions.max()) + 1 if end is None else end
+        if self.long_from is not None and seq_end is not None and bool(
+                ((positions < self.long_from) & (seq_end > self.long_from)).any()):
+            return self._at(positions, seq_end)  # a prompt that passes original_max: long from its first token
         if end <= self.cos_table.shape[0] and positions.device.type == "cpu":
             return self.cos_table[positions], self.sin_table[positions]
         inv = self.inv_freq
         if self.dynamic and end > self.max_pos:
             inv = rope_inv_freq(self.head_dim, self.theta, self.scaling, self.max_pos, end)
-        return rope_cos_sin(positions, inv.to(positions.device), self.scale)
+        return self._at(positions, positions + 1, inv)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -220,6 +262,17 @@ def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, n_keys: int) -> torch.
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, silu(g) = g * sigmoid(g)."""
     return F.silu(gate) * up
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up with GELU's tanh form, gelu(g) = g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
+    (transformers' gelu_pytorch_tanh)."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def soft_cap(scores: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """cap * tanh(scores / cap) (Gemma 2's soft cap of attention scores and logits); scores unchanged without a cap."""
+    return scores if not cap else torch.tanh(scores / cap) * cap
 
 
 # --- KV cache --------------------------------------------------------------------------------
@@ -297,6 +350,7 @@ class AttentionSpec:
     sliding_window: int = 0      # a query sees only the last this many positions (0: all)
     alibi_heads: tuple = ()      # ALiBi: (the model's heads, this rank's first head), whose slopes bias the scores
     logn_scaling: int = 0        # Qwen's logn: queries past this position scaled by logn_scale (0: off)
+    softcap: float = 0.0         # the scores soft-capped, cap * tanh(scores / cap) (0: not capped)
 
     def alibi_slopes(self) -> Optional[torch.Tensor]:
         """The slopes [H] float32 of this rank's heads, or None without ALiBi."""
@@ -308,14 +362,16 @@ class AttentionSpec:
 
 def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqstarts: torch.Tensor,
                      kvstarts: torch.Tensor, start_pos: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                     sliding_window: Optional[int] = None, alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     sliding_window: Optional[int] = None, alibi: Optional[torch.Tensor] = None,
+                     softcap: float = 0.0) -> torch.Tensor:
     """Multi-head attention over packed variable-length sequences, one sequence at a time (the spec).
 
     q [T, H, D] holds the new tokens of every sequence (seqstarts), k/v [Tkv, KV, D] every sequence's
     whole key/value history including the new tokens (kvstarts). Query i of sequence b sits at
     position start_pos[b] + i and sees key positions j <= that (causal; a decoding sequence sees its
     whole cache), and j > pos - sliding_window when a window is set. H / KV query heads share one
-    KV head (GQA). An explicit additive attn_mask [T, Tkv] replaces the causal rule. With `alibi` (the slopes [H]),
+    KV head (GQA). An explicit additive attn_mask [T, Tkv] replaces the causal rule (the window still applies). With
+    `softcap` the scores are soft-capped (:func:`soft_cap`) before the mask; with `alibi` (the slopes [H]),
     slope_h x (j - position) is added to head h's scores (:func:`alibi_bias`). Output [T, H, D].
     """
     H, KV, D = q.shape[1], k.shape[1], q.shape[2]
@@ -325,32 +381,34 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqstart
         qb = q[s0:s1].transpose(0, 1).float()                                      # (H, S, D)
         kb = k[k0:k1].transpose(0, 1).float().repeat_interleave(H // KV, dim=0)    # (H, Skv, D)
         vb = v[k0:k1].transpose(0, 1).float().repeat_interleave(H // KV, dim=0)
-        scores = qb @ kb.transpose(1, 2) / math.sqrt(D)                            # (H, S, Skv)
+        scores = soft_cap(qb @ kb.transpose(1, 2) / math.sqrt(D), softcap)          # (H, S, Skv)
         if alibi is not None:
             qpos = int(start_pos[b]) + torch.arange(s1 - s0, device=q.device)
             scores = scores + alibi_bias(alibi, qpos[None], k1 - k0)[0]
+        qpos = int(start_pos[b]) + torch.arange(s1 - s0, device=q.device)[:, None]
+        kpos = torch.arange(k1 - k0, device=q.device)[None, :]
         if attn_mask is not None and attn_mask.numel():
             scores = scores + attn_mask[s0:s1, k0:k1].float()
+            allowed = torch.ones_like(kpos <= qpos)
         else:
-            qpos = int(start_pos[b]) + torch.arange(s1 - s0, device=q.device)[:, None]
-            kpos = torch.arange(k1 - k0, device=q.device)[None, :]
             allowed = kpos <= qpos
-            if sliding_window:
-                allowed &= kpos > qpos - sliding_window
-            scores = scores.masked_fill(~allowed, float("-inf"))
+        if sliding_window:
+            allowed &= kpos > qpos - sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
         out[s0:s1] = (scores.softmax(-1) @ vb).transpose(0, 1).to(q.dtype)
     return out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-           causal: bool) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) + mask) v in float32, for q [B, H, S, D] and k, v [B, KV, N, D]: each group of
-    H / KV query heads shares one KV head. mask [B, 1, S, N] bool (True: the key is seen), or an additive float
+           causal: bool, softcap: float = 0.0) -> torch.Tensor:
+    """softmax(soft_cap(q k^T / sqrt(D)) + mask) v in float32, for q [B, H, S, D] and k, v [B, KV, N, D]: each group
+    of H / KV query heads shares one KV head. mask [B, 1, S, N] bool (True: the key is seen), or an additive float
     mask [B, 1 or H, S, N] (-inf: not seen; e.g. an ALiBi bias); without a mask, `causal` lets query i see keys
-    j <= i (S == N), else every key is seen. Returns [B, H, S, D]."""
+    j <= i (S == N), else every key is seen. `softcap`: the scores' soft cap (:func:`soft_cap`; 0: none). Returns
+    [B, H, S, D]."""
     H, KV, S, N = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     kf, vf = k.float().repeat_interleave(H // KV, dim=1), v.float().repeat_interleave(H // KV, dim=1)
-    scores = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])              # (B, H, S, N)
+    scores = soft_cap(q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1]), softcap)  # (B, H, S, N)
     if mask is None and causal:
         mask = torch.ones(S, N, dtype=torch.bool, device=q.device).tril()
     if mask is not None and mask.dtype != torch.bool:

@@ -58,8 +58,10 @@ class KernelSet:
     kv_store: Callable
     kv_load: Callable
     attend: Callable
-    rms_norm: Callable = reference.rms_norm            # (x, weight, eps): q/k norms
+    rms_norm: Callable = reference.rms_norm            # (x, weight, eps): q/k norms, post norms
     swiglu_packed: Optional[Callable] = None           # (gate_up) -> swiglu of its halves (None: swiglu on chunks)
+    geglu: Optional[Callable] = None                   # (gate, up) -> gelu_tanh(gate) * up (None: the set lacks it)
+    geglu_packed: Optional[Callable] = None            # (gate_up) -> geglu of its halves (None: geglu on chunks)
     rotary_step: Optional[Callable] = None
     cache_attention: Optional[Callable] = None
     layers: Optional[Layers] = None                    # None: the engine's (runner.engine.model)
@@ -72,8 +74,11 @@ class KernelSet:
     quant_embedding: Optional[Callable] = None         # a quantised embedding's rows, dequantised as gathered
 
     def __post_init__(self):
-        if self.swiglu_packed is None:
-            object.__setattr__(self, "swiglu_packed", _on_halves(self.swiglu))
+        if self.geglu is None:
+            object.__setattr__(self, "geglu", lacking(self.name, "geglu"))
+        for op in ("swiglu", "geglu"):
+            if getattr(self, f"{op}_packed") is None:
+                object.__setattr__(self, f"{op}_packed", _on_halves(getattr(self, op)))
         for op in ("rotary_step", "cache_attention"):
             if getattr(self, op) is None:
                 object.__setattr__(self, op, lacking(self.name, op, "the engine plans its steps on the host"))
@@ -84,10 +89,10 @@ class KernelSet:
         return self.decode_attention is not None or self.decode_attention_rows is not None
 
 
-def _on_halves(swiglu: Callable) -> Callable:
+def _on_halves(glu: Callable) -> Callable:
     def packed(gate_up: torch.Tensor) -> torch.Tensor:
-        """swiglu of gate_up [.., 2F] = gate | up (a fused gate/up GEMM's output)."""
-        return swiglu(*gate_up.chunk(2, dim=-1))
+        """The gated activation of gate_up [.., 2F] = gate | up (a fused gate/up GEMM's output)."""
+        return glu(*gate_up.chunk(2, dim=-1))
     return packed
 
 
@@ -109,10 +114,11 @@ def kernel_set(kind: str, device: torch.device, dtype: torch.dtype) -> KernelSet
     if kind not in KERNEL_KINDS:
         raise PmxError(f"--kernels must be one of {', '.join(KERNEL_KINDS)}, got {kind!r}")
     if kind == "reference":
-        return _spec("reference", reference)
+        return _spec("reference", reference, geglu=reference.geglu)
     if kind == "torch" or (kind == "auto" and device.type != "cuda"):
         rows = torch_ops.decode_attention_rows if torch_ops.cpu_kernels_for(device, dtype) else None
-        return _spec("torch", torch_ops, decode_attention_rows=rows)
+        return _spec("torch", torch_ops, rms_norm=torch_ops.rms_norm, geglu=torch_ops.geglu,
+                     decode_attention_rows=rows)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise PmxError("--kernels triton runs on CUDA devices (or on CPU under TRITON_INTERPRET=1, slowly)")
     try:
@@ -122,7 +128,7 @@ def kernel_set(kind: str, device: torch.device, dtype: torch.dtype) -> KernelSet
                        f"run with --kernels torch / reference") from None
     t = triton_ops
     return KernelSet("triton", t.skip_rms_norm, t.apply_rotary, t.swiglu, t.kv_store, torch_ops.kv_load,
-                     torch_ops.attend, rotary_kv_store=t.rotary_kv_store, decode_attention=t.decode_attention,
-                     prefill_attention=t.prefill_attention,
+                     torch_ops.attend, geglu=t.geglu, rotary_kv_store=t.rotary_kv_store,
+                     decode_attention=t.decode_attention, prefill_attention=t.prefill_attention,
                      decode_linear=t.decode_linear, decode_linear_rows=t.DECODE_LINEAR_ROWS,
                      quant_embedding=triton_quant.quant_embedding)

@@ -6,13 +6,14 @@ last years runs): the norms, SwiGLU and the linears as the spec computes them (r
 dequantised into float initializers), and the two step ops from ppl.pmx's step inputs:
 
 - rotary_step: each token's sequence and position worked out from seqstarts / start_pos (a comparison against the
-  sequence ends and a sum), cos / sin of position x inv_freq (times yarn's scale), interleaved pairs of the first
-  rotary dims rotated (a partial rotary passes the rest);
+  sequence ends and a sum), cos / sin of position x inv_freq (times yarn's / LongRoPE's scale; LongRoPE's long
+  frequencies for the tokens of a sequence that reaches past original_max_position_embeddings), interleaved pairs of
+  the first rotary dims rotated (a partial rotary passes the rest);
 - cache_attention: the step's keys and values scattered into the cache (ScatterND: standard operators cannot update
   an input in place, so the cache is the graph's input `kv_cache` and output `kv_cache_out`), each token's history
   gathered from the cache (rows cachestarts[b] + j, j < max_kvlen), scores by KV-head groups, the causal (and
   sliding-window) rule as a mask, ALiBi's slope x distance added, logn's factor on the queries (in float64, as
-  reference.logn_scale), softmax.
+  reference.logn_scale), the scores soft-capped where the layer has a cap, softmax.
 
 It takes what the decomposition covers: one rank, float32, the float KV cache in layout 0 and offset mode, the
 causal rule (auto_causal), static rope kinds, dense MLPs; anything else is refused in one line (:func:`refusal`).
@@ -95,8 +96,12 @@ def positions(inputs, T) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def rotary_step(q: torch.Tensor, k: torch.Tensor, inputs, rotary: ref.Rotary):
-    pos, _ = positions(inputs, q.shape[0])
+    pos, seq = positions(inputs, q.shape[0])
     freqs = pos.float()[:, None] * rotary.inv_freq.float()[None, :]
+    if rotary.long_from is not None:  # LongRoPE: by each token's sequence's end in the step
+        ends = inputs.start_pos + inputs.seqstarts[1:] - inputs.seqstarts[:-1]
+        long = pos.float()[:, None] * rotary.long_inv_freq.float()[None, :]
+        freqs = torch.where((ends[seq] > rotary.long_from)[:, None], long, freqs)
     cos, sin = freqs.cos(), freqs.sin()
     if rotary.scale != 1.0:
         cos, sin = cos * rotary.scale, sin * rotary.scale
@@ -124,7 +129,7 @@ def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs, c
         factor = torch.where(n > spec.logn_scaling, torch.log(n) / math.log(spec.logn_scaling), torch.ones_like(n))
         q = q * factor.float()[:, None, None]
     qg = q.reshape(-1, KV, H // KV, D)                                               # (T, KV, G, D)
-    scores = qg @ kh.permute(0, 2, 3, 1) * (1.0 / math.sqrt(D))                      # (T, KV, G, N)
+    scores = ref.soft_cap(qg @ kh.permute(0, 2, 3, 1) * (1.0 / math.sqrt(D)), spec.softcap)  # (T, KV, G, N)
     slopes = spec.alibi_slopes()
     if slopes is not None:
         rel = (j[None, :] - pos[:, None]).float()[:, None, None, :]                   # (T, 1, 1, N)
@@ -140,4 +145,5 @@ def kernel_set() -> KernelSet:
     why = "the standard-ops export traces steps from ppl.pmx's inputs"
     return KernelSet(name, ref.skip_rms_norm, lacking(name, "apply_rotary", why), ref.swiglu,
                      lacking(name, "kv_store", why), lacking(name, "kv_load", why), lacking(name, "attend", why),
-                     rms_norm=ref.rms_norm, rotary_step=rotary_step, cache_attention=cache_attention, layers=LAYERS)
+                     rms_norm=ref.rms_norm, geglu=ref.geglu, rotary_step=rotary_step,
+                     cache_attention=cache_attention, layers=LAYERS)

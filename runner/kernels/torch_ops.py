@@ -2,9 +2,10 @@
 them into a handful of C++ kernels per layer (the CPU path). Same signatures and meaning as `runner.kernels.reference`
 (the specification), against which the tests check them:
 
-- skip_rms_norm, swiglu, apply_rotary, kv_store: eagerly on float32 CPU tensors this project's C++ (cpu_step.cpp: one
-  pass each; rotary and the int8 quantiser are the one-call decode step's), rotary in place where the fused qkv GEMM
-  left q and k; else the spec's arithmetic (inductor fuses it), rotary as a complex multiply and one index_put_.
+- skip_rms_norm, swiglu, geglu, apply_rotary, kv_store: eagerly on float32 CPU tensors this project's C++
+  (cpu_step.cpp: one pass each; rotary and the int8 quantiser are the one-call decode step's), rotary in place where
+  the fused qkv GEMM left q and k; else the spec's arithmetic (inductor fuses it), rotary as a complex multiply and
+  one index_put_.
 - kv_load: one index_select over a strided view of the cache, any layout (int8: dequantised by the reference).
 - attend: decode as two batched GEMVs per KV head group; prefill with torch's scaled_dot_product_attention (flash
   attention on CPU); GQA without repeating K/V.
@@ -43,11 +44,26 @@ def skip_rms_norm(x: torch.Tensor, skip: Optional[torch.Tensor], weight: torch.T
     return y, (x if skip is None else r)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the rows of x (see reference.rms_norm): the C++ kernel's pass where x is contiguous float32 on CPU
+    (a post norm's input), else the spec (the q/k heads, views of a fused GEMM's output)."""
+    if not (_cpu_kernel_takes(x, weight) and x.is_contiguous()):
+        return ref.rms_norm(x, weight, eps)
+    return torch.ops.pmx_cpu.skip_rms_norm(x, None, weight.contiguous(), eps)[0]
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up (see reference.swiglu)."""
     if not (_cpu_kernel_takes(gate, up) and gate.shape == up.shape and gate.stride(-1) == 1 and up.stride(-1) == 1):
         return ref.swiglu(gate, up)
     return torch.ops.pmx_cpu.swiglu(gate, up)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (see reference.geglu)."""
+    if not (_cpu_kernel_takes(gate, up) and gate.shape == up.shape and gate.stride(-1) == 1 and up.stride(-1) == 1):
+        return ref.geglu(gate, up)
+    return torch.ops.pmx_cpu.geglu(gate, up)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -118,22 +134,28 @@ def kv_load(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, lay
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-           causal: bool) -> torch.Tensor:
+           causal: bool, softcap: float = 0.0) -> torch.Tensor:
     """q [B, H, S, D] against k, v [B, KV, N, D] (H a multiple of KV); mask [B, 1, S, N] bool (True: seen) or
-    additive float [B, 1 or H, S, N], else causal (query i sees keys j <= i) or everything. Returns [B, H, S, D].
+    additive float [B, 1 or H, S, N], else causal (query i sees keys j <= i) or everything; `softcap`: the scores'
+    soft cap (0: none). Returns [B, H, S, D].
 
     One query per sequence (decode): two batched GEMVs and a softmax over each KV head's query group, which
-    costs a tenth of SDPA's flash kernel at these sizes. Longer queries: SDPA (flash attention on CPU)."""
+    costs a tenth of SDPA's flash kernel at these sizes. Longer queries: SDPA (flash attention on CPU), or with a
+    soft cap (which SDPA cannot apply) the reference's arithmetic."""
     B, H, S, D = q.shape
     KV = k.shape[1]
     if S == 1:
         qg = q.reshape(B, KV, H // KV, D)                                          # (B, KV, G, D)
         scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))   # (B, KV, G, N)
+        if softcap:
+            scores = ref.soft_cap(scores, softcap)
         if mask is not None and mask.dtype != torch.bool:                         # (B, 1 | H, 1, N) additive
             scores = scores.add_(mask.to(scores.dtype).expand(B, H, 1, -1).reshape(B, KV, H // KV, -1))
         elif mask is not None:
             scores = scores.masked_fill_(~mask, float("-inf"))                    # mask (B, 1, 1, N)
         return torch.matmul(scores.softmax(-1), v).view(B, H, 1, D)
+    if softcap:
+        return ref.attend(q, k, v, mask, causal, softcap)
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
@@ -143,12 +165,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
 def decode_attention_rows(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int,
                           layer: int, rows: torch.Tensor, kvlens: torch.Tensor,
                           sliding_window: Optional[int], page_size: int = 0,
-                          alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          alibi: Optional[torch.Tensor] = None, softcap: float = 0.0) -> torch.Tensor:
     """q [B, H, D], one new token per sequence, against the first kvlens[b] positions of its history (the last
     `sliding_window` of them where set), read in place from layer `layer` of a cache of `layout`: float32, or int8
     with its float16 `scale`. The history's cache rows: `rows` [B, N] lists them; or, as the plan's cachestarts,
     `rows` [B] holds each sequence's offset (page_size 0) or [B, MaxP] its page starts (page_size rows a page).
-    `alibi`: the slopes [H] of an ALiBi model (reference.alibi_bias added to the scores). Returns [B, H, D] float32:
+    `alibi`: the slopes [H] of an ALiBi model (reference.alibi_bias added to the scores); `softcap`: the scores' soft
+    cap (0: none). Returns [B, H, D] float32:
     the math of `attend` over the gathered (and dequantised) rows, without gathering them."""
     return torch.ops.pmx_cpu.decode_attention(q.contiguous(), cache, scale, layout, layer, rows, kvlens,
-                                              sliding_window or 0, 1.0 / math.sqrt(q.shape[-1]), page_size, alibi)
+                                              sliding_window or 0, 1.0 / math.sqrt(q.shape[-1]), page_size, alibi,
+                                              softcap)

@@ -9,7 +9,7 @@ Each op has the reference's signature and meaning:
   k and v into the cache, quantised to int8 (groups of 8, one scale per
   group) when the cache is; any cache layout, offset or paged, with the cache's own strides. apply_rotary
   and kv_store are the same kernel with the cache store, or the rotation, switched off.
-- swiglu: silu(gate) * up in one pass.
+- swiglu / geglu: silu(gate) * up / gelu_tanh(gate) * up in one pass (one kernel, the activation a constexpr).
 - decode_linear: y = x W^T (+ b) for the one row of a batch-1 decode step, streaming W once with no split-K
   reduction kernel after it; with `swiglu`, x is a fused gate/up output and silu(gate) * up is computed as it is
   loaded (the down projection takes the MLP's activation: one launch fewer per layer).
@@ -19,7 +19,8 @@ Each op has the reference's signature and meaning:
   SM count and the batch size only (:func:`decode_splits`), never from the history lengths, so a captured
   CUDA graph stays valid as sequences grow; each program finds its key range from the sequence's length on
   the device. The splits are merged by a second Triton kernel (none when there is one split).
-- decode_attention and prefill_attention add ALiBi's slope_h x (j - i) to the scores where given the slopes.
+- decode_attention and prefill_attention add ALiBi's slope_h x (j - i) to the scores where given the slopes, and
+  soft-cap them (cap tanh(s / cap), Gemma 2) where given a cap.
 - prefill_attention: flash attention of n sequences of S new tokens each over their keys in the cache
   (causal, offset by each sequence's start, optional sliding window, int8 or float, offset or paged): for
   continued chunks and other prefill that reads the cache. Fresh prompts of one length attend with torch's
@@ -236,19 +237,34 @@ def kv_store(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, la
     _rotary_kv(None, k, v, None, None, cache, scale, layout, layer, slots, False, launch)
 
 
-# --- SwiGLU ---------------------------------------------------------------------------------------
+# --- SwiGLU / GeGLU -------------------------------------------------------------------------------
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, o_ptr, F, stride_g, stride_u, BLOCK: tl.constexpr):
+def _gate_act(g, GELU: tl.constexpr):
+    """silu(g), or GELU's tanh form g sigmoid(2 sqrt(2 / pi) (g + 0.044715 g^3)) (= g (1 + tanh(..)) / 2), float32."""
+    if GELU:
+        a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+    else:
+        a = g * tl.sigmoid(g)
+    return a
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, o_ptr, F, stride_g, stride_u, GELU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = col < F
     g = tl.load(g_ptr + row * stride_g + col, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + col, mask=m, other=0.0).to(tl.float32)
-    tl.store(o_ptr + row * F + col, (g * tl.sigmoid(g) * u).to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(o_ptr + row * F + col, (_gate_act(g, GELU) * u).to(o_ptr.dtype.element_ty), mask=m)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, launch: Launch = _launch) -> torch.Tensor:
-    """gate, up [rows, F] (e.g. the two halves of a fused gate/up GEMM output: row strides allowed)."""
+def geglu(gate: torch.Tensor, up: torch.Tensor, launch: Launch = _launch) -> torch.Tensor:
+    """gelu_tanh(gate) * up, as :func:`swiglu`."""
+    return swiglu(gate, up, launch, gelu=True)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, launch: Launch = _launch, gelu: bool = False) -> torch.Tensor:
+    """gate, up [rows, F] (e.g. the two halves of a fused gate/up GEMM output: row strides allowed); `gelu`: GeGLU."""
     F_ = gate.shape[-1]
     g2, u2 = gate.reshape(-1, F_), up.reshape(-1, F_)
     if g2.stride(-1) != 1 or u2.stride(-1) != 1:
@@ -257,7 +273,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, launch: Launch = _launch) -> to
     block = min(_pow2(F_), 1024)
     if g2.shape[0]:
         launch(_swiglu_kernel, (g2.shape[0], triton.cdiv(F_, block)), g2, u2, out, F_, g2.stride(0), u2.stride(0),
-               BLOCK=block, num_warps=4)
+               GELU=gelu, BLOCK=block, num_warps=4)
     return out.view(gate.shape)
 
 
@@ -345,6 +361,19 @@ def _online_softmax_step(s, v, m_i, l_i, acc, ty, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _scores(q, k, qk_scale, softcap, EXACT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """q k^T in log2 units (qk_scale: log2(e) / sqrt(D)); SOFTCAP: the natural scores s soft-capped first,
+    softcap tanh(s / softcap) (tanh(x) = 2 sigmoid(2x) - 1)."""
+    s = dot_acc(q, tl.trans(k), EXACT)
+    if SOFTCAP:
+        s = s * (qk_scale / 1.4426950408889634)
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    return s
+
+
+@triton.jit
 def _cache_rows(starts_ptr, b, j, valid, stride_sb, PAGED: tl.constexpr, PAGE: tl.constexpr):
     """Cache rows (int64) of key positions j [N] of sequence b (offset: start + j; paged: page start + j % PAGE)."""
     if PAGED:
@@ -373,10 +402,11 @@ def _kv_tile(c_ptr, s_ptr, slot, head, valid, c_t, c_h, s_t, s_h, D, out_ty: tl.
 
 @triton.jit
 def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_ptr, out_ptr, part_ptr, slopes_ptr,
-                        stride_qb, stride_qh, c_t, c_h, s_t, s_h, stride_sb, qk_scale, window, G, H, D, NUM_SPLITS,
-                        PAGED: tl.constexpr, QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-                        EXACT: tl.constexpr, ALIBI: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_D: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr):
+                        stride_qb, stride_qh, c_t, c_h, s_t, s_h, stride_sb, qk_scale, softcap, window, G, H, D,
+                        NUM_SPLITS, PAGED: tl.constexpr, QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                        SPLIT: tl.constexpr, EXACT: tl.constexpr, ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
+                        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                        GROUP: tl.constexpr):
     """Program (b, kvh, sp): the G query heads of KV head kvh of sequence b against split sp of its keys (ALIBI: plus
     slope_h x (j - (kvlen - 1)) on each score)."""
     b = tl.program_id(0).to(tl.int64)
@@ -406,7 +436,7 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_
         slot = _cache_rows(starts_ptr, b, j, inside, stride_sb, PAGED, PAGE)
         k = _kv_tile(k_ptr, ks_ptr, slot, kvh, inside, c_t, c_h, s_t, s_h, D, ty, QUANT, BLOCK_N, BLOCK_D, GROUP)
         v = _kv_tile(v_ptr, vs_ptr, slot, kvh, inside, c_t, c_h, s_t, s_h, D, ty, QUANT, BLOCK_N, BLOCK_D, GROUP)
-        s = dot_acc(q, tl.trans(k), EXACT) * qk_scale
+        s = _scores(q, k, qk_scale, softcap, EXACT, SOFTCAP)
         if ALIBI:
             s += slope[:, None] * (j - (kvlen - 1)).to(tl.float32)[None, :]
         s = tl.where(inside[None, :], s, float("-inf"))                   # (BG, BN), log2 units
@@ -466,11 +496,12 @@ def decode_blocks(head_dim: int, quantized: bool) -> tuple[int, int, int]:
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
                      cachestarts: torch.Tensor, kvlens: torch.Tensor, cache_mode: int,
                      sliding_window: Optional[int] = None, num_splits: Optional[int] = None,
-                     launch: Launch = _launch, alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     launch: Launch = _launch, alibi: Optional[torch.Tensor] = None, softcap: float = 0.0
+                     ) -> torch.Tensor:
     """q [B, H, D]: one new token per sequence, already in the cache at position kvlens[b] - 1; `alibi`: the slopes
-    [H] float32 of an ALiBi model. Returns [B, H, D] in q's dtype; the math of reference.attention_packed for
-    decoding sequences. No host sync and no shape that depends on the history lengths (capturable in a CUDA
-    graph)."""
+    [H] float32 of an ALiBi model; `softcap`: the scores' soft cap (0: none). Returns [B, H, D] in q's dtype; the
+    math of reference.attention_packed for decoding sequences. No host sync and no shape that depends on the history
+    lengths (capturable in a CUDA graph)."""
     B, H, D = q.shape
     if q.stride(-1) != 1:
         raise ValueError("decode_attention needs a contiguous head_dim")
@@ -492,10 +523,10 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch
     launch(_decode_attn_kernel, (B, KV, num_splits), q, view[0], view[1], sview[0], sview[1], starts,
            kvlens.contiguous(), out, part, _slopes(alibi, H, q), q.stride(0), q.stride(1), view.stride(1),
            view.stride(2), sview.stride(1), sview.stride(2), starts.stride(0) if starts.dim() == 2 else 0,
-           LOG2E / math.sqrt(D), int(sliding_window or 0), G, H, D, num_splits, PAGED=cache_mode == 1,
-           QUANT=scale is not None, HAS_WINDOW=bool(sliding_window), SPLIT=split, EXACT=exact_dot(q.dtype),
-           ALIBI=alibi is not None, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, PAGE=PAGE_SIZE,
-           GROUP=QUANT_GROUP, num_warps=4, num_stages=3)
+           LOG2E / math.sqrt(D), float(softcap or 1.0), int(sliding_window or 0), G, H, D, num_splits,
+           PAGED=cache_mode == 1, QUANT=scale is not None, HAS_WINDOW=bool(sliding_window), SPLIT=split,
+           EXACT=exact_dot(q.dtype), ALIBI=alibi is not None, SOFTCAP=bool(softcap), BLOCK_G=block_g,
+           BLOCK_N=block_n, BLOCK_D=block_d, PAGE=PAGE_SIZE, GROUP=QUANT_GROUP, num_warps=4, num_stages=3)
     if split:
         launch(_merge_splits_kernel, (B, H), part, out, H, D, num_splits, BLOCK_S=_pow2(num_splits),
                BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2)
@@ -504,10 +535,10 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch
 
 @triton.jit
 def _prefill_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_ptr, out_ptr, slopes_ptr,
-                         stride_qt, stride_qh, c_t, c_h, s_t, s_h, stride_sb, qk_scale, window, S, G, H, D,
+                         stride_qt, stride_qh, c_t, c_h, s_t, s_h, stride_sb, qk_scale, softcap, window, S, G, H, D,
                          PAGED: tl.constexpr, QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr, EXACT: tl.constexpr,
-                         ALIBI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         PAGE: tl.constexpr, GROUP: tl.constexpr):
+                         ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr):
     """Program (blk, b, kvh): rows blk * BLOCK_M .. of the (token, query head of kvh) pairs of sequence b,
     row r = token r // G, head kvh * G + r % G; the tokens sit at positions kvlen - S ...; flash attention
     over the keys each may see (ALIBI: plus slope_head x (j - position) on each score)."""
@@ -541,7 +572,7 @@ def _prefill_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens
         slot = _cache_rows(starts_ptr, b, j, inside, stride_sb, PAGED, PAGE)
         k = _kv_tile(k_ptr, ks_ptr, slot, kvh, inside, c_t, c_h, s_t, s_h, D, ty, QUANT, BLOCK_N, BLOCK_D, GROUP)
         v = _kv_tile(v_ptr, vs_ptr, slot, kvh, inside, c_t, c_h, s_t, s_h, D, ty, QUANT, BLOCK_N, BLOCK_D, GROUP)
-        s = dot_acc(q, tl.trans(k), EXACT) * qk_scale
+        s = _scores(q, k, qk_scale, softcap, EXACT, SOFTCAP)
         if ALIBI:
             s += slope[:, None] * (j[None, :] - pos[:, None]).to(tl.float32)
         seen = inside[None, :] & (j[None, :] <= pos[:, None])
@@ -553,24 +584,26 @@ def _prefill_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens
     tl.store(out_ptr + (tok[:, None] * H + heads[:, None]) * D + d[None, :], out.to(ty), mask=qm)
 
 
-def prefill_blocks(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) of prefill attention."""
+def prefill_blocks(head_dim: int, quantized: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) of prefill attention. head_dim 256 (Gemma): 16 keys a step for 64 rows,
+    or over an int8 cache (whose dequantised tiles are float32 a while) 32 rows on 4 warps; 64 x 32 spilled registers
+    on sm_80 and sm_90 (runner.kernels.aot)."""
     block_d = max(16, _pow2(head_dim))
     if block_d <= 64:
         return 64, 64, block_d, 4
     if block_d <= 128:
         return 64, 64, block_d, 8
-    return 64, 32, block_d, 8
+    return (32, 32, block_d, 4) if quantized else (64, 16, block_d, 8)
 
 
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
                       cachestarts: torch.Tensor, kvlens: torch.Tensor, cache_mode: int, seqlen: int,
                       sliding_window: Optional[int] = None, launch: Launch = _launch,
-                      alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      alibi: Optional[torch.Tensor] = None, softcap: float = 0.0) -> torch.Tensor:
     """q [n * seqlen, H, D]: seqlen new tokens of each of n sequences (already in the cache, the last at
     kvlens[b] - 1), each attending causally over its keys in the cache (and within the sliding window; `alibi`:
-    the slopes [H] float32 of an ALiBi model). Returns [n * seqlen, H, D] in q's dtype: reference.attention_packed
-    for these sequences."""
+    the slopes [H] float32 of an ALiBi model; `softcap`: the scores' soft cap, 0: none). Returns [n * seqlen, H, D]
+    in q's dtype: reference.attention_packed for these sequences."""
     T, H, D = q.shape
     if q.stride(-1) != 1:
         raise ValueError("prefill_attention needs a contiguous head_dim")
@@ -580,7 +613,7 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torc
     view = cache_view(cache, layout)[layer]
     KV = view.shape[2]
     G = H // KV
-    block_m, block_n, block_d, warps = prefill_blocks(D)
+    block_m, block_n, block_d, warps = prefill_blocks(D, scale is not None)
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
@@ -589,8 +622,8 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torc
     launch(_prefill_attn_kernel, (triton.cdiv(seqlen * G, block_m), n, KV), q, view[0], view[1], sview[0], sview[1],
            starts, kvlens.contiguous(), out, _slopes(alibi, H, q), q.stride(0), q.stride(1), view.stride(1),
            view.stride(2), sview.stride(1), sview.stride(2), starts.stride(0) if starts.dim() == 2 else 0,
-           LOG2E / math.sqrt(D), int(sliding_window or 0), seqlen, G, H, D, PAGED=cache_mode == 1,
-           QUANT=scale is not None, HAS_WINDOW=bool(sliding_window), EXACT=exact_dot(q.dtype), ALIBI=alibi is not None,
-           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PAGE=PAGE_SIZE, GROUP=QUANT_GROUP, num_warps=warps,
-           num_stages=2)
+           LOG2E / math.sqrt(D), float(softcap or 1.0), int(sliding_window or 0), seqlen, G, H, D,
+           PAGED=cache_mode == 1, QUANT=scale is not None, HAS_WINDOW=bool(sliding_window), EXACT=exact_dot(q.dtype),
+           ALIBI=alibi is not None, SOFTCAP=bool(softcap), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+           PAGE=PAGE_SIZE, GROUP=QUANT_GROUP, num_warps=warps, num_stages=2)
     return out

@@ -76,7 +76,7 @@ def export_params(p: PmxParams, c: EngineConfig, dtype: torch.dtype, opset: str)
         "rope_scaling_type": "" if kind == "default" else kind,
         "rope_scaling_factor": float((p.rope_scaling or {}).get("factor") or 1.0),
         "max_position_embeddings": p.max_position_embeddings, "num_experts": max(p.num_experts, 1),
-        "num_experts_per_token": max(p.num_experts_per_token, 1), "sliding_window": p.sliding_window or 0,
+        "num_experts_per_token": max(p.num_experts_per_token, 1), "sliding_window": p.uniform_window or 0,
         "head_dim": p.head_dim, "num_shards": p.num_shards, "dtype": dtype_name(dtype), "opset": opset,
         "engine": {k: getattr(c, k) for k in EXPORT_FLAGS if k not in ("dtype", "comm_backend", "collective_timeout")},
         "pmx_params": p.to_dict(),
@@ -192,7 +192,7 @@ def _example(model: Transformer) -> dict:
     from step to step marked (the dynamic axes)."""
     c = model.config
     b = StepLengths([1, 2, 3, 4], [1, 3], [2, 0], [[0], [PAGE_SIZE]] if c.paged else [0, 8], 1)
-    mask = None if c.auto_causal else causal_mask(replace(b, num_decoding=0), model.params.sliding_window,
+    mask = None if c.auto_causal else causal_mask(replace(b, num_decoding=0), model.params.uniform_window,
                                                   model.dtype)
     t = step_inputs(b, mask, model.dtype)
     t["kv_cache"], t["kv_scale"] = model.new_cache(2 * PAGE_SIZE)

@@ -46,7 +46,7 @@ _RUNNING: contextvars.ContextVar = contextvars.ContextVar("opmx_session")
 # op -> (input kinds, output kinds, {attr: type}); kinds: f float32, i int64, c cache (float32 / int8), w woqu weight
 _I, _F, _S = "int", "float", "str"
 # this project's attributes of the attention operators beside ppl.pmx's (runner.kernels.opmx_export); absent: 0
-POSITION_ATTRS = dict(sliding_window=_I, alibi_num_heads=_I, alibi_head_offset=_I, logn_scaling=_I)
+POSITION_ATTRS = dict(sliding_window=_I, alibi_num_heads=_I, alibi_head_offset=_I, logn_scaling=_I, softcap=_F)
 ATTR_DEFAULTS = {_I: 0, _F: 0.0, _S: ""}
 OPS = {
     (OPMX, "ParallelEmbedding"): ("if", "f", dict(num_embeddings=_I, embedding_dims=_I, padding_idx=_I, max_norm=_F,
@@ -70,6 +70,7 @@ OPS = {
     (OPMX, "RMSNorm"): ("fff", "ff", dict(axis=_I, eps=_F, skip_term=_I)),
     (OPMX, "SwiGLU"): ("f", "f", dict(beta=_F)),
     (OPMX, "SiLU"): ("ff", "f", {}),
+    (OPMX, "GELU"): ("ff", "f", dict(approximate=_I)),
     (OPMX, "Reshape"): ("fi", "f", {}),
     (DB, "RotaryPositionEmbedding"): ("ffiii", "ff", dict(rotary_dim=_I, theta=_F, bypass_key=_I,
                                                        max_position_embeddings=_I, scaling_type=_S,
@@ -214,6 +215,12 @@ def silu(x, gate, **_):
     return (y * g if g.numel() else y).numpy()
 
 
+def gelu(x, gate, approximate=0, **_):
+    """ppl.pmx's GELU(x, gate): gelu(x) (its tanh form where approximate) times gate where given."""
+    y, g = F.gelu(_t(x), approximate="tanh" if approximate else "none"), _t(gate)
+    return (y * g if g.numel() else y).numpy()
+
+
 def reshape(x, shape, **_):
     dims = [x.shape[i] if d == 0 else int(d) for i, d in enumerate(shape.tolist())]
     return np.ascontiguousarray(x).reshape(dims)
@@ -243,8 +250,10 @@ def rotary_position_embedding(q, k, seqstarts, start_pos, max_seqlen, theta=1000
     if not (0 < dims <= q.shape[-1] and dims % 2 == 0):
         raise RuntimeError(f"RotaryPositionEmbedding: rotary_dim {rotary_dim} is not an even number in "
                            f"[0, head_dim {q.shape[-1]}]")
-    pos, _ = _positions(_t(seqstarts), _t(start_pos))
-    cos, sin = _rotary(dims, float(theta), rope_scaling, int(max_position_embeddings)).cos_sin(pos)
+    seqstarts, start_pos = _t(seqstarts), _t(start_pos)
+    pos, seq = _positions(seqstarts, start_pos)
+    seq_end = (start_pos + seqstarts[1:] - seqstarts[:-1])[seq]  # (LongRoPE switches by each sequence's length)
+    cos, sin = _rotary(dims, float(theta), rope_scaling, int(max_position_embeddings)).cos_sin(pos, seq_end=seq_end)
     return ref.apply_rotary(q, cos, sin).numpy(), (k if bypass_key else ref.apply_rotary(k, cos, sin)).numpy()
 
 
@@ -273,7 +282,8 @@ def _alibi(attrs: dict) -> Optional[torch.Tensor]:
 
 def _attend(q, kh, vh, seqstarts, kvstarts, attn_mask, attrs: dict):
     """Attention of the packed queries q [T, H, D] over their histories, with the position attributes of `attrs`:
-    ALiBi slopes, the logn scaling of the queries (as the engine's plan.q_scale), the sliding window."""
+    ALiBi slopes, the logn scaling of the queries (as the engine's plan.q_scale), the sliding window, the scores'
+    soft cap."""
     seqstarts, kvstarts = _t(seqstarts), _t(kvstarts)
     start = (kvstarts[1:] - kvstarts[:-1]) - (seqstarts[1:] - seqstarts[:-1])   # each sequence's history length
     mask = _t(attn_mask) if attn_mask.size else None
@@ -281,7 +291,7 @@ def _attend(q, kh, vh, seqstarts, kvstarts, attn_mask, attrs: dict):
     if logn:
         q = q * ref.logn_scale(_positions(seqstarts, start)[0], logn)[:, None, None].to(q.dtype)
     return ref.attention_packed(q, kh, vh, seqstarts, kvstarts, start, mask, attrs.get("sliding_window", 0) or None,
-                                _alibi(attrs)).numpy()
+                                _alibi(attrs), float(attrs.get("softcap", 0.0))).numpy()
 
 
 def multi_head_cache_attention(*inputs, **attrs):
@@ -310,7 +320,7 @@ IMPLS = {"ParallelEmbedding": parallel_embedding, "ColumnParallelLinear": column
          "RowParallelLinear": row_parallel_linear, "WoquColumnParallelLinear": woqu_column_parallel_linear,
          "WoquRowParallelLinear": woqu_row_parallel_linear, "Linear": linear, "MoeSelect": moe_select,
          "MoeColumnParallelLinear": moe_column_parallel_linear, "MoeRowParallelLinear": moe_row_parallel_linear,
-         "MoeReduce": moe_reduce, "RMSNorm": rms_norm, "SwiGLU": swiglu, "SiLU": silu,
+         "MoeReduce": moe_reduce, "RMSNorm": rms_norm, "SwiGLU": swiglu, "SiLU": silu, "GELU": gelu,
          "Reshape": reshape, "RotaryPositionEmbedding": rotary_position_embedding,
          "MultiHeadCacheAttention": multi_head_cache_attention, "KeyValueCache": key_value_cache,
          "MultiHeadAttention": multi_head_attention}

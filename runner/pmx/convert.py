@@ -135,6 +135,15 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
         sources[src.pmx_name] = (src, stored(hf))
         used.add(stored(hf))
     extra = sorted(n for n in ckpt.keys() if n not in used and not family.is_ignored(n))
+    parts: dict = {}  # the parts of a multimodal checkpoint that are not converted: what -> tensor count
+    for n in extra:
+        what = family.left_out_part(n)
+        if what is not None:
+            parts[what] = parts.get(what, 0) + 1
+    if parts:
+        print(f"{input_dir}: not converted: " + ", ".join(f"the {what} ({k} tensors)" for what, k in parts.items()) +
+              f"; pmx-runner runs its language model ({family.name}: text in, text out)", file=sys.stderr)
+        extra = [n for n in extra if family.left_out_part(n) is None]
     if extra:
         raise PmxError(f"{input_dir}: unexpected tensor(s) not used by {family.name}: {extra[:8]}"
                        f"{' ...' if len(extra) > 8 else ''} ({len(extra)} in all); refusing to drop them silently")
@@ -161,7 +170,8 @@ def convert(input_dir: str, output_dir: str, dtype: str = "auto", num_shards: in
                 return t
             t = as_tensor(t)
         if src.rotary_heads:
-            t = unpermute_rotary(t, src.rotary_heads, out=scratch.take("rotary", t.dtype, t.shape))
+            t = unpermute_rotary(t, src.rotary_heads, out=scratch.take("rotary", t.dtype, t.shape),
+                                 rotary_dims=src.rotary_dims)
         return t if t.dtype == target else scratch.take("cast", target, t.shape).copy_(t)
 
     plan = [(s.pmx_name, target, s.shape) for s, _ in sources.values()]

@@ -4,8 +4,10 @@ The file is the contract between conversion, split/merge and the engine (PMX for
 README.md "The PMX format"). Loading is strict: a missing required key, an unknown key or a value of the wrong
 type is an error naming the file and the key.
 
-Keys added to version 1 later (position_embedding, rotary_dim, logn_scaling) default to what a file without them
-meant (rotary over all of head_dim, no logn scaling), so older files load unchanged; conversion writes them all.
+Keys added to version 1 later (position_embedding, rotary_dim, logn_scaling, layer_types, the sliding layers' rope,
+norm_offset, post_norms, embedding_scale, attention_scale, the soft caps) default to what a file without them meant
+(rotary over all of head_dim, no logn scaling, every layer of one kind, plain RMSNorm, no cap), so older files load
+unchanged; conversion writes them all.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ FORMAT_VERSION = 1
 PARAMS_FILE = "pmx_params.json"
 DTYPES = ("float32", "float16", "bfloat16")
 POSITION_EMBEDDINGS = ("rotary", "alibi")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")   # the MLP's gate activation: SwiGLU, GeGLU with tanh's GELU
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,17 @@ class PmxParams:
     o_bias: bool = False
     ffn_bias: bool = False
     qk_norm: bool = False                # per-head RMSNorm of q and k before rotary (Qwen3)
-    sliding_window: Optional[int] = None
+    sliding_window: Optional[int] = None  # the window of the sliding layers (a query sees the last this many positions)
+    layer_types: Optional[list] = None   # each layer's "full_attention" or "sliding_attention"; null: every layer
+                                         # slides where sliding_window is set (files written before the key)
+    sliding_rope_theta: Optional[float] = None  # the sliding layers' rope (theta, and scaling: null, the default
+    sliding_rope_scaling: Optional[dict] = None  # one) where it differs from the full ones'; null theta: the same
+    norm_offset: float = 0.0             # every RMSNorm multiplies by norm_offset + weight (Gemma's 1 + w)
+    post_norms: bool = False             # the attention's and the MLP's outputs RMS-normed before the residual add
+    embedding_scale: float = 1.0         # the token embeddings multiplied by this (Gemma's sqrt(hidden_dim))
+    attention_scale: Optional[float] = None  # the scores' scale (null: head_dim ** -0.5)
+    attn_logit_softcapping: Optional[float] = None   # scores capped to cap * tanh(scores / cap) (null: not capped)
+    final_logit_softcapping: Optional[float] = None  # the logits likewise
     num_experts: int = 0
     num_experts_per_token: int = 0
     hidden_act: str = "silu"
@@ -88,6 +102,23 @@ class PmxParams:
                            f"head_dim), got {self.rotary_dim!r}")
         if self.logn_scaling is not None and not (isinstance(self.logn_scaling, int) and self.logn_scaling > 1):
             raise PmxError(f"logn_scaling must be null or an integer > 1, got {self.logn_scaling!r}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise PmxError(f"hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got {self.hidden_act!r}")
+        if self.sliding_window is not None and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise PmxError(f"sliding_window must be null or a positive integer, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            if (not isinstance(self.layer_types, list) or len(self.layer_types) != self.num_layers
+                    or any(t not in LAYER_TYPES for t in self.layer_types)):
+                raise PmxError(f"layer_types must be null or a list of num_layers={self.num_layers} values of "
+                               f"{', '.join(LAYER_TYPES)}, got {self.layer_types!r}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise PmxError("layer_types has sliding_attention layers but sliding_window is null")
+        for name in ("attention_scale", "attn_logit_softcapping", "final_logit_softcapping", "sliding_rope_theta"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise PmxError(f"{name} must be null or a positive number, got {v!r}")
+        if not isinstance(self.embedding_scale, (int, float)) or not self.embedding_scale > 0:
+            raise PmxError(f"embedding_scale must be a positive number, got {self.embedding_scale!r}")
 
     # -- derived sizes -------------------------------------------------------------------------
     @property
@@ -96,6 +127,25 @@ class PmxParams:
         if self.rotary_dim is None:
             return 0 if self.position_embedding == "alibi" else self.head_dim
         return self.rotary_dim
+
+    def layer_window(self, i: int) -> int:
+        """The sliding window of layer i (0: it attends to every position)."""
+        if self.sliding_window is None or (self.layer_types is not None
+                                           and self.layer_types[i] != "sliding_attention"):
+            return 0
+        return self.sliding_window
+
+    def layer_rope(self, i: int) -> tuple[float, Optional[dict]]:
+        """(theta, scaling) of layer i's rope."""
+        if self.sliding_rope_theta is not None and self.layer_window(i):
+            return self.sliding_rope_theta, self.sliding_rope_scaling
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def uniform_window(self) -> Optional[int]:
+        """The window every layer has (None: full attention everywhere, or layers of both kinds)."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return (windows.pop() or None) if len(windows) == 1 else None
 
     def padded(self, dim: str) -> int:
         """The size of logical dim `dim` as stored in the shards (after split padding)."""

@@ -15,12 +15,14 @@ CORPUS = ("Once upon a time there was a little girl named Lily. She loved to pla
           "One day she saw a big red ball. I believe the meaning of life is to be kind. The cat sat on the mat. ")
 
 
-def _tokenizer_json(vocab_size: int) -> str:
+def _tokenizer_json(vocab_size: int, specials: tuple = ()) -> str:
+    """A byte-level BPE tokenizer.json of `vocab_size` tokens trained on a small corpus: <unk> <s> </s>, then the
+    special tokens `specials` (a chat format's), then the pieces."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", *specials],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([CORPUS] * 4, trainer)
     # the small corpus gives a few hundred tokens: fill up to the model's vocabulary, as a real tokenizer would

@@ -26,6 +26,8 @@ def pmx_tensors(p: PmxParams) -> dict[str, tuple]:
         t[f"{a}.wo.weight"] = (D, q)
         if p.o_bias:
             t[f"{a}.wo.bias"] = (D,)
+        if p.post_norms:
+            t[f"layers.{i}.post_attention_norm.weight"] = (D,)
         t[f"layers.{i}.ffn_norm.weight"] = (D,)
         if E:
             t[f"{m}.gate.weight"] = (E, D)
@@ -33,6 +35,8 @@ def pmx_tensors(p: PmxParams) -> dict[str, tuple]:
             t[f"{m}.{name}.weight"] = ex + shape
             if p.ffn_bias:
                 t[f"{m}.{name}.bias"] = ex + bias
+        if p.post_norms:
+            t[f"layers.{i}.post_ffn_norm.weight"] = (D,)
     t["norm.weight"] = (D,)
     t["output.weight"] = (V, D)
     scheme = scheme_of(p)

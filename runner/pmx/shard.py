@@ -11,7 +11,7 @@ One table serves both split and merge (Megatron-style cut, as ppl.pmx):
 | feed_forward.w2.weight                   | intermediate columns (zero-padded)            |
 | output.weight                            | vocabulary rows (zero-padded)                 |
 | tok_embeddings.weight                    | hidden columns (zero-padded)                  |
-| norms, router `gate`, wo/w2 biases, q/k norms | replicated                               |
+| norms (post norms too), router `gate`, wo/w2 biases, q/k norms | replicated              |
 
 Axes count from the end, so MoE experts stacked as [E, out, in] are cut like a dense MLP.
 
@@ -52,7 +52,7 @@ SHARD_SPEC: tuple[tuple[str, Cut], ...] = (
     (r"tok_embeddings\.weight", Cut("dim", -1, "hidden_dim")),
     (r"output\.weight", Cut("dim", -2, "vocab_size")),
     (r"norm\.weight", REPLICATE),
-    (r"layers\.\d+\.(attention_norm|ffn_norm)\.weight", REPLICATE),
+    (r"layers\.\d+\.(attention_norm|ffn_norm|post_attention_norm|post_ffn_norm)\.weight", REPLICATE),
     (r"layers\.\d+\.attention\.wq\.weight", Cut("q_heads", -2)),
     (r"layers\.\d+\.attention\.wq\.bias", Cut("q_heads", -1)),
     (r"layers\.\d+\.attention\.(wk|wv)\.weight", Cut("kv_heads", -2)),
