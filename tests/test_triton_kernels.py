@@ -430,3 +430,127 @@ def test_kernels_option():
     assert tri.reads_history_in_place and tri.prefill_attention is not None
     with pytest.raises(PmxError, match="--kernels must be one of auto, triton, torch, reference"):
         EngineConfig(kernels="cuda")
+
+
+# --- the decode-step fusions (runner.kernels.linear.SmallRows: norm, residual, rotary + cache store, quantised weights;
+# the split merge inside decode attention) ---------------------------------------------------------------------------
+def test_decode_linear_norm_in_and_residual_out():
+    """norm=(g, eps): the product is of reference.rms_norm(x); residual: added to the rounded output (fused gate/up
+    with SwiGLU too); the row's RMS comes from the loads of every program, so K off the block size is covered."""
+    g_ = torch.Generator().manual_seed(5)
+    for dtype, (N, K) in ((torch.float16, (40, 300)), (torch.bfloat16, (24, 1030)), (torch.float32, (17, 64))):
+        w = (torch.randn(N, K, generator=g_) * 0.1).to(DEV, dtype)
+        x = (torch.randn(1, K, generator=g_) * 3).to(DEV, dtype)
+        g = (torch.rand(K, generator=g_) + 0.5).to(DEV, dtype)
+        res = torch.randn(1, N, generator=g_).to(DEV, dtype)
+        got = triton_ops.decode_linear(x, w, None, norm=(g, 1e-5), residual=res)
+        want = (ref.rms_norm(x, g, 1e-5).float() @ w.float().T).to(dtype).float() + res.float()
+        close(got, want, dtype, scale=4)
+        gu = torch.randn(1, 2 * K, generator=g_).to(DEV, dtype)
+        gate, up = gu.float().chunk(2, dim=-1)
+        want = ((torch.nn.functional.silu(gate) * up).to(dtype).float() @ w.float().T).to(dtype).float() + res.float()
+        close(triton_ops.decode_linear(gu, w, None, swiglu=True, residual=res), want, dtype, scale=4)
+
+
+@pytest.mark.parametrize("method,group,offset", [("int8", 0, False), ("int8", 32, False), ("int4", 128, False),
+                                                 ("int4", 32, True), ("int4", 1024, False)])
+def test_decode_linear_streams_quantised_weights(method, group, offset):
+    """int8 per channel or in groups, int4 in groups with or without offsets (GGUF's Q8_0 / Q4_1): the product of the
+    dequantised weight (runner.pmx.quant's arithmetic), groups narrower than the kernel's tile and wider (1024)."""
+    from runner.kernels.linear import QuantRows
+    from runner.pmx.quant import quantize_int4, quantize_int8, unpack_int4
+    g_ = torch.Generator().manual_seed(6)
+    N, K = 24, 2048 if group == 1024 else 256
+    w = torch.randn(N, K, generator=g_) * 0.1
+    if method == "int8" and not group:
+        q, s = quantize_int8(w)
+        deq, off = q.float() * s[:, None], None
+    elif method == "int8":
+        s = w.view(N, -1, group).abs().amax(-1) / 127
+        q = torch.round(w.view(N, -1, group) / s[..., None]).clamp(-127, 127).to(torch.int8).view(N, K)
+        deq, off = (q.float().view(N, -1, group) * s[..., None]).view(N, K), None
+    else:
+        q, s = quantize_int4(w, group)
+        off = torch.randn(s.shape, generator=g_) * 0.01 if offset else None
+        nib = unpack_int4(q).float().view(N, -1, group)
+        deq = (nib * s[..., None] + off[..., None] if offset else (nib - 8) * s[..., None]).view(N, K)
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(1, K, generator=g_).to(DEV, dtype)
+        quant = QuantRows(s.to(DEV), None if off is None else off.to(DEV), method, group)
+        got = triton_ops.decode_linear(x, q.to(DEV), None, quant=quant)
+        close(got, x.float() @ deq.to(DEV).T, dtype, scale=4)
+
+
+@pytest.mark.parametrize("quant,layout,R", [(False, 0, 16), (True, 2, 16), (False, 3, 8), (True, 1, 8)])
+def test_decode_linear_rotary_epilogue(quant, layout, R):
+    """The qkv linear with its norm and bias, then rotary (a partial one too: R of 16 dims) and the K/V store as its
+    epilogue: the output (q, k rotated; v) and the cache (float, or int8 in groups) as linear, then
+    reference.apply_rotary and reference.kv_store; slot -1 (a CUDA graph's padding) stores nothing."""
+    from runner.kernels.linear import RotaryStore
+    g_ = torch.Generator().manual_seed(7)
+    dtype, H, KV, D, K = torch.float16, 4, 2, 16, 48
+    N = (H + 2 * KV) * D
+    w, b = (torch.randn(N, K, generator=g_) * 0.3).to(DEV, dtype), torch.randn(N, generator=g_).to(DEV, dtype)
+    x, g = torch.randn(1, K, generator=g_).to(DEV, dtype), (torch.rand(K, generator=g_) + 0.5).to(DEV, dtype)
+    cos, sin = ref.rope_cos_sin(torch.tensor([5], device=DEV), ref.rope_inv_freq(R, 1e4).to(DEV))
+    h = (ref.rms_norm(x, g, 1e-5).float() @ w.float().T + b.float()).to(dtype)
+    q, k, v = (t.view(1, -1, D) for t in h.split([H * D, KV * D, KV * D], dim=-1))
+    q, k = ref.apply_rotary(q.clone(), cos, sin), ref.apply_rotary(k.clone(), cos, sin)
+    for slot in (7, -1):
+        got_c, got_s = _cache(layout, 2, 20, KV, D, quant, dtype)
+        want_c, want_s = _cache(layout, 2, 20, KV, D, quant, dtype)
+        slots = torch.tensor([slot], device=DEV)
+        got = triton_ops.decode_linear(x, w, b, norm=(g, 1e-5), rotary=RotaryStore(cos, sin, slots, got_c, got_s,
+                                                                                   layout, 1, H, KV, D))
+        close(got, torch.cat([t.reshape(1, -1) for t in (q, k, v)], dim=-1), dtype, scale=2)
+        if slot < 0:
+            assert not got_c.any()
+            continue
+        ref.kv_store(want_c, want_s, layout, 1, k, v, slots)
+        if quant:
+            assert (got_c.int() - want_c.int()).abs().max() <= 1 and got_c.count_nonzero() > 0
+            torch.testing.assert_close(got_s, want_s, rtol=2e-3, atol=0)
+        else:
+            close(got_c, want_c, dtype, scale=2)
+
+
+def test_decode_attention_merges_inside():
+    """split_counts: the last program of each (sequence, KV head) merges the splits (no merge kernel): the same
+    output as the merge kernel's, and the counts left at zero for the next launch (a CUDA graph's replay)."""
+    torch.manual_seed(8)
+    dtype, H, KV, D, kvlens = torch.float16, 8, 2, 32, [200, 3, 64]
+    cache, scale, starts, _ = _filled_cache(1, True, dtype, KV, D, kvlens)
+    starts = torch.cat((starts, torch.zeros_like(starts[:1])))
+    q, kl = torch.randn(4, H, D, device=DEV, dtype=dtype), torch.tensor(kvlens + [0], device=DEV)
+    want = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, num_splits=5)
+    counts = torch.zeros(4 * KV, dtype=torch.int32, device=DEV)
+    for _ in range(3 if CUDA else 1):
+        got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, num_splits=5, split_counts=counts)
+        assert torch.equal(got, want) and not counts.any()
+
+
+def test_engine_decode_fusions_match_unfused(make_hf, tmp_path):
+    """Batch-1 decode steps with the norms inside the linears (each linear before a norm adding the residual), rotary
+    + cache store as the qkv linear's epilogue (with its bias) and the split merge inside decode attention: the
+    logits of the unfused step and of transformers; no norm kernel runs in a fused step."""
+    from runner.pmx.convert import convert
+    from test_engine import engine, hf_logits, prompts_and_conts, rel_err
+    from tp_worker import teacher_forced_logits
+    src, model = make_hf("qwen2")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    prompts, conts = prompts[:1], [conts[0][:4]]
+    want = hf_logits(model, prompts, conts)
+    opts = dict(kernels="triton", prepack=False, cache_layout=3, cache_mode=1, quantized_cache=True)
+    off = engine(tmp_path / "pmx", DEV, torch.float16, norm_in_linears=False, rotary_in_qkv=False,
+                 merge_in_attention=False, **opts)
+    plain = torch.stack(teacher_forced_logits(off, prompts, conts)).cpu()
+    on = engine(tmp_path / "pmx", DEV, torch.float16, **opts)
+    norms = []
+    for layer in on.model.layers:
+        layer.attention_norm.register_forward_hook(lambda *a: norms.append(1))
+    got = torch.stack(teacher_forced_logits(on, prompts, conts)).cpu()
+    assert len(norms) == on.model.params.num_layers          # the prefill step's only: the decode steps fused them
+    assert not on.model.layers[0].attention.split_counts.any()
+    assert rel_err(got, plain) < 5e-3, rel_err(got, plain)
+    assert rel_err(got, want) < LOWP_TOL[torch.float16], rel_err(got, want)
