@@ -479,6 +479,11 @@ def test_decode_linear_streams_quantised_weights(method, group, offset):
         quant = QuantRows(s.to(DEV), None if off is None else off.to(DEV), method, group)
         got = triton_ops.decode_linear(x, q.to(DEV), None, quant=quant)
         close(got, x.float() @ deq.to(DEV).T, dtype, scale=4)
+    if offset:  # the norm and the residual around a quantised product
+        g, res = (torch.rand(K, generator=g_) + 0.5).to(DEV, dtype), torch.randn(1, N, generator=g_).to(DEV, dtype)
+        got = triton_ops.decode_linear(x, q.to(DEV), None, norm=(g, 1e-5), residual=res, quant=quant)
+        want = (ref.rms_norm(x, g, 1e-5).float() @ deq.to(DEV).T).to(dtype).float() + res.float()
+        close(got, want, dtype, scale=4)
 
 
 @pytest.mark.parametrize("quant,layout,R", [(False, 0, 16), (True, 2, 16), (False, 3, 8), (True, 1, 8)])

@@ -159,6 +159,7 @@ class QuantLinear(SmallRows, torch.nn.Module):
             q, s = (q.contiguous(), s.float().contiguous()) if self.method == "int8" else pack_int4_aten(q, s)
         self.register_buffer("qweight", q.contiguous(), persistent=False)
         self.register_buffer("scale", s.contiguous(), persistent=False)
+        self.register_buffer("offset", None, persistent=False)  # (no scheme here has offsets)
 
     def use_small_rows(self, kernel, max_rows: int) -> None:
         from runner.kernels.triton_ops import takes_quant
@@ -169,7 +170,7 @@ class QuantLinear(SmallRows, torch.nn.Module):
 
     def _small_rows_weight(self) -> dict:
         from runner.kernels.triton_ops import QuantRows
-        return {"quant": QuantRows(self.scale, None, self.method, self.group_size)}
+        return {"quant": QuantRows(self.scale, self.offset, self.method, self.group_size)}
 
     def takes_small_rows(self) -> bool:
         """Whether :meth:`use_small_rows` takes this layer."""

@@ -594,28 +594,30 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_
             tl.debug_barrier()
             count = count_ptr + b * tl.num_programs(1) + kvh
             if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                out = _merge_partials(part_ptr, (b * H + heads) * NUM_SPLITS, g < G, d < D, D, NUM_SPLITS, BLOCK_G,
-                                      BLOCK_D)
-                tl.store(out_ptr + (b * H + heads[:, None]) * D + d[None, :], out.to(ty), mask=qm)
+                _merge_partials(part_ptr, out_ptr, b * H + kvh * G, G, D, NUM_SPLITS, BLOCK_G, BLOCK_D)
                 tl.store(count, 0)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]             # l == 0: no keys (a padding row)
         tl.store(out_ptr + (b * H + heads[:, None]) * D + d[None, :], out.to(ty), mask=qm)
 
 
-@triton.jit
-def _merge_partials(part_ptr, rows, rm, dm, D, NUM_SPLITS, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The attention output of partial rows `rows` [BLOCK_R] (each the first of its NUM_SPLITS splits' rows of D + 2:
-    acc, max, sum): sum_s acc_s 2^(m_s - m) / sum_s l_s 2^(m_s - m), walking the splits with a running max."""
+@triton.jit(noinline=True)
+def _merge_partials(part_ptr, out_ptr, head0, G, D, NUM_SPLITS, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[head0 + g] for g < G (heads of [B x H] rows of D) from their NUM_SPLITS partials (rows of D + 2: acc, max,
+    sum): sum_s acc_s 2^(m_s - m) / sum_s l_s 2^(m_s - m), walking the splits with a running max. A call of its own
+    (noinline): its registers are not those of the attention loop before it."""
+    g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-    den = tl.zeros((BLOCK_R,), tl.float32)
-    num = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-    for sp in range(0, NUM_SPLITS):
-        base = (rows + sp) * (D + 2)
-        m_s = tl.load(part_ptr + base + D, mask=rm, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_ptr + base + D + 1, mask=rm, other=0.0, cache_modifier=".cg")
-        acc = tl.load(part_ptr + base[:, None] + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0,
+    gm, dm = g < G, d < D
+    heads = head0 + g
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    den = tl.zeros((BLOCK_G,), tl.float32)
+    num = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    for sp in tl.range(0, NUM_SPLITS, num_stages=1):
+        base = (heads * NUM_SPLITS + sp) * (D + 2)
+        m_s = tl.load(part_ptr + base + D, mask=gm, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_ptr + base + D + 1, mask=gm, other=0.0, cache_modifier=".cg")
+        acc = tl.load(part_ptr + base[:, None] + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0,
                       cache_modifier=".cg")
         m_new = tl.maximum(m, m_s)
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # splits with no key weigh 0
@@ -623,7 +625,9 @@ def _merge_partials(part_ptr, rows, rm, dm, D, NUM_SPLITS, BLOCK_R: tl.constexpr
         den = den * a_old + l_s * a_s
         num = num * a_old[:, None] + acc * a_s[:, None]
         m = m_new
-    return num / tl.where(den == 0.0, 1.0, den)[:, None]
+    out = num / tl.where(den == 0.0, 1.0, den)[:, None]
+    tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=gm[:, None] & dm[None, :])
 
 
 @triton.jit

@@ -59,13 +59,13 @@ def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template
         return
     name = served_model_name or ckpt_dir
     tok = loaded.tokenizer
-    config = frontend.FrontendConfig(
+    front_config = frontend.FrontendConfig(
         host, port, name, str(tok.path), tok.bos_id, tok.eos_id,
         loaded.chat_template.spec() if loaded.chat_template is not None else None, llm.max_model_len,
         llm.vocab_size, max_waiting, max_request_bytes, header_timeout, body_timeout, keep_alive_timeout,
         max_connections, int(time.time()))
     try:
-        front = frontend.start(config)
+        front = frontend.start(front_config)
     except PmxError as e:
         _leave(sess, llm, f"error: {e}", 2)
     loop = EngineLoop(llm, front.sock, max_waiting, drain_timeout, stats)
@@ -73,7 +73,7 @@ def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template
     failed = None
     try:
         print(f"serving {name} at http://{front.address[0]}:{front.address[1]} ({sess.env.world_size} rank(s), "
-              f"{sess.device}; KV cache {llm.core.cache.rows} tokens, max batch {engine.max_batch})", file=sys.stderr,
+              f"{sess.device}; KV cache {llm.core.cache.rows} tokens, max batch {config.max_batch})", file=sys.stderr,
               flush=True)
         loop.run()
     except ChannelClosed:
