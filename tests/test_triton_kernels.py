@@ -559,3 +559,27 @@ def test_engine_decode_fusions_match_unfused(make_hf, tmp_path):
     assert not on.model.layers[0].attention.split_counts.any()
     assert rel_err(got, plain) < 5e-3, rel_err(got, plain)
     assert rel_err(got, want) < LOWP_TOL[torch.float16], rel_err(got, want)
+
+
+def test_row_parallel_residual_added_once():
+    """A row-parallel layer's fused residual at TP 2: rank 0's kernel adds it to its partial sum, rank 1's does not, so
+    the all-reduced sum (here added up by hand) is x W^T + b + residual once; unfused ranks add it after the
+    all-reduce."""
+    from runner.parallel.comm import SingleComm
+    from runner.parallel.layers import RowParallelLinear
+
+    class Rank(SingleComm):  # the all-reduce left to the test: each rank's own partial sum
+        def __init__(self, rank):
+            self.rank = rank
+    g_ = torch.Generator().manual_seed(9)
+    w, x = (torch.randn(24, 64, generator=g_) * 0.1).half(), torch.randn(1, 64, generator=g_).half()
+    b, res = torch.randn(24, generator=g_).half(), torch.randn(1, 24, generator=g_).half()
+    want = (x.float() @ w.float().T + b.float()).half().float() + res.float()
+    parts = []
+    for r in (0, 1):
+        layer = RowParallelLinear(w[:, 32 * r: 32 * (r + 1)].contiguous().to(DEV), b.to(DEV), Rank(r))
+        layer.linear.use_small_rows(triton_ops.decode_linear, triton_ops.DECODE_LINEAR_ROWS)
+        parts.append(layer(x[:, 32 * r: 32 * (r + 1)].to(DEV), residual=res.to(DEV)).float())
+    close(parts[0] + parts[1] - b.float().to(DEV), want.to(DEV), torch.float16, scale=4)   # (b: once, after)
+    unfused = RowParallelLinear(w.to(DEV), b.to(DEV), Rank(0))
+    close(unfused(x.to(DEV), residual=res.to(DEV)), want.to(DEV), torch.float16, scale=4)

@@ -445,6 +445,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if x.dim() != 2 or x.shape[0] != DECODE_LINEAR_ROWS or x.shape[1] != (2 * K if swiglu else K):
         raise ValueError(f"decode_linear takes {DECODE_LINEAR_ROWS} row of {2 * K if swiglu else K} columns; "
                          f"got {tuple(x.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError("decode_linear streams a contiguous weight (rows of K)")
     if quant is not None and not takes_quant(method, quant.group_size, K):
         raise ValueError(f"decode_linear: {method} groups of {quant.group_size} over {K} columns")
     if pdl and gdc_wait is None:
