@@ -275,18 +275,22 @@ def render_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(result: dict, out_dir: Path, json_path: Optional[str] = None) -> tuple[Path, Path]:
-    """out_dir/gpu-<gpu>-<date>.json and .md (or json_path and the .md beside it)."""
+def results_path(gpu: str, out_dir: Path, json_path: Optional[str] = None) -> Path:
+    """out_dir/gpu-<gpu>-<date>.json, or json_path."""
     if json_path:
-        js = Path(json_path)
-    else:
-        stem = f"gpu-{re.sub(r'[^A-Za-z0-9]+', '-', result['versions']['gpu']).strip('-')}-{result['date']}"
-        js = out_dir / f"{stem}.json"
+        return Path(json_path)
+    return out_dir / f"gpu-{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-')}-{time.strftime('%Y-%m-%d')}.json"
+
+
+def write_results(result: dict, js: Path) -> Path:
+    """The JSON at `js` and the Markdown beside it (.md), each written whole (a temporary file renamed)."""
     js.parent.mkdir(parents=True, exist_ok=True)
     md = js.with_suffix(".md")
-    js.write_text(json.dumps(result, indent=1) + "\n")
-    md.write_text(render_markdown(result))
-    return js, md
+    for path, text in ((js, json.dumps(result, indent=1) + "\n"), (md, render_markdown(result))):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return md
 
 
 # --- measurements ----------------------------------------------------------------------------------------------------
@@ -506,9 +510,10 @@ def main(layers: Optional[int] = None, batches: str = "1 16 64", input_len: int 
         warnings.warn(f"{part}: no roofline (give --hbm_tbs)")
     plan = Plan(s, shape, device, kernels, cuda_graphs, batch_list, variant_list, quants, bf16, eager, prefill_len,
                 hf_list, vllm, input_len, gen_len, tbs, part, v)
-    with tempfile.TemporaryDirectory(prefix="pmx-gpu-bench-") as tmp:
-        result = measure(Path(tmp), plan)
-    js, md = write_results(result, Path(out_dir), json_path)
+    js = results_path(v["gpu"], Path(out_dir), json_path)
+    with tempfile.TemporaryDirectory(prefix="pmx-gpu-bench-") as tmp:  # (written after every part: a run cut short
+        result = measure(Path(tmp), plan, lambda r: write_results(summarise(r), js))  # keeps what it measured)
+    md = write_results(result, js)
     print(render_markdown(result))
     print(f"wrote {js} and {md}", file=sys.stderr)
 
@@ -536,8 +541,9 @@ class Plan:
     versions: dict
 
 
-def measure(work: Path, p: Plan) -> dict:
-    """Every part of the plan, in `work` (their pmx_params.json files); the result, summarised."""
+def measure(work: Path, p: Plan, save=lambda result: None) -> dict:
+    """Every part of the plan, in `work` (their pmx_params.json files); the result, summarised. save(result) after
+    each part."""
     from runner.config import EngineConfig
     from runner.engine.bench import bench
     from runner.errors import PmxError
@@ -561,8 +567,7 @@ def measure(work: Path, p: Plan) -> dict:
     rows = _part("float16 batches", lambda: engine_rows(bench(fp16, batch_sizes=p.batches, config=config, **common),
                                                         s, context, tbs))
     result["pmx"] = rows if isinstance(rows, list) else rows["error"]
-    result["variants"] = [_part(f"variant {n}", lambda n=n: batch1(fp16, name=n, **VARIANTS[n])) | {"name": n}
-                          for n in p.variants]
+    save(result)
     result["quant"] = []
     for q in p.quants:
         try:
@@ -572,15 +577,23 @@ def measure(work: Path, p: Plan) -> dict:
             continue
         got = _part(f"quant {q.spec}", lambda qp=qp, q=q: batch1(qp, q.bytes_per_weight(), q.spec))
         result["quant"].append({**got, "spec": q.spec, "method": q.method, "bytes_per_weight": q.bytes_per_weight()})
+        save(result)
+    if p.prefill_len:
+        result["prefill"] = _part("prefill", lambda: prefill(fp16, s, p.prefill_len, config, device,
+                                                             p.versions["gpu"]))
+        save(result)
     if p.bf16:  # (on CPU the packed linears take float32 activations: plain ones for a bfloat16 rehearsal)
         result["bf16"] = _part("bfloat16", lambda: batch1(str(_params_file(s, work / "bf16", dtype="bfloat16")),
                                                           name="bfloat16", dtype="bfloat16",
                                                           **({"prepack": False} if device == "cpu" else {})))
+        save(result)
+    # the targets' figures first (a run cut short keeps them), the fusions' and transformers' after
+    result["variants"] = []
+    for n in p.variants:
+        result["variants"].append(_part(f"variant {n}", lambda n=n: batch1(fp16, name=n, **VARIANTS[n])) | {"name": n})
+        save(result)
     if p.eager and 1 in p.batches:
         result["pmx_eager_batch1"] = _part("eager batch 1", lambda: batch1(fp16, name="eager", cuda_graphs=False))
-    if p.prefill_len:
-        result["prefill"] = _part("prefill", lambda: prefill(fp16, s, p.prefill_len, config, device,
-                                                             p.versions["gpu"]))
     if p.hf_batches:
         hf = _part("transformers", lambda: transformers_decode(s, p.hf_batches, input_len, gen_len, device))
         result["transformers"] = hf if isinstance(hf, list) else hf["error"]

@@ -42,8 +42,8 @@ import fire
 REPO = Path(__file__).resolve().parents[1]
 # what the stages import beyond torch (the device's image lacks some: gpu_session.sh installs them from .whl/)
 STAGE_MODULES = ("triton", "transformers", "fire", "safetensors", "tokenizers", "sentencepiece", "tiktoken", "jinja2",
-                 "starlette", "uvicorn", "httptools", "pydantic", "msgspec", "prometheus_client", "httpx", "pytest",
-                 "xdist", "pytest_timeout", "hypothesis", "openai", "jsonschema")
+                 "starlette", "uvicorn", "httptools", "uvloop", "pydantic", "msgspec", "prometheus_client", "httpx",
+                 "pytest", "xdist", "pytest_timeout")
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -270,7 +270,7 @@ def render(r: dict) -> str:
     lines += ["", f"Total {spent:.0f} s of {budget:.0f} s budgeted. Missing modules: "
                   f"{', '.join(env_.get('missing') or {}) or 'none'}."]
     t = r.get("tests")
-    lines += ["", "**GPU tests:** " + ("no junit report" if not t else
+    lines += ["", "**GPU tests:** " + ("no junit report (a rehearsal collects them only)" if not t else
                                        f"{t['tests']} tests, {t['failures']} failures, {t['errors']} errors, "
                                        f"{t['skipped']} skipped" + (f"; failed: {', '.join(t['failed'][:20])}"
                                                                     if t["failed"] else ""))]

@@ -18,15 +18,15 @@
 # GPU tests' junit XML, each stage's own JSON): copy the first two into benchmarks/results/.
 #
 # Stages (seconds: the limit of each; the budget is printed at the start and the time taken at the end):
-#   env     30  versions, nvidia-smi, the stages' modules that do not import
-#   decode 160  benchmarks/gpu_generate.py: Llama-2-7B shape float16 decode at batch 1 / 16 / 64 with
+#   env     20  versions, nvidia-smi, the stages' modules that do not import
+#   decode 190  benchmarks/gpu_generate.py: Llama-2-7B shape float16 decode at batch 1 / 16 / 64 with
 #               roofline_fraction, the decode fusions one by one, int8 / int4 (and GGUF's int8g32 / int4g32o) batch-1
 #               ratios to float16, bfloat16, a 2048-token prefill against the dense float16 peak, transformers
-#   serve  100  benchmarks/serve_bench.py sweep: the server on CUDA (random 7B weights, CUDA graphs, paged cache,
+#   serve   90  benchmarks/serve_bench.py sweep: the server on CUDA (random 7B weights, CUDA graphs, paged cache,
 #               continuous batching) at 1 / 16 / 64 concurrent requests beside transformers (hf)
-#   gloo    50  two ranks on one GPU over --comm_backend gloo: TP=1's greedy ids (tinystories-656k), and the 7B
+#   gloo    45  two ranks on one GPU over --comm_backend gloo: TP=1's greedy ids (tinystories-656k), and the 7B
 #               shape's batch-1 decode at TP=1 and TP=2
-#   tests  125  the GPU test set on pytest-xdist workers (PMX_GPU_TEST_WORKERS, default 12), last: the figures come
+#   tests  120  the GPU test set on pytest-xdist workers (PMX_GPU_TEST_WORKERS, default 12), last: the figures come
 #               first, and the tests find the Triton cache the benchmarks filled
 #   report  10  the JSON and the Markdown under $OUT
 # Environment: OUT (default out/gpu-session), PYTHON (default python3, or .venv/bin/python where there is one),
@@ -80,7 +80,7 @@ stages=("$@")
 if [[ ${#stages[@]} -eq 0 || ${stages[0]} == all || ${stages[0]} == rehearse ]]; then
   stages=(env decode serve gloo tests)   # the figures first; the tests find the Triton cache warm
 fi
-declare -A LIMIT=([env]=30 [tests]=125 [decode]=160 [serve]=100 [gloo]=50 [report]=10)
+declare -A LIMIT=([env]=20 [decode]=190 [serve]=90 [gloo]=45 [tests]=120 [report]=10)
 if [[ $mode == rehearsal ]]; then  # the CPU's stand-ins are slower than the GPU's figures (2 shared cores here)
   for s in "${!LIMIT[@]}"; do LIMIT[$s]=$((LIMIT[$s] * ${PMX_REHEARSAL_SCALE:-5})); done
 fi
@@ -162,5 +162,5 @@ for s in "${stages[@]}"; do
 done
 run_stage report $PY benchmarks/gpu_session.py report --work "$WORK" --out_dir "$OUT"
 tar czf "$OUT/logs.tar.gz" -C "$WORK" --exclude serve_model --exclude serve_work .
-echo "gpu_session.sh: $mode done in $(( $(date +%s) - T0 )) s of $budget s budgeted; under $OUT: $(ls "$OUT" | tr '\n' ' ')"
+echo "gpu_session.sh: $mode done in $(( $(date +%s) - T0 )) s of $budget s budgeted; under $OUT:" $(ls "$OUT")
 tail -n +1 "$WORK/report.log" | sed -n '/^# GPU session/,$p'

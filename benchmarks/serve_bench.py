@@ -31,10 +31,11 @@ Systems: pmx1 (one process, THREADS threads), pmx2 (scripts/mpirun.sh -np 2, THR
 from the checkout --baseline DIR, e.g. a worktree of main, to measure a change against), llama.cpp
 (llama-server -t THREADS -tb THREADS, -np slots >= the concurrency, one unified KV pool -kvu, --cont-batching,
 --cache-prompt; its default f16 KV cache) and hf (sweep only: transformers' generate in this process, one static
-batch of C prompts per level: HFStatic). `--device cuda` serves pmx on the GPU (and runs hf there). The pmx servers run this checkout's runner (PYTHONPATH). In every part the
-systems take turns (A, B, A, B, ... rotating who goes first), all of them loaded meanwhile; the tables give medians
-over --rounds and their range, the JSON every raw figure, the load average and the cores other processes kept busy
-during each measurement (the box is shared: timings are noisy).
+batch of C prompts per level: HFStatic). `--device cuda` serves pmx on the GPU (and runs hf there). The pmx servers
+run this checkout's runner (PYTHONPATH). In every part the systems take turns (A, B, A, B, ... rotating who goes
+first), all of them loaded meanwhile; the tables give medians over --rounds and their range, the JSON every raw
+figure, the load average and the cores other processes kept busy during each measurement (the box is shared:
+timings are noisy).
 
 The model: --model names a shape of benchmarks/cpu_peers.py (base: 134M parameters, random weights, 2048
 positions; gqa), whose checkpoint, PMX conversion (runner.pmx.convert, as `python -m runner convert`) and F32 GGUF
@@ -443,8 +444,7 @@ class HFStatic:
             cfg = transformers.LlamaConfig(
                 hidden_size=p["hidden_dim"], intermediate_size=p["intermediate_dim"], num_hidden_layers=p["num_layers"],
                 num_attention_heads=p["num_heads"], num_key_value_heads=p["num_kv_heads"], vocab_size=p["vocab_size"],
-                max_position_embeddings=p["max_position_embeddings"], rms_norm_eps=p["norm_eps"],
-                rope_theta=p["rope_theta"])
+                max_position_embeddings=p["max_position_embeddings"])   # (random weights: shapes are what count)
             with torch.device(self.device):
                 self.model = transformers.LlamaForCausalLM(cfg).to(dtype)
             self.weights = f"random, the shapes of {setup['pmx_dir']}"
