@@ -438,7 +438,8 @@ def test_decode_linear_norm_in_and_residual_out():
     """norm=(g, eps): the product is of reference.rms_norm(x); residual: added to the rounded output (fused gate/up
     with SwiGLU too); the row's RMS comes from the loads of every program, so K off the block size is covered."""
     g_ = torch.Generator().manual_seed(5)
-    for dtype, (N, K) in ((torch.float16, (40, 300)), (torch.bfloat16, (24, 1030)), (torch.float32, (17, 64))):
+    shapes = [(torch.float16, (40, 300)), (torch.bfloat16, (24, 1030)), (torch.float32, (17, 64))]
+    for dtype, (N, K) in shapes + ([(torch.float16, (22016, 4096)), (torch.bfloat16, (4096, 11008))] if CUDA else []):
         w = (torch.randn(N, K, generator=g_) * 0.1).to(DEV, dtype)
         x = (torch.randn(1, K, generator=g_) * 3).to(DEV, dtype)
         g = (torch.rand(K, generator=g_) + 0.5).to(DEV, dtype)
@@ -460,7 +461,7 @@ def test_decode_linear_streams_quantised_weights(method, group, offset):
     from runner.kernels.linear import QuantRows
     from runner.pmx.quant import quantize_int4, quantize_int8, unpack_int4
     g_ = torch.Generator().manual_seed(6)
-    N, K = 24, 2048 if group == 1024 else 256
+    N, K = (4096, 11264 if group == 1024 else 11008) if CUDA else (24, 2048 if group == 1024 else 256)
     w = torch.randn(N, K, generator=g_) * 0.1
     if method == "int8" and not group:
         q, s = quantize_int8(w)
@@ -532,6 +533,18 @@ def test_decode_attention_merges_inside():
     for _ in range(3 if CUDA else 1):
         got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, num_splits=5, split_counts=counts)
         assert torch.equal(got, want) and not counts.any()
+    if CUDA:  # the programs of a launch race for real here: 32 splits of a long history, the same bits every launch
+        kvlens = [4000, 2500]
+        cache, scale, starts, _ = _filled_cache(1, False, dtype, 8, 128, kvlens)
+        q, kl = torch.randn(2, 32, 128, device=DEV, dtype=dtype), torch.tensor(kvlens, device=DEV)
+        want = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, num_splits=32)
+        counts = torch.zeros(2 * 8, dtype=torch.int32, device=DEV)
+        first = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, num_splits=32, split_counts=counts)
+        close(first, want, dtype)
+        for _ in range(50):
+            assert torch.equal(triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, num_splits=32,
+                                                           split_counts=counts), first)
+        assert not counts.any()
 
 
 def test_engine_decode_fusions_match_unfused(make_hf, tmp_path):
