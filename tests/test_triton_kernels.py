@@ -141,7 +141,7 @@ def test_decode_attention_matches_packed_reference(mode, quant, dtype, H, KV, D,
     cache, scale, starts, kv_all = _filled_cache(mode, quant, dtype, KV, D, kvlens)
     q = torch.randn(len(kvlens), H, D, device=DEV, dtype=dtype)
     got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens, device=DEV), mode,
-                                      window, num_splits=3)
+                                      window, splits=ref.DecodeSplits(3))
     close(got, _packed_reference(q, kv_all, [1] * len(kvlens), kvlens, window), dtype, scale=2)
 
 
@@ -158,7 +158,7 @@ def test_decode_attention_alibi(mode, quant, dtype, H, KV, num_splits, window):
     q = torch.randn(len(kvlens), H, D, device=DEV, dtype=dtype)
     slopes = torch.tensor(ref.alibi_slopes(H), device=DEV)
     got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens, device=DEV), mode, window,
-                                      num_splits=num_splits, alibi=slopes)
+                                      splits=ref.DecodeSplits(num_splits), alibi=slopes)
     want = _packed_reference(q, kv_all, [1] * len(kvlens), kvlens, window, slopes)
     close(got, want, dtype, scale=2)
     assert (want - _packed_reference(q, kv_all, [1] * len(kvlens), kvlens, window)).abs().max() > 0.1  # it matters
@@ -226,7 +226,7 @@ def test_decode_attention_splits_and_padding_rows(num_splits):
     q = torch.randn(len(kvlens) + 1, H, D, device=DEV, dtype=dtype)
     starts = torch.cat((starts, torch.zeros_like(starts[:1])))
     got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens + [0], device=DEV), 1,
-                                      num_splits=num_splits)
+                                      splits=ref.DecodeSplits(num_splits))
     close(got[:-1], _packed_reference(q[:-1], kv_all, [1] * len(kvlens), kvlens, None), dtype, scale=2)
     assert torch.equal(got[-1], torch.zeros_like(got[-1]))
 
@@ -521,29 +521,29 @@ def test_decode_linear_rotary_epilogue(quant, layout, R):
 
 
 def test_decode_attention_merges_inside():
-    """split_counts: the last program of each (sequence, KV head) merges the splits (no merge kernel): the same
+    """DecodeSplits' tickets: the last program of each (sequence, KV head) merges the splits (no merge kernel): the same
     output as the merge kernel's, and the counts left at zero for the next launch (a CUDA graph's replay)."""
     torch.manual_seed(8)
     dtype, H, KV, D, kvlens = torch.float16, 8, 2, 32, [200, 3, 64]
     cache, scale, starts, _ = _filled_cache(1, True, dtype, KV, D, kvlens)
     starts = torch.cat((starts, torch.zeros_like(starts[:1])))
     q, kl = torch.randn(4, H, D, device=DEV, dtype=dtype), torch.tensor(kvlens + [0], device=DEV)
-    want = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, num_splits=5)
+    want = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, splits=ref.DecodeSplits(5))
     counts = torch.zeros(4 * KV, dtype=torch.int32, device=DEV)
     for _ in range(3 if CUDA else 1):
-        got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, num_splits=5, split_counts=counts)
+        got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, splits=ref.DecodeSplits(5, counts))
         assert torch.equal(got, want) and not counts.any()
     if CUDA:  # the programs of a launch race for real here: 32 splits of a long history, the same bits every launch
         kvlens = [4000, 2500]
         cache, scale, starts, _ = _filled_cache(1, False, dtype, 8, 128, kvlens)
         q, kl = torch.randn(2, 32, 128, device=DEV, dtype=dtype), torch.tensor(kvlens, device=DEV)
-        want = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, num_splits=32)
+        want = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, splits=ref.DecodeSplits(32))
         counts = torch.zeros(2 * 8, dtype=torch.int32, device=DEV)
-        first = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, num_splits=32, split_counts=counts)
+        first = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, splits=ref.DecodeSplits(32, counts))
         close(first, want, dtype)
         for _ in range(50):
-            assert torch.equal(triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, num_splits=32,
-                                                           split_counts=counts), first)
+            assert torch.equal(triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1,
+                                                           splits=ref.DecodeSplits(32, counts)), first)
         assert not counts.any()
 
 

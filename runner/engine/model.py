@@ -208,7 +208,7 @@ class Attention(nn.Module):
         """q (Bd, H, D): one token per sequence against its whole history in the cache."""
         Bd = q.shape[0]
         if self.ops.decode_attention is not None:  # a kernel that walks the cache itself
-            kw = {} if self.split_counts is None else {"split_counts": self.split_counts}
+            kw = {} if self.split_counts is None else {"splits": ref.DecodeSplits(tickets=self.split_counts)}
             out = self.ops.decode_attention(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
                                             d.kvlens, self.cache_mode, self.window, alibi=self.alibi, **kw)
         elif self.ops.decode_attention_rows is not None and d.kv_slots is None:  # rows read in place

@@ -41,6 +41,7 @@ from triton.runtime.jit import JITFunction, KernelInterface, create_function_fro
 from runner.engine.cache import new_cache
 from runner.kernels import triton_ops, triton_quant
 from runner.kernels.linear import QuantRows, RotaryStore
+from runner.kernels.reference import DecodeSplits
 
 META = torch.device("meta")
 H100_SMS = 132            # the split count of decode attention follows the SM count (triton_ops.decode_splits)
@@ -152,9 +153,9 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
                             kvlens = torch.empty(B, dtype=torch.int64, device=META)
                             qd = torch.empty(B, (H + 2 * KV) * D, dtype=dt, device=META)[:, : H * D].view(B, H, D)
                             add(f"{mtag} decode B={B}{' merge inside' if merge else ''}", triton_ops.decode_attention,
-                                qd, cache, scale, layout, 3, starts, kvlens, mode, m.window,
-                                num_splits=triton_ops.decode_splits(B, KV, H100_SMS), alibi=alibi,
-                                split_counts=counts if merge else None)
+                                qd, cache, scale, layout, 3, starts, kvlens, mode, m.window, alibi=alibi,
+                                splits=DecodeSplits(triton_ops.decode_splits(B, KV, H100_SMS),
+                                                    counts if merge else None))
                         starts = torch.empty((2, 32) if mode else (2,), dtype=torch.int64, device=META)
                         add(f"{mtag} prefill", triton_ops.prefill_attention, q, cache, scale, layout, 3, starts,
                             torch.empty(2, dtype=torch.int64, device=META), mode, 256, m.window, alibi=alibi)

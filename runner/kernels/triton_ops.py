@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from runner.kernels.linear import QuantRows, RotaryStore
-from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP, cache_view
+from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP, DecodeSplits, cache_view
 
 DEFAULT_SM_COUNT = 16   # what decode_splits assumes off CUDA (the interpreter, ahead-of-time compiles)
 MAX_SPLITS = 32
@@ -676,21 +676,20 @@ def decode_blocks(head_dim: int, quantized: bool) -> tuple[int, int, int]:
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
                      cachestarts: torch.Tensor, kvlens: torch.Tensor, cache_mode: int,
-                     sliding_window: Optional[int] = None, num_splits: Optional[int] = None,
-                     launch: Launch = _launch, alibi: Optional[torch.Tensor] = None,
-                     split_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     sliding_window: Optional[int] = None, splits: DecodeSplits = DecodeSplits(),
+                     launch: Launch = _launch, alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, H, D]: one new token per sequence, already in the cache at position kvlens[b] - 1; `alibi`: the slopes
     [H] float32 of an ALiBi model. Returns [B, H, D] in q's dtype; the math of reference.attention_packed for
     decoding sequences. No host sync and no shape that depends on the history lengths (capturable in a CUDA
-    graph). `split_counts`: zeroed int32 of at least B x KV heads, which the kernel leaves zeroed: the splits are
-    merged by the last of each (sequence, KV head) to finish, not by a kernel of their own."""
+    graph). `splits` (reference.DecodeSplits): the split count (default: decode_splits') and the tickets of a merge
+    inside the kernel."""
     B, H, D = q.shape
     if q.stride(-1) != 1:
         raise ValueError("decode_attention needs a contiguous head_dim")
     view = cache_view(cache, layout)[layer]          # (2, MaxT, KV, D)
     KV = view.shape[2]
-    if num_splits is None:
-        num_splits = decode_splits(B, KV, sm_count(q.device))
+    num_splits = splits.count if splits.count is not None else decode_splits(B, KV, sm_count(q.device))
+    split_counts = splits.tickets
     block_g, block_n, block_d = decode_blocks(D, scale is not None)
     G = H // KV
     if G > block_g:
@@ -701,7 +700,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch
     split = num_splits > 1
     merge = split and split_counts is not None and split_counts.numel() >= B * KV
     if merge and split_counts.dtype != torch.int32:
-        raise ValueError(f"split_counts must be int32, got {split_counts.dtype}")
+        raise ValueError(f"the split tickets must be int32, got {split_counts.dtype}")
     part = torch.empty(B * H * num_splits * (D + 2) if split else 1, dtype=torch.float32, device=q.device)
     sview = cache_view(scale, layout)[layer] if scale is not None else view
     starts = cachestarts.contiguous()
