@@ -433,12 +433,13 @@ def takes_quant(method: str, group_size: int, k: int) -> bool:
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, swiglu: bool = False,
                   norm: Optional[tuple] = None, residual: Optional[torch.Tensor] = None,
                   rotary: Optional[RotaryStore] = None, quant: Optional[QuantRows] = None, pdl: bool = False,
-                  launch: Launch = _launch) -> torch.Tensor:
+                  launch: Launch = _launch, blocks: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
     """x [1, K] (or [1, 2K] with `swiglu`: gate | up) @ W^T (+ bias) -> [1, N] in x's dtype, W = `weight` [N, K] or,
     with `quant`, the quantised weight it stores. `norm` (weight [K], eps): x is the residual stream and the product
     is of reference.rms_norm(x) (one launch for norm and linear); `residual` [1, N]: added to the output (the
     residual add of the norm after); `rotary`: the qkv linear's epilogue (RotaryStore); `pdl`: launched with
-    programmatic dependent launch (sm_90+)."""
+    programmatic dependent launch (sm_90+); `blocks`: (BLOCK_N, BLOCK_K, warps, stages) instead of
+    decode_blocks_linear's (benchmarks/gpu_gemv.py's sweep)."""
     method = None if quant is None else quant.method
     N = weight.shape[0]
     K = weight.shape[1] * (2 if method == "int4" else 1)
@@ -452,7 +453,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if pdl and gdc_wait is None:
         raise ValueError(f"decode_linear(pdl=True) needs Triton's programmatic dependent launch (3.3+), not "
                          f"{triton.__version__}")
-    bn, bk, warps, stages = decode_blocks_linear(N, K, method)
+    bn, bk, warps, stages = blocks or decode_blocks_linear(N, K, method)
     x = x.contiguous()
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     dummy = weight
