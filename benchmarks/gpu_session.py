@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -111,26 +112,30 @@ def serve_model(output_dir: str, shape: str = "7b") -> None:
 
 
 # --- gloo ------------------------------------------------------------------------------------------------------------
-def _launch(ranks: int, args: list, timeout: float) -> subprocess.CompletedProcess:
-    """`python args` on one rank, or under torchrun on `ranks` (its own process group, ended on timeout)."""
+def _launch(ranks: int, args: list, timeout: float, running: list) -> subprocess.CompletedProcess:
+    """`python args` on one rank, or under torchrun on `ranks` (its own process group, ended on timeout; its id in
+    `running` meanwhile, for the stage's SIGTERM to end it too)."""
     cmd = [sys.executable, *args] if ranks == 1 else \
         [sys.executable, "-m", "runner.parallel.torchrun", "--standalone", "--nproc_per_node", str(ranks), *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
                             start_new_session=True)
+    running.append(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         err += f"\n(timed out after {timeout:.0f} s)"
+    finally:
+        running.remove(proc.pid)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def _demo(ckpt: Path, ranks: int, device: str, tokens: int, timeout: float) -> dict:
+def _demo(ckpt: Path, ranks: int, device: str, tokens: int, timeout: float, running: list) -> dict:
     flags = ["--comm_backend", "gloo"] if ranks > 1 else []
     res = _launch(ranks, [str(REPO / "scripts" / "Demo.py"), "--ckpt_dir", str(ckpt), "--prompt", "Once upon a time",
-                          "--max_gen_len", str(tokens), "--show_ids", "--device", device, *flags], timeout)
+                          "--max_gen_len", str(tokens), "--show_ids", "--device", device, *flags], timeout, running)
     ids = [json.loads(m) for m in re.findall(r"^ids: (\[.*\])$", res.stdout, re.M)]
     speed = re.findall(r"\(([0-9.]+) tokens/s", res.stderr)
     return {"ranks": ranks, "returncode": res.returncode, "ids": ids[0] if len(ids) == 1 else None,
@@ -138,10 +143,10 @@ def _demo(ckpt: Path, ranks: int, device: str, tokens: int, timeout: float) -> d
             "error": None if res.returncode == 0 and len(ids) == 1 else res.stderr.strip()[-1500:]}
 
 
-def _bench(params: Path, ranks: int, device: str, timeout: float) -> dict:
+def _bench(params: Path, ranks: int, device: str, timeout: float, running: list) -> dict:
     flags = ["--comm_backend", "gloo"] if ranks > 1 else []
     res = _launch(ranks, ["-m", "runner", "bench", "--model", str(params), "--random_weights", "--batch_sizes", "1",
-                          "--gen_len", "16", "--device", device, *flags], timeout)
+                          "--gen_len", "16", "--device", device, *flags], timeout, running)
     rows = [ln.split(",") for ln in res.stdout.splitlines() if re.match(r"^1,[0-9.]+,", ln)]
     if res.returncode or not rows:
         return {"ranks": ranks, "error": res.stderr.strip()[-1500:] or f"exit {res.returncode}"}
@@ -158,20 +163,28 @@ def gloo(model: str, json_path: str, device: str = "cuda", tokens: int = 40, ben
     from gpu_generate import SHAPES, _params_file
     from runner.pmx.convert import convert, reshard
     out: dict = {"model": model, "device": device, "tokens": tokens}
+    running: list = []
+
+    def on_term(*_):  # the stage's limit: the ranks in their own sessions end with it
+        for pid in running:
+            os.killpg(pid, signal.SIGKILL)
+        sys.exit(124)
+    signal.signal(signal.SIGTERM, on_term)
     with tempfile.TemporaryDirectory(prefix="pmx-gloo-") as tmp:
         work = Path(tmp)
         try:
             convert(model, str(work / "tp1"), progress=False)
             reshard(str(work / "tp1"), str(work / "tp2"), 2, progress=False)
-            out["tp1"] = _demo(work / "tp1", 1, device, tokens, timeout)
-            out["tp2_gloo"] = _demo(work / "tp2", 2, device, tokens, timeout)
+            out["tp1"] = _demo(work / "tp1", 1, device, tokens, timeout, running)
+            out["tp2_gloo"] = _demo(work / "tp2", 2, device, tokens, timeout, running)
             out["same_ids"] = out["tp1"]["ids"] is not None and out["tp1"]["ids"] == out["tp2_gloo"]["ids"]
         except Exception as e:  # noqa: BLE001 - recorded
             out["error"] = _first_line(e)
+        _write_json(json_path, out)  # (the ids first: a stage cut short during the benchmark keeps them)
         if bench_shape:
             params = _params_file(SHAPES[bench_shape], work / "bench")
-            out["bench"] = {"shape": bench_shape, "tp1": _bench(params, 1, device, timeout),
-                            "tp2_gloo": _bench(params, 2, device, timeout)}
+            out["bench"] = {"shape": bench_shape, "tp1": _bench(params, 1, device, timeout, running),
+                            "tp2_gloo": _bench(params, 2, device, timeout, running)}
     _write_json(json_path, out)
     print(f"gloo: TP=2 over gloo gives TP=1's ids: {out.get('same_ids')}; tokens/s "
           f"{out.get('tp1', {}).get('tokens_s')} (TP=1) and {out.get('tp2_gloo', {}).get('tokens_s')} (TP=2); "
