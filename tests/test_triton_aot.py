@@ -39,7 +39,12 @@ def aot(tmp_path_factory):
                                        text=True)
     out = {}
     for arch, p in procs.items():
-        log, _ = p.communicate(timeout=900)
+        try:
+            log, _ = p.communicate(timeout=900)
+        except subprocess.TimeoutExpired:  # (no compile left running after the test)
+            for q in procs.values():
+                q.kill()
+            raise
         path = tmp / f"{arch}.json"
         assert path.is_file(), f"sm_{arch}: the ahead-of-time compile failed:\n{log[-4000:]}"
         out[arch] = dict(json.loads(path.read_text()), log=log)
