@@ -319,7 +319,7 @@ def test_down_projection_takes_the_swiglu_input():
     row = RowParallelLinear(w, torch.randn(24).to(DEV, torch.float16), SingleComm())
     gate_up = torch.randn(1, 80).to(DEV, torch.float16)
     assert not row.takes_swiglu(gate_up)
-    with pytest.raises(ValueError, match="swiglu=True needs a small-rows kernel"):
+    with pytest.raises(ValueError, match="swiglu / norm / residual / rotary need a small-rows kernel"):
         row(gate_up, swiglu=True)
     row.linear.use_small_rows(triton_ops.decode_linear, triton_ops.DECODE_LINEAR_ROWS)
     assert row.takes_swiglu(gate_up) and not row.takes_swiglu(torch.randn(2, 80).to(DEV, torch.float16))
