@@ -54,21 +54,23 @@ def test_an_exception_on_one_rank_ends_the_job_with_its_message(stories, tmp_pat
 
 
 def test_an_unexpected_error_mid_generation_ends_the_job(stories, tmp_path):
-    """NaN logits on rank 0 (a broken shard) make sampling fail there while rank 1 waits in a collective."""
+    """A broken shard (NaN in rank 0's last down projection, summed into every rank's hidden state) makes every logit
+    NaN: sampling fails on rank 0 while rank 1 waits in a collective."""
     bad = tmp_path / "nan"
     bad.mkdir()
     for f in (stories / "pmx_2").iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
     with safe_open(str(bad / "model.00.safetensors"), "pt") as f:
         meta, sd = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
-    sd["output.weight"].fill_(float("nan"))
+    last = max(int(k.split(".")[1]) for k in sd if k.startswith("layers."))
+    sd[f"layers.{last}.feed_forward.w2.weight"].fill_(float("nan"))
     save_file(sd, str(bad / "model.00.safetensors"), metadata=meta)
     cmd, env = launch_cmd("mpich", 2, *DEMO, "--ckpt_dir", bad, "--temperature", 0.8, "--max_gen_len", 20)
     with Job(cmd, tmp_path, env) as job:
-        job.wait_for(": error: NonFiniteLogits")
+        job.wait_for(": error: prompt 0 could not go on: NonFiniteLogits")
         ended_within(job, END_WITHIN, time.monotonic())
     err = job.stderr
-    assert job.proc.returncode != 0 and "the model's logits are NaN in 1 of 1 row(s)" in err, err
+    assert job.proc.returncode != 0 and "the model's logits are all NaN in 1 of 1 row(s)" in err, err
     assert sum(len(error_lines(err, r)) for r in (0, 1)) >= 1 and len(error_lines(err, 0)) <= 1
 
 

@@ -175,9 +175,11 @@ def test_sampling_survives_nonfinite_logits():
     logits[2, 3] = float("inf")
     tok = Sampler(SamplingParams(temperature=0.7, seed=0))(logits)
     assert tok.shape == (3,) and tok[2].item() == 3 and all(0 <= t < 16 for t in tok.tolist())
-    logits[0, 5] = float("nan")  # a broken model: said so, for a sampled row and an adjusted greedy one
+    logits[0, 5] = float("nan")  # read as -inf
+    assert Sampler(SamplingParams(temperature=0.7, seed=0))(logits)[0].item() != 5
+    logits[0] = float("nan")  # a broken model: said so, for a sampled row and an adjusted greedy one
     for params in (SamplingParams(temperature=0.7, seed=0), SamplingParams(temperature=0, presence_penalty=1.0)):
-        with pytest.raises(NonFiniteLogits, match="logits are NaN in 1 of 3 row"):
+        with pytest.raises(NonFiniteLogits, match="logits are all NaN in 1 of 3 row"):
             Sampler(params, history=[1, 2])(logits)
 
 

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner.engine.sampler import Sampler
+from runner.engine.sampler import NonFiniteLogits, Sampler
 from runner.engine.sampling_params import SamplingParams as EngineParams
 from runner.serve.params import SamplingParams
 from runner.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError,
@@ -113,12 +113,17 @@ def test_sampling_is_safe_for_every_admitted_value(temperature, top_p, min_p, to
                                                    bias, logits, history, seed):
     """Every value the request models admit (tiny and huge temperatures, penalties at their bounds, logit biases of
     +-100, top_p / min_p at their bounds), on logits holding inf and NaN: a token of the vocabulary, never an
-    exception (which would end the request) and never a distribution that is not one."""
+    exception (which would end the request) and never a distribution that is not one; a row of NaN alone is a
+    broken model's, said so."""
     request = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed,
                              presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
                              logit_bias={str(k): v for k, v in bias.items()})
     sampler = Sampler(request.for_choice(0, seed), history=[1, 2] + history, prompt_len=2)
     x = torch.tensor([logits], dtype=torch.float32)
+    if x.isnan().all():  # (no number to draw from: a broken model, said so)
+        with pytest.raises(NonFiniteLogits):
+            sampler(x)
+        return
     token = int(sampler(x)[0])
     assert 0 <= token < 64
     if temperature > 0:

@@ -286,8 +286,9 @@ def test_rotary_kv_store_one_launch(layout, quant, dtype):
         close(got, want, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N,K", [(40, 300), (33, 512), (17000, 96)] + ([(4096, 11008)] if CUDA else []))
+@pytest.mark.parametrize("dtype,N,K", [(dt, n, k) for dt in DTYPES for n, k in [(40, 300), (33, 512)]] +
+                         [(DTYPES[1], 17000, 96)] +  # (the wide-N tile: its dtype paths are the ones above)
+                         ([(dt, 4096, 11008) for dt in DTYPES] if CUDA else []))
 def test_decode_linear_matches_torch(dtype, N, K):
     """decode_linear against the float32 product: plain, with a bias, and with SwiGLU taken from a fused gate/up
     input (rounded to the input dtype first, as the swiglu kernel's output is); K off the block size included."""

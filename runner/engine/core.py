@@ -215,6 +215,9 @@ class EngineCore:
                 if len(started) < len(seqs):
                     started.update(o.seq.seq_id for o in outs)
                     stats["prefill_steps"] = len(times)
+            failed = next((o for o in outs if o.finish == "error"), None)
+            if failed is not None:  # (a batch job has no one to hand one sequence's failure to: it ends the job)
+                raise PmxError(f"prompt {seqs.index(failed.seq)} could not go on: {failed.error}")
             if progress is not None:
                 done += sum(o.finish is not None for o in outs)
                 progress(sum(o.token is not None and o.finish != "stop" for o in outs), done)

@@ -2,9 +2,9 @@
 a request may do to the logits first: a bias per token, and repetition, frequency and presence penalties over the
 tokens so far (vLLM's and OpenAI's meaning; the parameters: runner.engine.sampling_params). Every admitted value is
 numerically safe: the logits are shifted by their maximum before any division, and whatever an extreme value makes
-non-finite is read as the most (+inf) or least (-inf) likely, never left to reach the draw. NaN logits from the model
-itself are a broken model, not a sampling choice: they raise NonFiniteLogits naming the rows (the server ends that
-sequence alone with finish 'error'; a batch job stops with the message)."""
+non-finite is read as the most (+inf) or least (NaN, -inf) likely, never left to reach the draw. A row of logits that
+are all NaN is a broken model, not a sampling choice: it raises NonFiniteLogits (the server ends that sequence alone
+with finish 'error'; a batch job stops with the message)."""
 
 from __future__ import annotations
 
@@ -51,15 +51,14 @@ class Sampler:
 
     def adjust(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] -> float32 CPU logits after the bias and the penalties, every value finite or -inf (an
-        overflow to +inf reads as the largest float, NaN after the penalties as -inf); NaN from the model raises
-        NonFiniteLogits."""
+        overflow to +inf reads as the largest float, NaN as -inf); a row of NaN alone raises NonFiniteLogits."""
         p = self.params
         out = logits.float().cpu()
-        nan_rows = out.isnan().any(-1)
+        nan_rows = out.isnan().all(-1)  # (a row with no number in it has nothing to draw from)
         if nan_rows.any():
-            raise NonFiniteLogits(f"the model's logits are NaN in {int(nan_rows.sum())} of {out.shape[0]} row(s): its "
-                                  "weights or activations are not finite (check the checkpoint, or try --dtype "
-                                  "float32)")
+            raise NonFiniteLogits(f"the model's logits are all NaN in {int(nan_rows.sum())} of {out.shape[0]} "
+                                  "row(s): its weights or activations are not finite (check the checkpoint, or try "
+                                  "--dtype float32)")
         if not p.adjusts:
             return out
         out = out.clone()
@@ -102,8 +101,8 @@ class Sampler:
             drop = sorted_p.cumsum(-1) - sorted_p > mass  # keep the smallest prefix whose mass reaches top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        bad = ~(probs.isfinite().all(-1) & (probs.sum(-1) > 0))  # rows whose every logit is -inf
-        if bad.any():  # such a row takes its greedy token, never an exception that ends the step
+        bad = ~(probs.isfinite().all(-1) & (probs.sum(-1) > 0))  # rows of inf logits, or every logit -inf
+        if bad.any():  # such a row takes its greedy token (NaN read as -inf), never an exception that ends the step
             best = raw[bad].nan_to_num(nan=float("-inf")).argmax(-1)
             probs[bad] = torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype)
         if p.top_p < 1 or p.min_p > 0:  # (what the cuts kept sums to 1 again: verify reads probabilities)

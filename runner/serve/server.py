@@ -62,6 +62,7 @@ def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template
         return
     name = served_model_name or ckpt_dir
     tok = loaded.tokenizer
+    max_batch = config.max_batch
     front_config = frontend.FrontendConfig(
         host, port, name, str(tok.path), tok.bos_id, tok.eos_id,
         loaded.chat_template.spec() if loaded.chat_template is not None else None, llm.max_model_len,
@@ -76,7 +77,7 @@ def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template
     failed = None
     try:
         print(f"serving {name} at http://{front.address[0]}:{front.address[1]} ({sess.env.world_size} rank(s), "
-              f"{sess.device}; KV cache {llm.core.cache.rows} tokens, max batch {config.max_batch})", file=sys.stderr,
+              f"{sess.device}; KV cache {llm.core.cache.rows} tokens, max batch {max_batch})", file=sys.stderr,
               flush=True)
         loop.run()
     except ChannelClosed:
