@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_session.sh prepare     here, once (needs PyPI): the wheels the device's image lacks into
 #                                              .whl/, the real checkpoints (stories260k, tinystories-656k) into
 #                                              .gpu_shared/models (both ignored by git, carried by the call)
-#   bash benchmarks/gpu_session.sh rehearse    here: every stage on the CPU (~10 min on 2 shared cores)
+#   bash benchmarks/gpu_session.sh rehearse    here: every stage on the CPU (4 to 7 min on 2 shared cores)
 #   bash benchmarks/gpu_session.sh [all]       on the GPU machine (rehearses when no CUDA device is found)
 #   bash benchmarks/gpu_session.sh STAGE...    some of: env decode serve gloo tests (then report)
 #
