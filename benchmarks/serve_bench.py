@@ -28,16 +28,20 @@ Parts (`all` runs them in this order and prints every table):
           acceptance rate from /metrics (pmx_spec_decode_accepted_tokens_total / ..._draft_tokens_total).
 
 Systems: pmx1 (one process, THREADS threads), pmx2 (scripts/mpirun.sh -np 2, THREADS/2 threads a rank), base1 (pmx1
-from the checkout --baseline DIR, e.g. a worktree of main, to measure a change against) and llama.cpp
+from the checkout --baseline DIR, e.g. a worktree of main, to measure a change against), llama.cpp
 (llama-server -t THREADS -tb THREADS, -np slots >= the concurrency, one unified KV pool -kvu, --cont-batching,
---cache-prompt; its default f16 KV cache). The pmx servers run this checkout's runner (PYTHONPATH). In every part the
-systems take turns (A, B, A, B, ... rotating who goes first), all of them loaded meanwhile; the tables give medians
-over --rounds and their range, the JSON every raw figure, the load average and the cores other processes kept busy
-during each measurement (the box is shared: timings are noisy).
+--cache-prompt; its default f16 KV cache) and hf (sweep only: transformers' generate in this process, one static
+batch of C prompts per level: HFStatic). `--device cuda` serves pmx on the GPU (and runs hf there). The pmx servers
+run this checkout's runner (PYTHONPATH). In every part the systems take turns (A, B, A, B, ... rotating who goes
+first), all of them loaded meanwhile; the tables give medians over --rounds and their range, the JSON every raw
+figure, the load average and the cores other processes kept busy during each measurement (the box is shared:
+timings are noisy).
 
 The model: --model names a shape of benchmarks/cpu_peers.py (base: 134M parameters, random weights, 2048
 positions; gqa), whose checkpoint, PMX conversion (runner.pmx.convert, as `python -m runner convert`) and F32 GGUF
-(llama.cpp's convert_hf_to_gguf.py) are shared with that benchmark under ~/.cache/pmx-runner/peers/SHAPE, or an HF
+(llama.cpp's convert_hf_to_gguf.py) are shared with that benchmark under ~/.cache/pmx-runner/peers/SHAPE, a PMX
+directory (served as it is, by pmx1 / pmx2 and hf; with --random_weights true its pmx_params.json and tokenizer are
+all it needs: benchmarks/gpu_session.py serve_model writes one), or an HF
 Llama directory (pmx only, or with llama-server on its GGUF). The prompts are token ids (BOS, then ids drawn from
 [3, 400)), sent as such to both servers: the GGUF carries cpu_peers' stand-in sentencepiece tokenizer, so the two
 servers' texts differ while their tokens are the same model's. llama-server comes from cpu_peers' llama.cpp build
@@ -66,6 +70,8 @@ from pathlib import Path
 
 import fire
 import httpx
+
+from runner.args import parse_bool
 
 from cpu_peers import SHAPES, Skip, _cpu_name, _cpu_seconds, _llama_cpp_model, _pmx_model, _versions
 
@@ -154,11 +160,12 @@ def _pmx_url(text: str):
 def start_pmx(name: str, ranks: int, setup: dict, extra: tuple) -> Server:
     """pmx1 / pmx2: this checkout's server on 1 / 2 ranks; base1: --baseline's checkout on 1 rank (its own .venv's
     Python where it has one)."""
-    model = _pmx_model(ranks, setup["a"])
+    model = setup.get("pmx_dir") or _pmx_model(ranks, setup["a"])
     root = setup["baseline"] if name == "base1" else REPO
     python = root / ".venv" / "bin" / "python" if name == "base1" and (root / ".venv" / "bin" / "python").exists() \
         else Path(sys.executable)
     cmd = [python, "-m", "runner", "serve", "--ckpt_dir", model, "--port", 0, "--served_model_name", "model",
+           "--device", setup.get("device", "cpu"), *(("--random_weights",) if setup.get("random_weights") else ()),
            *extra, *setup.get("pmx_extra", ())]
     if ranks > 1:
         cmd = [root / "scripts" / "mpirun.sh", "-np", ranks, *cmd]
@@ -315,9 +322,17 @@ def make_setup(model: str, threads: int, workdir: str, llama_cpp: str | None) ->
     elif (Path(model) / "config.json").is_file():
         hf = Path(model).resolve()
         work = Path(workdir).expanduser() / "serve-bench" / hf.name
+    elif (Path(model) / "pmx_params.json").is_file():  # served as it is (pmx systems and hf only)
+        pmx = Path(model).resolve()
+        work = Path(workdir).expanduser() / "serve-bench" / pmx.name
+        work.mkdir(parents=True, exist_ok=True)
+        p = json.loads((pmx / "pmx_params.json").read_text())
+        a = dict(work=work, hf=None, threads=threads, llama_cpp=None)
+        return {"a": a, "work": work, "threads": threads, "skipped": {}, "model": model, "pmx_dir": pmx,
+                "max_positions": p["max_position_embeddings"], "vocab_size": p["vocab_size"]}
     else:
-        raise SystemExit(f"--model {model}: expected a shape of benchmarks/cpu_peers.py ({', '.join(SHAPES)}) or an "
-                         f"HF checkpoint directory (holding config.json)")
+        raise SystemExit(f"--model {model}: expected a shape of benchmarks/cpu_peers.py ({', '.join(SHAPES)}), an "
+                         f"HF checkpoint directory (holding config.json) or a PMX directory (pmx_params.json)")
     work.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((hf / "config.json").read_text())
     a = dict(work=work, hf=hf, threads=threads, llama_cpp=llama_cpp or os.environ.get("PMX_LLAMA_CPP"))
@@ -367,7 +382,7 @@ def part_sweep(setup: dict, systems: list, levels: list, rounds: int, input_len:
     top = max(levels)
     kv = top * (input_len + output_len + 16) + 2048
     specs = {s: ("llama.cpp", llama_flags(top, kv)) if s == "llama.cpp" else (s, pmx_flags(top, kv))
-             for s in systems}
+             for s in systems if s != "hf"}
     rng = random.Random(seed)
 
     def fresh(n: int) -> list:
@@ -382,11 +397,20 @@ def part_sweep(setup: dict, systems: list, levels: list, rounds: int, input_len:
         names = list(up)
         for name in names:  # warm-up: a few requests of each size
             asyncio.run(closed_loop(up[name].url, warm, 16, 8))
+        hf = None
+        if "hf" in systems:  # (loaded while the servers idle: it shares their device)
+            hf = HFStatic(setup)
+            hf.run(warm[:2], 4, 2)
+            names.append("hf")
         for r in range(rounds):
             for j, c in enumerate(levels):
                 for name in rotated(names, r + j):
-                    run, load = measured(up[name], lambda: asyncio.run(
-                        closed_loop(up[name].url, prompts[r, c], output_len, c)))
+                    if name == "hf":
+                        run, load = hf.run(prompts[r, c], output_len, c), {"loadavg_1m": os.getloadavg()[0],
+                                                                          "other_cores": float("nan")}
+                    else:
+                        run, load = measured(up[name], lambda: asyncio.run(
+                            closed_loop(up[name].url, prompts[r, c], output_len, c)))
                     row = {"system": name, "concurrency": c, "round": r + 1, **summarize(run), **load}
                     runs.append(row)
                     save(runs)
@@ -396,11 +420,81 @@ def part_sweep(setup: dict, systems: list, levels: list, rounds: int, input_len:
                           file=sys.stderr, flush=True)
     return {"runs": runs, "levels": levels, "systems": [s for s in systems if s not in setup["skipped"]],
             "input_len": input_len, "output_len": output_len, "kv_tokens": kv, "slots": top,
-            "flags": {s: [str(x) for x in f[1]] for s, f in specs.items()}}
+            "flags": {s: [str(x) for x in f[1]] for s, f in specs.items()},
+            "hf": None if hf is None else hf.describe()}
+
+
+class HFStatic:
+    """The system `hf`: transformers' `generate` on the sweep's model in this process (an HF directory: its weights;
+    a PMX directory: a LlamaForCausalLM of its shapes with random weights), float16 on CUDA, float32 on the CPU. A
+    level of C requests runs its first C prompts as one static batch (left-padded, greedy, exactly output_len new
+    tokens each), what transformers does without a serving layer: output tokens/s, TTFT (the batch's first new
+    tokens) and ITL (the gaps between its steps), timed by a streamer at each step."""
+
+    def __init__(self, setup: dict):
+        import torch
+        import transformers
+        self.torch, self.device = torch, setup.get("device", "cpu")
+        dtype = torch.float16 if self.device == "cuda" else torch.float32
+        if setup["a"]["hf"] is not None:
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(setup["a"]["hf"], torch_dtype=dtype)
+            self.weights = str(setup["a"]["hf"])
+        else:
+            p = json.loads((setup["pmx_dir"] / "pmx_params.json").read_text())
+            cfg = transformers.LlamaConfig(
+                hidden_size=p["hidden_dim"], intermediate_size=p["intermediate_dim"], num_hidden_layers=p["num_layers"],
+                num_attention_heads=p["num_heads"], num_key_value_heads=p["num_kv_heads"], vocab_size=p["vocab_size"],
+                max_position_embeddings=p["max_position_embeddings"])   # (random weights: shapes are what count)
+            with torch.device(self.device):
+                self.model = transformers.LlamaForCausalLM(cfg).to(dtype)
+            self.weights = f"random, the shapes of {setup['pmx_dir']}"
+        self.model = self.model.to(self.device).eval()
+        self.version = transformers.__version__
+
+    def describe(self) -> dict:
+        return {"transformers": self.version, "device": self.device, "weights": self.weights,
+                "batching": "one static batch of C prompts per level (generate, greedy, left-padded)"}
+
+    def run(self, prompts: list, output_len: int, concurrency: int) -> dict:
+        """closed_loop's result for the first `concurrency` prompts as one batch."""
+        torch = self.torch
+        batch = prompts[:concurrency]
+        width = max(len(x) for x in batch)
+        ids = torch.tensor([[0] * (width - len(x)) + x for x in batch], device=self.device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch], device=self.device)
+        clock = step_clock(self.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                                do_sample=False, pad_token_id=0, eos_token_id=None, streamer=clock)
+        new = clock.times[1:]                            # (times[0]: the prompt, put before the first step)
+        req = {"ttft": new[0] - t0, "itl": [b - a for a, b in zip(new, new[1:])], "tokens": output_len,
+               "chunks": len(new), "e2e": new[-1] - t0, "text": ""}
+        return {"duration": time.perf_counter() - t0, "requests": [dict(req) for _ in batch]}
+
+
+def step_clock(device: str):
+    """A transformers streamer that records when each put arrives (the prompt, then each step's new tokens), after
+    the device's work so far (CUDA: synchronised)."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class StepClock(BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+    return StepClock()
 
 
 def sweep_table(sw: dict) -> str:
-    against = [b for b in ("llama.cpp", "base1") if b in sw["systems"]]
+    against = [b for b in ("llama.cpp", "base1", "hf") if b in sw["systems"]]
     head = ("| C | system | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) | " +
             "".join(f"pmx1 / {b} tok/s | pmx1 / {b} ITL p99 | " for b in against) + "\n|" +
             "---|" * (7 + 2 * len(against)) + "\n")
@@ -626,17 +720,21 @@ def run(parts: str = "agree,sweep,prefix,spec", model: str = "base", systems: st
         prefix_len: int = 1500, questions: int = 8, prefix_output_len: int = 32, spec_output_len: int = 200,
         spec_prompts_n: int = 4, agree_tokens: int = 64, threads: int = 2, llama_cpp: str | None = None,
         seed: int = 0, workdir: str = str(CACHE), json_path: str | None = None, pmx_extra: str = "",
-        baseline: str | None = None) -> None:
+        baseline: str | None = None, device: str = "cpu", random_weights: bool = False) -> None:
     """Runs the parts asked for (see the module's docstring); prints their tables; writes the raw JSON.
     `pmx_extra`: flags added to every pmx-runner server (e.g. "--context_chunk_size 128"). `baseline`: another
-    checkout of pmx-runner (e.g. a worktree of main), served as the system base1 (one rank) to compare pmx1 with."""
+    checkout of pmx-runner (e.g. a worktree of main), served as the system base1 (one rank) to compare pmx1 with.
+    `device`: where the pmx servers (--device) and hf run: cpu or cuda. `random_weights`: the pmx servers serve
+    random weights of the model's shapes (`serve --random_weights`: a PMX directory needs no shards)."""
     known = ("agree", "sweep", "prefix", "spec")
     chosen = list(known) if _csv(parts) == ["all"] else _csv(parts)
     if not chosen or set(chosen) - set(known):
         raise SystemExit(f"--parts: all, or some of {','.join(known)}, got {parts!r}")
     sysl = _csv(systems)
-    if set(sysl) - {"pmx1", "pmx2", "llama.cpp", "base1"} or not sysl:
-        raise SystemExit(f"--systems: some of pmx1,pmx2,llama.cpp,base1, got {systems!r}")
+    if set(sysl) - {"pmx1", "pmx2", "llama.cpp", "base1", "hf"} or not sysl:
+        raise SystemExit(f"--systems: some of pmx1,pmx2,llama.cpp,base1,hf, got {systems!r}")
+    if device not in ("cpu", "cuda"):
+        raise SystemExit(f"--device: cpu or cuda, got {device!r}")
     if ("base1" in sysl) != (baseline is not None) or (baseline and not (Path(baseline) / "runner").is_dir()):
         raise SystemExit(f"--systems base1 and --baseline DIR (a pmx-runner checkout) go together, got --baseline "
                          f"{baseline!r}")
@@ -644,6 +742,10 @@ def run(parts: str = "agree,sweep,prefix,spec", model: str = "base", systems: st
     setup = make_setup(model, threads, workdir, llama_cpp)
     setup["baseline"] = Path(baseline).resolve() if baseline else None
     setup["pmx_extra"] = tuple(shlex.split(pmx_extra))
+    setup["device"] = device
+    setup["random_weights"] = parse_bool("random_weights", random_weights)
+    if setup.get("pmx_dir") and set(sysl) & {"llama.cpp"}:
+        raise SystemExit(f"--model {model}: a PMX directory is served by the pmx systems (and hf) only")
     report = {"command": sys.argv[1:], "loadavg_start": os.getloadavg()}
     path = Path(json_path or REPO / "out" / f"serve_bench_{Path(model).name}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,17 @@ class EngineConfig:
     cache_mode: CacheMode = flag(0, "0 offset (a region per sequence), 1 paged (pages of 128 tokens)")
     prepack: bool = flag(True, "CPU float32: weights repacked once at load for this project's linear kernel (false: "
                                "plain float32 F.linear)")
-    decode_linears: bool = flag(True, "CUDA float16/bfloat16: batch-1 decode linears on the Triton GEMV kernel")
+    decode_linears: bool = flag(True, "CUDA: batch-1 decode linears (float16 / bfloat16, int8, int4) on the Triton "
+                                      "GEMV kernel")
+    norm_in_linears: bool = flag(True, "with --decode_linears: each RMSNorm of a batch-1 step inside the linear after "
+                                       "it (the row's RMS summed as it loads the row), the residual added by the "
+                                       "linear before it: no norm kernels")
+    rotary_in_qkv: bool = flag(True, "with --decode_linears: rotary and the K/V cache store as the qkv linear's "
+                                     "epilogue")
+    merge_in_attention: bool = flag(True, "CUDA decode attention: the key splits merged by the last program of each "
+                                          "(sequence, KV head) to finish, not by a kernel of their own")
+    pdl: bool = flag(False, "CUDA sm_90+, with --decode_linears: the decode linears launched with programmatic "
+                            "dependent launch (each starts while the kernel before it drains)")
     # how steps run (runner.engine.runners)
     fused_decode: bool = flag(True, "CPU float32: a decode step as one C++ call, collectives included")
     compile: Compile = flag("auto", "torch.compile the decode step where the one-call step does not run it: auto "

@@ -498,7 +498,8 @@ class SandwichBlock(torch.nn.Module):
     own, through the kernel set's rms_norm, before the residual add; the engine's Block has Gemma's as post norms) over
     an engine Block's modules."""
 
-    def forward(self, x, residual, plan, cache, sp=None):
+    def forward(self, x, residual, plan, cache, sp=None, fused=False):
+        assert not fused  # (Block's norms inside the linears: a CUDA batch-1 step, never an export's)
         h, residual = self.attention_norm(x, residual, sp)
         a = self.attention.ops.rms_norm(self.attention(h, plan, cache, sp), self.toy_norm, 1e-6)
         h, residual = self.ffn_norm(a, residual, sp)
@@ -574,9 +575,9 @@ def test_a_feature_added_to_the_model_appears_in_both_exports(make_hf, tmp_path)
             assert rel(got, want) <= 1e-4, rel(got, want)
 
     class UsesAttend(SandwichBlock):  # a feature calling an op the export kernel sets lack
-        def forward(self, x, residual, plan, cache, sp=None):
+        def forward(self, x, residual, plan, cache, sp=None, fused=False):
             x = self.attention.ops.attend(x[None, None], x[None, None], x[None, None], None, False)[0, 0]
-            return super().forward(x, residual, plan, cache, sp)
+            return super().forward(x, residual, plan, cache, sp, fused)
 
     model = with_toy_features(export_model(p, load_shard(pmx, 0, torch.device("cpu"), torch.float32)[1], cfg,
                                            SingleComm(), "opmx"), norms)

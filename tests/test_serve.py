@@ -341,3 +341,23 @@ def test_llm_prompt_logprobs_whole_even_with_a_cached_prefix(stories, llm):
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
     with pytest.raises(ParamError, match="prompt_logprobs must be an integer in"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_llm_random_weights_from_params_alone(tmp_path):
+    """random_weights (serve --random_weights, what benchmarks/gpu_session.sh serves on a GPU): a directory holding only
+    pmx_params.json and a tokenizer serves random weights of its shapes, the same ones every time (seeded)."""
+    from runner.pmx.params import PmxParams
+    from runner.pmx.random_model import _tokenizer_json
+    from runner.serve.llm import LLM
+    PmxParams(model_type="llama", hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
+              head_dim=16, vocab_size=300, norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
+              dtype="float32").save(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(_tokenizer_json(300))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        with LLM(str(tmp_path), random_weights=True, kv_cache_tokens=PAGE_SIZE, max_batch=2, device="cpu") as m:
+            outs.append(m.generate([[1, 5, 9, 12]], params)[0].outputs[0].token_ids)
+    assert len(outs[0]) == 6 and outs[0] == outs[1]
+    with pytest.raises(PmxError, match="model.00.safetensors|shard"):
+        LLM(str(tmp_path), kv_cache_tokens=PAGE_SIZE, device="cpu")

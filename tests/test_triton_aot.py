@@ -1,8 +1,9 @@
 """Ahead-of-time compiles of every Triton kernel for sm_80 and sm_90, without a GPU (runner.kernels.aot).
 
 The engine's real specialisations (head_dim 64, 128 and 256, float16 and bfloat16, every cache layout, offset and
-paged, float and int8 caches, decode with and without split-K, prefill, sliding windows, ALiBi, a partial rotary,
-GeGLU and soft-capped scores, int8 / int4 linears),
+paged, float and int8 caches, decode with and without split-K (merged inside or by its kernel), prefill, sliding
+windows, ALiBi, a partial rotary, GeGLU and soft-capped scores, int8 / int4 linears, the batch-1 decode linears with
+their fusions and quantised weights, programmatic dependent launch on sm_90),
 as the ops' wrappers pick their block sizes and warps, are compiled down to cubins by Triton and ptxas (which
 ships in the triton wheel): what the interpreter cannot check. Each architecture compiles in its own process
 (without TRITON_INTERPRET, which conftest sets for this one), both at once."""
@@ -38,7 +39,12 @@ def aot(tmp_path_factory):
                                        text=True)
     out = {}
     for arch, p in procs.items():
-        log, _ = p.communicate(timeout=900)
+        try:
+            log, _ = p.communicate(timeout=900)
+        except subprocess.TimeoutExpired:  # (no compile left running after the test)
+            for q in procs.values():
+                q.kill()
+            raise
         path = tmp / f"{arch}.json"
         assert path.is_file(), f"sm_{arch}: the ahead-of-time compile failed:\n{log[-4000:]}"
         out[arch] = dict(json.loads(path.read_text()), log=log)
@@ -99,6 +105,11 @@ def test_aot_covers_the_engine_specialisations(aot, arch):
         assert by_kernel[(kernel, "ALIBI")] == {False, True}
         assert by_kernel[(kernel, "SOFTCAP")] == {False, True}
     assert by_kernel[("_decode_attn_kernel", "SPLIT")] == {False, True}
+    assert by_kernel[("_decode_attn_kernel", "MERGE")] == {False, True}          # splits merged inside, or not
+    for flag in ("NORM", "RESIDUAL", "ROPE", "CACHE_QUANT", "SWIGLU", "GROUPED", "OFFSET"):  # the decode fusions
+        assert by_kernel[("_decode_linear_kernel", flag)] == {False, True}, flag
+    assert by_kernel[("_decode_linear_kernel", "WEIGHT")] == {16, 8, 4}            # float, int8, int4 weights
+    assert by_kernel[("_decode_linear_kernel", "PDL")] == ({False, True} if arch == 90 else {False})
     assert by_kernel[("_rotary_kv_kernel", "QUANT")] == {False, True}
     assert by_kernel[("_swiglu_kernel", "GELU")] == {False, True}
     assert by_kernel[("_skip_rms_norm_kernel", "BLOCK")] >= {2048, 4096, 8192, 16384}

@@ -143,7 +143,7 @@ def test_decode_attention_matches_packed_reference(mode, quant, dtype, H, KV, D,
     cache, scale, starts, kv_all = _filled_cache(mode, quant, dtype, KV, D, kvlens)
     q = torch.randn(len(kvlens), H, D, device=DEV, dtype=dtype)
     got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens, device=DEV), mode,
-                                      window, num_splits=3)
+                                      window, splits=ref.DecodeSplits(3))
     close(got, _packed_reference(q, kv_all, [1] * len(kvlens), kvlens, window), dtype, scale=2)
 
 
@@ -160,7 +160,7 @@ def test_decode_attention_alibi(mode, quant, dtype, H, KV, num_splits, window):
     q = torch.randn(len(kvlens), H, D, device=DEV, dtype=dtype)
     slopes = torch.tensor(ref.alibi_slopes(H), device=DEV)
     got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens, device=DEV), mode, window,
-                                      num_splits=num_splits, alibi=slopes)
+                                      splits=ref.DecodeSplits(num_splits), alibi=slopes)
     want = _packed_reference(q, kv_all, [1] * len(kvlens), kvlens, window, slopes)
     close(got, want, dtype, scale=2)
     assert (want - _packed_reference(q, kv_all, [1] * len(kvlens), kvlens, window)).abs().max() > 0.1  # it matters
@@ -193,7 +193,7 @@ def test_decode_and_prefill_attention_soft_cap(quant, dtype):
     cache, scale, starts, kv_all = _filled_cache(0, quant, dtype, KV, D, kvlens)
     q = 3 * torch.randn(len(kvlens), H, D, device=DEV, dtype=dtype)
     got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens, device=DEV), 0, 40,
-                                      num_splits=2, softcap=cap)
+                                      splits=ref.DecodeSplits(2), softcap=cap)
     want = _packed_reference(q, kv_all, [1, 1], kvlens, 40, softcap=cap)
     close(got, want, dtype, scale=2)
     assert (want - _packed_reference(q, kv_all, [1, 1], kvlens, 40)).abs().max() > 0.1  # it matters
@@ -251,7 +251,7 @@ def test_decode_attention_splits_and_padding_rows(num_splits):
     q = torch.randn(len(kvlens) + 1, H, D, device=DEV, dtype=dtype)
     starts = torch.cat((starts, torch.zeros_like(starts[:1])))
     got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens + [0], device=DEV), 1,
-                                      num_splits=num_splits)
+                                      splits=ref.DecodeSplits(num_splits))
     close(got[:-1], _packed_reference(q[:-1], kv_all, [1] * len(kvlens), kvlens, None), dtype, scale=2)
     assert torch.equal(got[-1], torch.zeros_like(got[-1]))
 
@@ -345,7 +345,7 @@ def test_down_projection_takes_the_swiglu_input():
     row = RowParallelLinear(w, torch.randn(24).to(DEV, torch.float16), SingleComm())
     gate_up = torch.randn(1, 80).to(DEV, torch.float16)
     assert not row.takes_swiglu(gate_up)
-    with pytest.raises(ValueError, match="swiglu=True needs a small-rows kernel"):
+    with pytest.raises(ValueError, match="swiglu / norm / residual / rotary need a small-rows kernel"):
         row(gate_up, swiglu=True)
     row.linear.use_small_rows(triton_ops.decode_linear, triton_ops.DECODE_LINEAR_ROWS)
     assert row.takes_swiglu(gate_up) and not row.takes_swiglu(torch.randn(2, 80).to(DEV, torch.float16))
@@ -460,3 +460,165 @@ def test_kernels_option():
     assert tri.reads_history_in_place and tri.prefill_attention is not None
     with pytest.raises(PmxError, match="--kernels must be one of auto, triton, torch, reference"):
         EngineConfig(kernels="cuda")
+
+
+# --- the decode-step fusions (runner.kernels.linear.SmallRows: norm, residual, rotary + cache store, quantised weights;
+# the split merge inside decode attention) ---------------------------------------------------------------------------
+def test_decode_linear_norm_in_and_residual_out():
+    """norm=(g, eps): the product is of reference.rms_norm(x); residual: added to the rounded output (fused gate/up
+    with SwiGLU too); the row's RMS comes from the loads of every program, so K off the block size is covered."""
+    g_ = torch.Generator().manual_seed(5)
+    shapes = [(torch.float16, (40, 300)), (torch.bfloat16, (24, 1030)), (torch.float32, (17, 64))]
+    for dtype, (N, K) in shapes + ([(torch.float16, (22016, 4096)), (torch.bfloat16, (4096, 11008))] if CUDA else []):
+        w = (torch.randn(N, K, generator=g_) * 0.1).to(DEV, dtype)
+        x = (torch.randn(1, K, generator=g_) * 3).to(DEV, dtype)
+        g = (torch.rand(K, generator=g_) + 0.5).to(DEV, dtype)
+        res = torch.randn(1, N, generator=g_).to(DEV, dtype)
+        got = triton_ops.decode_linear(x, w, None, norm=(g, 1e-5), residual=res)
+        want = (ref.rms_norm(x, g, 1e-5).float() @ w.float().T).to(dtype).float() + res.float()
+        close(got, want, dtype, scale=4)
+        gu = torch.randn(1, 2 * K, generator=g_).to(DEV, dtype)
+        gate, up = gu.float().chunk(2, dim=-1)
+        want = ((torch.nn.functional.silu(gate) * up).to(dtype).float() @ w.float().T).to(dtype).float() + res.float()
+        close(triton_ops.decode_linear(gu, w, None, swiglu=True, residual=res), want, dtype, scale=4)
+
+
+@pytest.mark.parametrize("method,group,offset", [("int8", 0, False), ("int8", 32, False), ("int4", 128, False),
+                                                 ("int4", 32, True), ("int4", 1024, False)])
+def test_decode_linear_streams_quantised_weights(method, group, offset):
+    """int8 per channel or in groups, int4 in groups with or without offsets (GGUF's Q8_0 / Q4_1): the product of the
+    dequantised weight (runner.pmx.quant's arithmetic), groups narrower than the kernel's tile and wider (1024)."""
+    from runner.kernels.linear import QuantRows
+    from runner.pmx.quant import quantize_int4, quantize_int8, unpack_int4
+    g_ = torch.Generator().manual_seed(6)
+    N, K = (4096, 11264 if group == 1024 else 11008) if CUDA else (24, 2048 if group == 1024 else 256)
+    w = torch.randn(N, K, generator=g_) * 0.1
+    if method == "int8" and not group:
+        q, s = quantize_int8(w)
+        deq, off = q.float() * s[:, None], None
+    elif method == "int8":
+        s = w.view(N, -1, group).abs().amax(-1) / 127
+        q = torch.round(w.view(N, -1, group) / s[..., None]).clamp(-127, 127).to(torch.int8).view(N, K)
+        deq, off = (q.float().view(N, -1, group) * s[..., None]).view(N, K), None
+    else:
+        q, s = quantize_int4(w, group)
+        off = torch.randn(s.shape, generator=g_) * 0.01 if offset else None
+        nib = unpack_int4(q).float().view(N, -1, group)
+        deq = (nib * s[..., None] + off[..., None] if offset else (nib - 8) * s[..., None]).view(N, K)
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(1, K, generator=g_).to(DEV, dtype)
+        quant = QuantRows(s.to(DEV), None if off is None else off.to(DEV), method, group)
+        got = triton_ops.decode_linear(x, q.to(DEV), None, quant=quant)
+        close(got, x.float() @ deq.to(DEV).T, dtype, scale=4)
+    if offset:  # the norm and the residual around a quantised product
+        g, res = (torch.rand(K, generator=g_) + 0.5).to(DEV, dtype), torch.randn(1, N, generator=g_).to(DEV, dtype)
+        got = triton_ops.decode_linear(x, q.to(DEV), None, norm=(g, 1e-5), residual=res, quant=quant)
+        want = (ref.rms_norm(x, g, 1e-5).float() @ deq.to(DEV).T).to(dtype).float() + res.float()
+        close(got, want, dtype, scale=4)
+
+
+@pytest.mark.parametrize("quant,layout,R", [(False, 0, 16), (True, 2, 16), (False, 3, 8), (True, 1, 8)])
+def test_decode_linear_rotary_epilogue(quant, layout, R):
+    """The qkv linear with its norm and bias, then rotary (a partial one too: R of 16 dims) and the K/V store as its
+    epilogue: the output (q, k rotated; v) and the cache (float, or int8 in groups) as linear, then
+    reference.apply_rotary and reference.kv_store; slot -1 (a CUDA graph's padding) stores nothing."""
+    from runner.kernels.linear import RotaryStore
+    g_ = torch.Generator().manual_seed(7)
+    dtype, H, KV, D, K = torch.float16, 4, 2, 16, 48
+    N = (H + 2 * KV) * D
+    w, b = (torch.randn(N, K, generator=g_) * 0.3).to(DEV, dtype), torch.randn(N, generator=g_).to(DEV, dtype)
+    x, g = torch.randn(1, K, generator=g_).to(DEV, dtype), (torch.rand(K, generator=g_) + 0.5).to(DEV, dtype)
+    cos, sin = ref.rope_cos_sin(torch.tensor([5], device=DEV), ref.rope_inv_freq(R, 1e4).to(DEV))
+    h = (ref.rms_norm(x, g, 1e-5).float() @ w.float().T + b.float()).to(dtype)
+    q, k, v = (t.view(1, -1, D) for t in h.split([H * D, KV * D, KV * D], dim=-1))
+    q, k = ref.apply_rotary(q.clone(), cos, sin), ref.apply_rotary(k.clone(), cos, sin)
+    for slot in (7, -1):
+        got_c, got_s = _cache(layout, 2, 20, KV, D, quant, dtype)
+        want_c, want_s = _cache(layout, 2, 20, KV, D, quant, dtype)
+        slots = torch.tensor([slot], device=DEV)
+        got = triton_ops.decode_linear(x, w, b, norm=(g, 1e-5), rotary=RotaryStore(cos, sin, slots, got_c, got_s,
+                                                                                   layout, 1, H, KV, D))
+        close(got, torch.cat([t.reshape(1, -1) for t in (q, k, v)], dim=-1), dtype, scale=2)
+        if slot < 0:
+            assert not got_c.any()
+            continue
+        ref.kv_store(want_c, want_s, layout, 1, k, v, slots)
+        if quant:
+            assert (got_c.int() - want_c.int()).abs().max() <= 1 and got_c.count_nonzero() > 0
+            torch.testing.assert_close(got_s, want_s, rtol=2e-3, atol=0)
+        else:
+            close(got_c, want_c, dtype, scale=2)
+
+
+def test_decode_attention_merges_inside():
+    """DecodeSplits' tickets: the last program of each (sequence, KV head) merges the splits (no merge kernel): the same
+    output as the merge kernel's, and the counts left at zero for the next launch (a CUDA graph's replay)."""
+    torch.manual_seed(8)
+    dtype, H, KV, D, kvlens = torch.float16, 8, 2, 32, [200, 3, 64]
+    cache, scale, starts, _ = _filled_cache(1, True, dtype, KV, D, kvlens)
+    starts = torch.cat((starts, torch.zeros_like(starts[:1])))
+    q, kl = torch.randn(4, H, D, device=DEV, dtype=dtype), torch.tensor(kvlens + [0], device=DEV)
+    want = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, splits=ref.DecodeSplits(5))
+    counts = torch.zeros(4 * KV, dtype=torch.int32, device=DEV)
+    for _ in range(3 if CUDA else 1):
+        got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, splits=ref.DecodeSplits(5, counts))
+        assert torch.equal(got, want) and not counts.any()
+    if CUDA:  # the programs of a launch race for real here: 32 splits of a long history, the same bits every launch
+        kvlens = [4000, 2500]
+        cache, scale, starts, _ = _filled_cache(1, False, dtype, 8, 128, kvlens)
+        q, kl = torch.randn(2, 32, 128, device=DEV, dtype=dtype), torch.tensor(kvlens, device=DEV)
+        want = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, splits=ref.DecodeSplits(32))
+        counts = torch.zeros(2 * 8, dtype=torch.int32, device=DEV)
+        first = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1, splits=ref.DecodeSplits(32, counts))
+        close(first, want, dtype)
+        for _ in range(50):
+            assert torch.equal(triton_ops.decode_attention(q, cache, scale, 2, 0, starts, kl, 1,
+                                                           splits=ref.DecodeSplits(32, counts)), first)
+        assert not counts.any()
+
+
+def test_engine_decode_fusions_match_transformers(make_hf, tmp_path):
+    """Batch-1 decode steps with the norms inside the linears (each linear before a norm adding the residual), rotary
+    + cache store as the qkv linear's epilogue (with its bias, into an int8 paged cache) and the split merge inside
+    decode attention, against transformers; no norm kernel runs in a fused step, the split tickets are left at zero."""
+    from runner.pmx.convert import convert
+    from test_engine import engine, hf_logits, prompts_and_conts, rel_err
+    from tp_worker import teacher_forced_logits
+    src, model = make_hf("qwen2")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    prompts, conts = prompts[:1], [conts[0][:1]]                    # a prefill step, then one decode step
+    want = hf_logits(model, prompts, conts)
+    on = engine(tmp_path / "pmx", DEV, torch.float16, kernels="triton", prepack=False, cache_layout=3, cache_mode=1,
+                quantized_cache=True)
+    norms = []
+    for layer in on.model.layers:
+        layer.attention_norm.register_forward_hook(lambda *a: norms.append(1))
+    got = torch.stack(teacher_forced_logits(on, prompts, conts)).cpu()
+    assert len(norms) == on.model.params.num_layers          # the prefill step's only: the decode steps fused them
+    assert not on.model.layers[0].attention.split_counts.any()
+    assert rel_err(got, want) < LOWP_TOL[torch.float16], rel_err(got, want)
+
+
+def test_row_parallel_residual_added_once():
+    """A row-parallel layer's fused residual at TP 2: rank 0's kernel adds it to its partial sum, rank 1's does not, so
+    the all-reduced sum (here added up by hand) is x W^T + b + residual once; unfused ranks add it after the
+    all-reduce."""
+    from runner.parallel.comm import SingleComm
+    from runner.parallel.layers import RowParallelLinear
+
+    class Rank(SingleComm):  # the all-reduce left to the test: each rank's own partial sum
+        def __init__(self, rank):
+            self.rank = rank
+    g_ = torch.Generator().manual_seed(9)
+    w, x = (torch.randn(24, 64, generator=g_) * 0.1).half(), torch.randn(1, 64, generator=g_).half()
+    b, res = torch.randn(24, generator=g_).half(), torch.randn(1, 24, generator=g_).half()
+    want = (x.float() @ w.float().T + b.float()).half().float() + res.float()
+    parts = []
+    for r in (0, 1):
+        layer = RowParallelLinear(w[:, 32 * r: 32 * (r + 1)].contiguous().to(DEV), b.to(DEV), Rank(r))
+        layer.linear.use_small_rows(triton_ops.decode_linear, triton_ops.DECODE_LINEAR_ROWS)
+        parts.append(layer(x[:, 32 * r: 32 * (r + 1)].to(DEV), residual=res.to(DEV)).float())
+    close(parts[0] + parts[1] - b.float().to(DEV), want.to(DEV), torch.float16, scale=4)   # (b: once, after)
+    unfused = RowParallelLinear(w.to(DEV), b.to(DEV), Rank(0))
+    close(unfused(x.to(DEV), residual=res.to(DEV)), want.to(DEV), torch.float16, scale=4)

@@ -23,8 +23,8 @@ from runner.engine.cache import KVCache, new_cache
 from runner.engine.plan import StepPlan
 from runner.errors import PmxError
 from runner.kernels import reference as ref
-from runner.kernels.linear import Linear
-from runner.kernels.quant_linear import cat_weights, make_linear, pop_weight, stored_alike
+from runner.kernels.linear import Linear, RotaryStore
+from runner.kernels.quant_linear import QuantLinear, cat_weights, make_linear, pop_weight, stored_alike
 from runner.kernels.sets import KernelSet, Layers, kernel_set
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, SeqParallel
 from runner.pmx.params import PmxParams, shard_file
@@ -141,9 +141,15 @@ class Attention(nn.Module):
         self.eps, self.window, self.rotary, self.rope, self.ops = eps, spec.sliding_window or None, rotary, rope, ops
         self.q_mult, self.softcap = q_mult, spec.softcap
         self.friendly_gqa, self.cache_mode = config.friendly_gqa, config.cache_mode
+        self.rotary_in_qkv = (config.rotary_in_qkv and ops.rotary_kv_store is not None and alibi is None
+                              and q_norm is None and len(qkv) == 1)
+        self.split_counts: Optional[torch.Tensor] = None   # decode attention's (the Transformer's, shared)
 
-    def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None,
+                norm: Optional[tuple] = None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The attention output projected by wo; `norm` (weight, eps): x is the residual stream and the qkv linear
+        normalises it, `residual`: added by wo (both where the linears' small-rows kernel takes x: runner.kernels.
+        linear.SmallRows)."""
         if plan.inputs is not None:                                               # a traced step
             q, k, v = self._qkv(x)
             if self.alibi is None:
@@ -152,7 +158,7 @@ class Attention(nn.Module):
                 q = q * self.q_mult
             out = self.ops.cache_attention(q, k, v, plan.inputs, cache, self.spec)
             return self.wo(out.reshape(-1, self.heads * self.head_dim), sp=sp)
-        q, k, v = self._qkv_stored(x, plan, cache)                                # (T, H|KV|KV, D)
+        q, k, v = self._qkv_stored(x, plan, cache, norm)                          # (T, H|KV|KV, D)
         if plan.q_scale is not None:                                              # logn scaling of the queries
             q = q * plan.q_scale[:, None, None].to(q.dtype)
         if self.q_mult != 1.0:                                                    # the model's own score scale
@@ -167,43 +173,52 @@ class Attention(nn.Module):
                 rows = slice(g.row0, g.row0 + g.n * g.seqlen)
                 parts.append(self._prefill(q[rows], k[rows], v[rows], g, cache))
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if residual is not None:
+            return self.wo(out, residual=residual)
         return self.wo(out, sp=sp)                                                # (T, hidden)
 
-    def _qkv_stored(self, x, plan, cache):
+    def _qkv_stored(self, x, plan, cache, norm=None):
         """q, k, v (T, H|KV|KV, D) of the new tokens, q and k rotated, k and v written to the cache."""
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        if self.rotary_in_qkv and plan.q_scale is None and self.qkv[0].fuses(x):  # the qkv linear's epilogue
+            rot = RotaryStore(plan.cos[self.rope], plan.sin[self.rope], plan.slots, cache.data, cache.scale,
+                              cache.layout, self.layer, H, KV, D)
+            q, k, v = self.qkv[0](x, norm=norm, rotary=rot).split([H * D, KV * D, KV * D], dim=-1)
+            return q.view(-1, H, D), k.view(-1, KV, D), v.view(-1, KV, D)
         if self.alibi is not None:  # no rotary: positions enter the scores
-            q, k, v = self._qkv(x)
+            q, k, v = self._qkv(x, norm)
             cache.store(self.layer, k, v, plan.slots)
         elif self.ops.rotary_kv_store is not None:  # one kernel rotates q, k in place and writes k, v to the cache
-            q, k, v = self._qkv(x)
+            q, k, v = self._qkv(x, norm)
             self.ops.rotary_kv_store(q, k, v, plan.cos[self.rope], plan.sin[self.rope], cache.data, cache.scale,
                                      cache.layout, self.layer, plan.slots)
         else:
-            q, k, v = self._qkv_rotated(x, plan)
+            q, k, v = self._qkv_rotated(x, plan, norm)
             cache.store(self.layer, k, v, plan.slots)
         return q, k, v
 
-    def _qkv(self, x):
+    def _qkv(self, x, norm=None):
         """q, k, v (T, H|KV|KV, D) before rotary: views of the fused GEMM's output where fused; q/k normed
-        when the model has q/k norms."""
+        when the model has q/k norms (`norm`: of x, by the linears)."""
         H, KV, D = self.heads, self.kv_heads, self.head_dim
+        kw = {} if norm is None else {"norm": norm}
         if len(self.qkv) == 1:
-            q, k, v = self.qkv[0](x).split([H * D, KV * D, KV * D], dim=-1)
+            q, k, v = self.qkv[0](x, **kw).split([H * D, KV * D, KV * D], dim=-1)
         else:
-            q, k, v = (lin(x) for lin in self.qkv)
+            q, k, v = (lin(x, **kw) for lin in self.qkv)
         q, k, v = q.view(-1, H, D), k.view(-1, KV, D), v.view(-1, KV, D)
         if self.q_norm is not None:
             q, k = self.ops.rms_norm(q, self.q_norm, self.eps), self.ops.rms_norm(k, self.k_norm, self.eps)
         return q, k, v
 
-    def _qkv_rotated(self, x, plan):
+    def _qkv_rotated(self, x, plan, norm=None):
         T, H, KV, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
         cos, sin = plan.cos[self.rope], plan.sin[self.rope]
         if len(self.qkv) == 1 and self.q_norm is None:  # q and k side by side: rotate both in one pass
-            qkv = self.qkv[0](x)                                                  # (T, (H + 2 KV) D)
+            qkv = self.qkv[0](x) if norm is None else self.qkv[0](x, norm=norm)  # (T, (H + 2 KV) D)
             qk = self.ops.apply_rotary(qkv[:, : (H + KV) * D].view(T, H + KV, D), cos, sin)
             return qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
-        q, k, v = self._qkv(x)
+        q, k, v = self._qkv(x, norm)
         return self.ops.apply_rotary(q, cos, sin), self.ops.apply_rotary(k, cos, sin), v
 
     def _repeat_kv(self, k, v, dim):
@@ -216,9 +231,10 @@ class Attention(nn.Module):
         """q (Bd, H, D): one token per sequence against its whole history in the cache."""
         Bd = q.shape[0]
         if self.ops.decode_attention is not None:  # a kernel that walks the cache itself
+            kw = {} if self.split_counts is None else {"splits": ref.DecodeSplits(tickets=self.split_counts)}
             out = self.ops.decode_attention(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
                                             d.kvlens, self.cache_mode, self.window, alibi=self.alibi,
-                                            softcap=self.softcap)
+                                            softcap=self.softcap, **kw)
         elif self.ops.decode_attention_rows is not None and d.kv_slots is None:  # rows read in place
             out = self.ops.decode_attention_rows(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
                                                  d.kvlens, self.window,
@@ -279,14 +295,20 @@ class FeedForward(nn.Module):
         self.gate_up, self.w2, self.ops, self.gelu = nn.ModuleList(gate_up), w2, ops, gelu
         self.glu, self.glu_packed = (ops.geglu, ops.geglu_packed) if gelu else (ops.swiglu, ops.swiglu_packed)
 
-    def forward(self, x: torch.Tensor, sp: Optional[SeqParallel] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sp: Optional[SeqParallel] = None, norm: Optional[tuple] = None,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`norm` (weight, eps): x is the residual stream, normalised by gate/up; `residual`: added by w2 (where their
+        small-rows kernel takes x)."""
         w2 = self.w2 if sp is None else partial(self.w2, sp=sp)  # (sp: w2 is row-parallel; an expert's is plain)
+        if residual is not None:
+            w2 = partial(self.w2, residual=residual)
+        kw = {} if norm is None else {"norm": norm}
         if len(self.gate_up) == 1:
-            gate_up = self.gate_up[0](x)
+            gate_up = self.gate_up[0](x, **kw)
             if not self.gelu and getattr(self.w2, "takes_swiglu", None) is not None and self.w2.takes_swiglu(gate_up):
                 return w2(gate_up, swiglu=True)  # SwiGLU computed as the down projection loads its input
             return w2(self.glu_packed(gate_up))
-        gate, up = (lin(x) for lin in self.gate_up)
+        gate, up = (lin(x, **kw) for lin in self.gate_up)
         return w2(self.glu(gate, up))
 
 
@@ -346,9 +368,23 @@ class Block(nn.Module):
         self.post_attention_norm = post_attention_norm or nn.Identity()
         self.post_ffn_norm = post_ffn_norm or nn.Identity()
 
-    def forward(self, x, residual, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None):
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether the norms can run inside the linears after them for input x: every linear of the block takes x's
+        rows on its small-rows kernel (runner.kernels.linear.SmallRows), the MLP is dense, no post norms (Gemma's)."""
+        a, f = self.attention, self.feed_forward
+        no_post = all(isinstance(n, nn.Identity) for n in (self.post_attention_norm, self.post_ffn_norm))
+        return (no_post and isinstance(f, FeedForward) and all(getattr(m, "fuses", None) is not None and m.fuses(x)
+                                                   for m in (*a.qkv, a.wo, *f.gate_up, f.w2)))
+
+    def forward(self, x, residual, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None,
+                fused: bool = False):
         """(the MLP's output, the residual stream): with `sp`, partial sums the next norm reduces and this rank's
-        rows of the residual."""
+        rows of the residual. `fused` (residual None: x is the residual stream): the norms run inside the linears after
+        them and wo and w2 add the residual; returns (the residual stream, None)."""
+        if fused:
+            n1, n2 = self.attention_norm, self.ffn_norm
+            r = self.attention(x, plan, cache, norm=(n1.weight, n1.eps), residual=x)
+            return self.feed_forward(r, norm=(n2.weight, n2.eps), residual=r), None
         h, residual = self.attention_norm(x, residual, sp)
         h, residual = self.ffn_norm(self.post_attention_norm(self.attention(h, plan, cache, sp)), residual, sp)
         return self.post_ffn_norm(self.feed_forward(h, sp)), residual
@@ -440,11 +476,19 @@ class Transformer(nn.Module):
         self.norm = SkipRMSNorm(norm("norm.weight"), p.norm_eps, ops)
         self.final_softcap = p.final_logit_softcapping
         self.output = linears(kinds.column, ["output"], False, gather_output=True)[0]
-        if c.decode_linears and self.device.type == "cuda" and ops.decode_linear is not None:
+        if c.decode_linears and ops.decode_linear is not None and (self.device.type == "cuda" or ops.interpreted):
+            gemv = partial(ops.decode_linear, pdl=True) if c.pdl else ops.decode_linear
             for mod in self.modules():
-                if isinstance(mod, Linear) and mod.kernel == "plain" and mod.weight.dtype in (torch.float16,
-                                                                                            torch.bfloat16):
-                    mod.use_small_rows(ops.decode_linear, ops.decode_linear_rows)
+                if (isinstance(mod, Linear) and mod.kernel == "plain" and mod.weight.dtype in (torch.float16,
+                                                                                             torch.bfloat16)) \
+                        or (isinstance(mod, QuantLinear) and mod.takes_small_rows()):
+                    mod.use_small_rows(gemv, ops.decode_linear_rows)
+        # the norms inside the linears after them, for the steps whose rows every linear takes on its small-rows kernel
+        self.norm_in_linears = c.norm_in_linears and ops.decode_linear is not None
+        if c.merge_in_attention and ops.decode_attention is not None:  # one ticket counter per (sequence, KV head)
+            counts = torch.zeros(c.max_batch * self.kv_heads, dtype=torch.int32, device=self.device)
+            for layer in self.layers:
+                layer.attention.split_counts = counts
 
     def new_cache(self, max_tokens: int):
         """Zeroed (kv_cache, kv_scale) for `max_tokens` rows in this engine's layout (scale None unless int8)."""
@@ -452,15 +496,27 @@ class Transformer(nn.Module):
         return new_cache(c.cache_layout, self.params.num_layers, max_tokens, self.kv_heads, self.head_dim, self.dtype,
                          self.device, c.quantized_cache)
 
-    def forward(self, tokens: torch.Tensor, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None
-                ) -> torch.Tensor:
+    def fuses_norms(self, x: torch.Tensor, plan: StepPlan, sp: Optional[SeqParallel]) -> bool:
+        """Whether a step on input x runs its norms inside the linears (config.norm_in_linears: every linear takes x's
+        rows on its small-rows kernel)."""
+        return (self.norm_in_linears and sp is None and plan.inputs is None and getattr(self.output, "fuses", None)
+                is not None and self.output.fuses(x) and all(layer.fuses(x) for layer in self.layers))
+
+    def forward(self, tokens: torch.Tensor, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None,
+                fuse: bool = True) -> torch.Tensor:
         """float32 logits [rows, vocab] of the plan's wanted rows (each sequence's last token); the cache updated in
-        place. With `sp`, the residual stream between the row-parallel layers is cut by rows (SeqParallel)."""
+        place. With `sp`, the residual stream between the row-parallel layers is cut by rows (SeqParallel). `fuse`
+        False: every module runs (per-layer hooks see each norm; no norms inside the linears)."""
         x, residual = self.tok_embeddings(tokens), None                            # (T, hidden)
         if self.embedding_scale != 1.0:
             x = x * self.embedding_scale
+        fused = fuse and self.fuses_norms(x, plan, sp)
         for layer in self.layers:
-            x, residual = layer(x, residual, plan, cache, sp)
+            x, residual = layer(x, residual, plan, cache, sp, fused)
+        if fused:                                                                   # x: the residual stream
+            x = x if plan.last is None else x[plan.last]
+            logits = self.output(x, norm=(self.norm.weight, self.norm.eps))[:, : self.params.vocab_size].float()
+            return logits if self.final_softcap is None else ref.soft_cap(logits, self.final_softcap)
         if sp is not None:  # the final norm reduces the last partial sums (every row, each rank its own)
             h, _ = self.norm(x, residual, sp)
             h = h if plan.last is None else h[plan.last]                           # (B, hidden)

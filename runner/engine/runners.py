@@ -42,10 +42,11 @@ class StepRunner(Protocol):
 
 
 class Eager:
-    """Every step, module by module; sequence-parallel where `sp` is given and the step's rows fit its workspace."""
+    """Every step, module by module; sequence-parallel where `sp` is given and the step's rows fit its workspace.
+    `fuse` False: every module runs for every step (no norms inside the linears), as per-layer hooks need."""
 
-    def __init__(self, model: Transformer, sp: Optional[SeqParallel]):
-        self.model, self.sp = model, sp
+    def __init__(self, model: Transformer, sp: Optional[SeqParallel], fuse: bool = True):
+        self.model, self.sp, self.fuse = model, sp, fuse
         self.name = "eager, sequence-parallel" if sp is not None else "eager"
 
     def accepts(self, plan: StepPlan, cache: KVCache) -> bool:
@@ -54,7 +55,7 @@ class Eager:
     def __call__(self, tokens, plan, cache):
         sp = self.sp if self.sp is not None and self.sp.shm.fits(tokens.shape[0], self.model.params.hidden_dim) \
             else None
-        return self.model(tokens, plan, cache, sp)
+        return self.model(tokens, plan, cache, sp, self.fuse)
 
 
 class Compiled:
@@ -168,7 +169,7 @@ class Stepper:
                    Eager(model, seq_parallel(model, c))]
         self.runners: list[StepRunner] = [r for r in runners if r is not None]
         self.force_eager = False   # set while a per-layer dump runs a step (runner.engine.layer_dump)
-        self.eager = Eager(model, None)
+        self.eager = Eager(model, None, fuse=False)
 
     def describe(self) -> str:
         """Which runner serves which kind of step (said once at start-up)."""

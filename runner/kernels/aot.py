@@ -6,10 +6,12 @@ does not compile for a real GPU, and register spills. The specialisations compil
 each op's wrapper is called on meta tensors shaped as the engine's tensors are (models with head_dim 64, 128 and
 256, float16 and bfloat16, every cache layout, offset and paged, float and int8 caches, decode and prefill
 batches, a partial rotary (ChatGLM3), ALiBi (Baichuan2-13B), GeGLU and soft-capped scores (Gemma 2), the windowed
-and full layers of Gemma 3), with a `launch` that records the kernel, its arguments and the block sizes / warps the
-wrapper picked instead of launching; each recorded launch is specialised exactly as a launch on a GPU would be
-(Triton's own argument binder: types, 16-byte alignment and divisibility of the integers) and compiled for
-each target.
+and full layers of Gemma 3, the batch-1 decode linears plain and with their fusions: norms inside, residuals added,
+the qkv's rotary + cache-store epilogue, int8 / int4 weights, programmatic dependent launch on sm_90; decode
+attention merging its splits inside or with the merge kernel), with a `launch` that records the kernel, its
+arguments and the block sizes / warps the wrapper picked instead of launching; each recorded launch is specialised
+exactly as a launch on a GPU would be (Triton's own argument binder: types, 16-byte alignment and divisibility of
+the integers) and compiled for each target.
 
     python -m runner.kernels.aot [--arch 80,90] [--json FILE]
 
@@ -39,6 +41,8 @@ from triton.runtime.jit import JITFunction, KernelInterface, create_function_fro
 
 from runner.engine.cache import new_cache
 from runner.kernels import triton_ops, triton_quant
+from runner.kernels.linear import QuantRows, RotaryStore
+from runner.kernels.reference import DecodeSplits
 
 META = torch.device("meta")
 H100_SMS = 132            # the split count of decode attention follows the SM count (triton_ops.decode_splits)
@@ -86,6 +90,7 @@ class Launch:
     args: tuple
     kwargs: dict
     labels: list = field(default_factory=list)
+    min_arch: int = 0          # compiled for targets from this compute capability (PDL: 90)
 
 
 def record(op, *args, **kwargs) -> list[Launch]:
@@ -102,6 +107,7 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
     def add(label: str, op, *args, **kwargs):
         for ln in record(op, *args, **kwargs):
             ln.labels.append(label)
+            ln.min_arch = 90 if kwargs.get("pdl") else 0
             found.append(ln)
 
     for dt in dtypes:
@@ -135,16 +141,10 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
                     es = torch.empty((32000, m.hidden // group) if group else (32000,), device=META)
                     add(f"{tag} {kind} embedding, {T} rows", triton_quant.quant_embedding, ids, emb, es, method, group,
                         dt, es if offset else None)
-            rows = triton_ops.DECODE_LINEAR_ROWS   # the decode linears: qkv, o, gate/up, down, output head
-            for n, k, swiglu, bias in (((H + 2 * KV) * D, m.hidden, False, True), (m.hidden, H * D, False, False),
-                                       (2 * m.intermediate, m.hidden, False, False),
-                                       (m.hidden, m.intermediate, not m.gelu, False), (32000, m.hidden, False, False)):
-                xi = torch.empty(rows, 2 * k if swiglu else k, dtype=dt, device=META)
-                w = torch.empty(n, k, dtype=dt, device=META)
-                add(f"{tag} decode linear {n}x{k}{' swiglu' if swiglu else ''}", triton_ops.decode_linear, xi, w,
-                    torch.empty(n, dtype=dt, device=META) if bias else None, swiglu=swiglu)
+            _decode_linears(add, m, dt, tag)
             slots = torch.empty(512, dtype=torch.int64, device=META)
             cos = torch.empty(512, (m.rotary_dim or D) // 2, dtype=torch.float32, device=META)
+            counts = torch.empty(256 * KV, dtype=torch.int32, device=META)   # (max_batch x KV heads)
             alibi = torch.empty(H, dtype=torch.float32, device=META) if m.alibi else None
             qkv = torch.empty(512, (H + 2 * KV) * D, dtype=dt, device=META)
             q, k, v = (t.view(512, -1, D) for t in qkv.split([H * D, KV * D, KV * D], dim=-1))
@@ -160,18 +160,87 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
                                          for w in ((m.window, None) if m.full_layers else (m.window,))):
                         full = " full layer" if m.full_layers and not window else ""
                         mtag = f"{ctag} {'paged' if mode else 'offset'}{full}"
-                        for B in (1, 64):
+                        # batch 1 splits the keys: merged inside in the serving set-up (layout 2, paged), else by
+                        # the merge kernel (the merge adds no specialisation the layouts would not share)
+                        for B, merge in ((1, layout == 2 and mode == 1), (64, False)):
                             starts = torch.empty((B, 32) if mode else (B,), dtype=torch.int64, device=META)
                             kvlens = torch.empty(B, dtype=torch.int64, device=META)
                             qd = torch.empty(B, (H + 2 * KV) * D, dtype=dt, device=META)[:, : H * D].view(B, H, D)
-                            add(f"{mtag} decode B={B}", triton_ops.decode_attention, qd, cache, scale, layout, 3,
-                                starts, kvlens, mode, window, num_splits=triton_ops.decode_splits(B, KV, H100_SMS),
-                                alibi=alibi, softcap=m.softcap)
+                            add(f"{mtag} decode B={B}{' merge inside' if merge else ''}", triton_ops.decode_attention,
+                                qd, cache, scale, layout, 3, starts, kvlens, mode, window, alibi=alibi,
+                                softcap=m.softcap, splits=DecodeSplits(triton_ops.decode_splits(B, KV, H100_SMS),
+                                                                       counts if merge else None))
                         starts = torch.empty((2, 32) if mode else (2,), dtype=torch.int64, device=META)
                         add(f"{mtag} prefill", triton_ops.prefill_attention, q, cache, scale, layout, 3, starts,
                             torch.empty(2, dtype=torch.int64, device=META), mode, 256, window, alibi=alibi,
                             softcap=m.softcap)
     return found
+
+
+QUANT_DECODE = (("int8", 0, False), ("int8", 32, False), ("int4", 128, False), ("int4", 32, True))
+QUANT_DECODE_MODELS = ("llama-2-7b",)   # the quantised decode linears on one model (keeps CI's compile time down)
+
+
+def _decode_linears(add, m: ModelShape, dt: torch.dtype, tag: str) -> None:
+    """The batch-1 decode linears (triton_ops.decode_linear) as the engine calls them: unfused (qkv with its bias, o,
+    gate/up, down taking the SwiGLU input, the output head), with the norms inside (qkv, gate/up, head) and the
+    residual added (o, down), the qkv's rotary + cache-store epilogue (float and int8 caches), PDL (sm_90), and the
+    quantised weights (o with its residual, gate/up with its norm: their weight tiles) on QUANT_DECODE_MODELS."""
+    H, KV, D = m.heads, m.kv_heads, m.head_dim
+    rows = triton_ops.DECODE_LINEAR_ROWS
+    qkv_n = (H + 2 * KV) * D
+    norm = (torch.empty(m.hidden, dtype=dt, device=META), 1e-5)
+    res = torch.empty(rows, m.hidden, dtype=dt, device=META)
+    bias = torch.empty(qkv_n, dtype=dt, device=META)
+    slots = torch.empty(rows, dtype=torch.int64, device=META)
+    cos = torch.empty(rows, (m.rotary_dim or D) // 2, dtype=torch.float32, device=META)
+
+    def rotaries():
+        for quant in (False, True):
+            cache, scale = new_cache(2, m.layers, CACHE_ROWS, KV, D, dt, META, quant)
+            yield quant, RotaryStore(cos, cos, slots, cache, scale, 2, 3, H, KV, D)
+
+    def linears(weight, quant=None, kind=""):
+        """(label, x, weight, options) of each call; `weight(n, k)` makes the stored weight, `quant(n, k)` its
+        QuantRows."""
+        shapes = {"qkv": (qkv_n, m.hidden), "o": (m.hidden, H * D), "gate_up": (2 * m.intermediate, m.hidden),
+                  "down": (m.hidden, m.intermediate), "head": (32000, m.hidden)}
+
+        def call(name, label, **kw):
+            n, k = shapes[name]
+            x = torch.empty(rows, 2 * k if kw.get("swiglu") else k, dtype=dt, device=META)
+            q = {} if quant is None else {"quant": quant(n, k)}
+            add(f"{tag}{kind} decode linear {name} {n}x{k}{label}", triton_ops.decode_linear, x, weight(n, k),
+                **q, **kw)
+        if quant is None:  # unfused
+            call("qkv", " + bias", bias=bias)
+            for name in ("o", "gate_up", "head"):
+                call(name, "")
+            call("down", "", swiglu=False) if m.gelu else call("down", " swiglu", swiglu=True)
+            call("o", " + residual, pdl", residual=res, pdl=True)
+        call("o", " + residual", residual=res)
+        call("gate_up", " norm", norm=norm)
+        if quant is not None:  # (the fusions around the product are the float weights' code)
+            return
+        if not m.alibi:
+            for cq, rot in rotaries():
+                call("qkv", f" norm + bias + rotary epilogue{' int8 cache' if cq else ''}", bias=bias, norm=norm,
+                     rotary=rot)
+        call("qkv", " norm + bias", bias=bias, norm=norm)
+        call("down", f"{'' if m.gelu else ' swiglu'} + residual", swiglu=not m.gelu, residual=res)
+        call("head", " norm", norm=norm)
+
+    linears(lambda n, k: torch.empty(n, k, dtype=dt, device=META))
+    if m.name in QUANT_DECODE_MODELS and dt == torch.float16:
+        for method, group, offset in QUANT_DECODE:
+            def qweight(n, k, method=method):
+                return torch.empty(n, k // (2 if method == "int4" else 1), device=META,
+                                   dtype=torch.uint8 if method == "int4" else torch.int8)
+
+            def qrows(n, k, method=method, group=group, offset=offset):
+                s = torch.empty((n, k // group) if group else (n,), device=META)
+                return QuantRows(s, s if offset else None, method, group)
+            linears(qweight, qrows, f" {method} g{group}{' offsets' if offset else ''}")
 
 
 def all_kernels() -> list[str]:
@@ -231,11 +300,13 @@ def compile_for(launch: Launch, arch: int, signature, constexprs, attrs, options
 
 
 def compile_all(launches: list[Launch], archs) -> list[Compiled]:
-    """Each distinct specialisation among `launches`, compiled once per arch."""
+    """Each distinct specialisation among `launches`, compiled once per arch (from the launch's min_arch)."""
     results = []
     for arch in archs:
         seen: dict = {}
         for ln in launches:
+            if arch < ln.min_arch:
+                continue
             signature, constexprs, attrs, options = specialise(ln, GPUTarget("cuda", arch, 32))
             key = (ln.kernel.__name__, json.dumps(signature, sort_keys=True), repr(sorted(constexprs.items())),
                    repr(sorted(attrs.items())), repr(sorted(options.__dict__.items())))

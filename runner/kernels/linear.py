@@ -15,6 +15,7 @@ Weights under PREPACK_MIN_NUMEL elements stay plain `F.linear` (MKL), as do GPU,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -56,9 +57,76 @@ def pick_kernel(weight: torch.Tensor, prepack: bool = True, min_numel: Optional[
     return "onednn" if _onednn_usable() and weight.dtype == torch.float32 else "plain"
 
 
-class Linear(torch.nn.Module):
+@dataclass(frozen=True)
+class RotaryStore:
+    """The qkv linear's epilogue (a small-rows kernel's `rotary`: runner.kernels.triton_ops.decode_linear): rotate q
+    and k of the one token at cos / sin [1, R/2] (the first R dims of each head), write the rotated k and v into cache
+    row slots[0] of layer `layer` (int8 in groups of reference.QUANT_GROUP with `scale`, as reference.kv_store), as
+    rotary_kv_store does after the linear."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    cache: torch.Tensor
+    scale: Optional[torch.Tensor]
+    layout: int
+    layer: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """A weight-only quantised weight as a small-rows kernel streams it (runner.pmx.quant's stored layout): int8
+    [N, K] with `scale` [N] (group_size 0: per output channel) or [N, K/G], or int4 bytes [N, K/2] with `scale` (and
+    `offset`, where the scheme has offsets) [N, K/G]."""
+    scale: torch.Tensor
+    offset: Optional[torch.Tensor]
+    method: str
+    group_size: int
+
+
+class SmallRows:
+    """A linear layer whose inputs of 1..max_rows rows may go to a small-rows kernel (runner.kernels.triton_ops.
+    decode_linear on CUDA), which also fuses work around the product: `swiglu` (x is a fused gate/up output, activated
+    as it loads), `norm` ((weight, eps): x is the residual stream, normalised as it loads), `residual` (added to the
+    output) and `rotary` (the qkv linear's rotary + cache-store epilogue): the layer calls
+    kernel(x, weight, bias, swiglu=, norm=, residual=, rotary=, **self._small_rows_weight())."""
+
+    in_features: int
+    _small_rows: Optional[tuple[Callable, int]] = None
+
+    def use_small_rows(self, kernel: Callable, max_rows: int) -> None:
+        self._small_rows = (kernel, max_rows)
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether x goes to the small-rows kernel (which takes swiglu, norm, residual and rotary)."""
+        return self._small_rows is not None and x.dim() == 2 and 0 < x.shape[0] <= self._small_rows[1]
+
+    def takes_swiglu(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, swiglu=True) runs: x [rows, 2 in] (gate | up) within the small-rows kernel's rows."""
+        return self.fuses(x) and x.shape[1] == 2 * self.in_features
+
+    def _small_rows_weight(self) -> dict:
+        """What the kernel takes besides the weight tensor (a quantised weight's scales)."""
+        return {}
+
+    def _small(self, x: torch.Tensor, weight: torch.Tensor, swiglu: bool, norm, residual, rotary):
+        """The small-rows kernel's product, or a ValueError when x does not go there and fused work was asked for."""
+        if self.fuses(x):
+            return self._small_rows[0](x, weight, self.bias, swiglu=swiglu, norm=norm, residual=residual,
+                                       rotary=rotary, **self._small_rows_weight())
+        if swiglu or norm is not None or residual is not None or rotary is not None:
+            raise ValueError(f"swiglu / norm / residual / rotary need a small-rows kernel and "
+                             f"[rows, {2 * self.in_features if swiglu else self.in_features}] input; got "
+                             f"{tuple(x.shape)}")
+        return None
+
+
+class Linear(SmallRows, torch.nn.Module):
     """y = x W^T + b for W [out, in] on `kernel` (pmx | onednn | plain; default: :func:`pick_kernel`'s). The packed
-    kernels take float32 inputs and give float32 outputs whatever the weight's width."""
+    kernels take float32 inputs and give float32 outputs whatever the weight's width; a plain weight of half
+    precision may take a small-rows kernel (:class:`SmallRows`)."""
 
     KERNELS = ("pmx", "onednn", "plain")
 
@@ -85,19 +153,11 @@ class Linear(torch.nn.Module):
             packed = pack_blocks(weight)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("weight", weight if self.kernel == "plain" else None, persistent=False)
-        self._small_rows: Optional[tuple[Callable, int]] = None
 
     def use_small_rows(self, kernel: Callable, max_rows: int) -> None:
-        """Inputs of 1..max_rows rows go to `kernel(x, weight, bias, swiglu)` (runner.kernels.triton_ops.
-        decode_linear on CUDA), which also takes a fused gate/up input with swiglu=True."""
         if self.kernel != "plain":
             raise ValueError(f"a {self.kernel} layer has no plain weight for a small-rows kernel")
-        self._small_rows = (kernel, max_rows)
-
-    def takes_swiglu(self, x: torch.Tensor) -> bool:
-        """Whether forward(x, swiglu=True) runs: x [rows, 2 in] (gate | up) within the small-rows kernel's rows."""
-        return (self._small_rows is not None and x.dim() == 2 and 0 < x.shape[0] <= self._small_rows[1]
-                and x.shape[1] == 2 * self.in_features)
+        super().use_small_rows(kernel, max_rows)
 
     def dense_weight(self) -> torch.Tensor:
         """W [out, in] as a plain tensor (a copy for the packed kernels)."""
@@ -107,13 +167,12 @@ class Linear(torch.nn.Module):
             return self.packed.to_dense() if self.packed.is_mkldnn else self.packed
         return self.weight
 
-    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-        if swiglu and not self.takes_swiglu(x):
-            raise ValueError(f"swiglu=True needs a small-rows kernel and [rows, {2 * self.in_features}] input; got "
-                             f"{tuple(x.shape)}")
+    def forward(self, x: torch.Tensor, swiglu: bool = False, norm: Optional[tuple] = None,
+                residual: Optional[torch.Tensor] = None, rotary=None) -> torch.Tensor:
+        y = self._small(x, self.weight, swiglu, norm, residual, rotary)
+        if y is not None:
+            return y
         if self.kernel == "plain":
-            if self._small_rows is not None and x.dim() == 2 and 0 < x.shape[0] <= self._small_rows[1]:
-                return self._small_rows[0](x, self.weight, self.bias, swiglu)
             w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)  # (a small half weight)
             return F.linear(x, w, self.bias)
         if x.dtype != torch.float32:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from runner.kernels.cpu_ext import CPU_BLOCK, cpu_ops, huge_page_copy, pack_blocks, pad_rows
-from runner.kernels.linear import Linear
+from runner.kernels.linear import Linear, SmallRows
 from runner.pmx.quant import QuantScheme, dequantize, unpack_int4
 
 CPU_KERNEL_MAX_ROWS = 32  # above this many rows of x, dequantise per block + float GEMM beats the streaming kernel
@@ -158,8 +158,9 @@ def aten_int4_takes(w: QuantWeight) -> bool:
         and n % 16 == 0
 
 
-class QuantLinear(torch.nn.Module):
-    """y = x dequant(W)^T + b for a :class:`QuantWeight` [out, in], on `kernel` (default: :func:`pick_kernel`'s)."""
+class QuantLinear(SmallRows, torch.nn.Module):
+    """y = x dequant(W)^T + b for a :class:`QuantWeight` [out, in], on `kernel` (default: :func:`pick_kernel`'s); on
+    `triton`, a scheme decode_linear streams may take it for small rows (:class:`SmallRows`)."""
 
     KERNELS = ("cpu", "aten", "triton", "reference")
 
@@ -187,7 +188,27 @@ class QuantLinear(torch.nn.Module):
         self.register_buffer("scale", s.contiguous(), persistent=False)
         self.register_buffer("offset", None if o is None else o.contiguous(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def use_small_rows(self, kernel, max_rows: int) -> None:
+        from runner.kernels.triton_ops import takes_quant
+        if self.kernel != "triton" or not takes_quant(self.method, self.group_size, self.in_features):
+            raise ValueError(f"a {self.method} layer (groups of {self.group_size}) on {self.kernel} has no "
+                             f"small-rows kernel")
+        super().use_small_rows(kernel, max_rows)
+
+    def _small_rows_weight(self) -> dict:
+        from runner.kernels.triton_ops import QuantRows
+        return {"quant": QuantRows(self.scale, self.offset, self.method, self.group_size)}
+
+    def takes_small_rows(self) -> bool:
+        """Whether :meth:`use_small_rows` takes this layer."""
+        from runner.kernels.triton_ops import takes_quant
+        return self.kernel == "triton" and takes_quant(self.method, self.group_size, self.in_features)
+
+    def forward(self, x: torch.Tensor, swiglu: bool = False, norm: Optional[tuple] = None,
+                residual: Optional[torch.Tensor] = None, rotary=None) -> torch.Tensor:
+        y = self._small(x, self.qweight, swiglu, norm, residual, rotary)
+        if y is not None:
+            return y
         x2 = x.reshape(-1, self.in_features)
         y = getattr(self, f"_{self.kernel}")(x2)
         if self.bias is not None:

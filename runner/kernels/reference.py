@@ -341,6 +341,16 @@ def kv_load(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, lay
 
 # --- attention -------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class DecodeSplits:
+    """How a decode attention kernel (runner.kernels.triton_ops.decode_attention) cuts each history: `count` key
+    splits per (sequence, KV head) (None: the kernel's choice for the batch and the device), merged by the last program
+    of each (sequence, KV head) to finish where `tickets` is given (zeroed int32 of at least batch x KV heads, left
+    zeroed), else by a merge kernel of their own."""
+    count: Optional[int] = None
+    tickets: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """One layer's attention beside its weights, on one rank: what an attention op needs to know of it."""
     layer: int

@@ -12,7 +12,7 @@ lacks is an error naming the op (:func:`lacking`), never a silently different co
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Callable, Optional
 
 import torch
@@ -58,6 +58,7 @@ class KernelSet:
     kv_store: Callable
     kv_load: Callable
     attend: Callable
+    _: KW_ONLY                                         # (the optional ops by name only: no op lands in another's field)
     rms_norm: Callable = reference.rms_norm            # (x, weight, eps): q/k norms, post norms
     swiglu_packed: Optional[Callable] = None           # (gate_up) -> swiglu of its halves (None: swiglu on chunks)
     geglu: Optional[Callable] = None                   # (gate, up) -> gelu_tanh(gate) * up (None: the set lacks it)
@@ -69,8 +70,9 @@ class KernelSet:
     decode_attention: Optional[Callable] = None        # walks the cache from cachestarts / kvlens (graph-safe)
     prefill_attention: Optional[Callable] = None       # flash attention of prefill groups over the cache
     decode_attention_rows: Optional[Callable] = None   # reads each history's rows in place (CPU)
-    decode_linear: Optional[Callable] = None           # batch-1 decode GEMV on a plain half-precision weight
+    decode_linear: Optional[Callable] = None           # batch-1 decode GEMV (runner.kernels.linear.SmallRows)
     decode_linear_rows: int = 0
+    interpreted: bool = False                          # Triton kernels run by its interpreter (CPU tests)
     quant_embedding: Optional[Callable] = None         # a quantised embedding's rows, dequantised as gathered
 
     def __post_init__(self):
@@ -131,4 +133,5 @@ def kernel_set(kind: str, device: torch.device, dtype: torch.dtype) -> KernelSet
                      torch_ops.attend, geglu=t.geglu, rotary_kv_store=t.rotary_kv_store,
                      decode_attention=t.decode_attention, prefill_attention=t.prefill_attention,
                      decode_linear=t.decode_linear, decode_linear_rows=t.DECODE_LINEAR_ROWS,
+                     interpreted=device.type != "cuda",
                      quant_embedding=triton_quant.quant_embedding)

@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP, cache_view
+from runner.kernels.linear import QuantRows, RotaryStore
+from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP, DecodeSplits, cache_view
 
 DEFAULT_SM_COUNT = 16   # what decode_splits assumes off CUDA (the interpreter, ahead-of-time compiles)
 MAX_SPLITS = 32
@@ -281,50 +282,235 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, launch: Launch = _launch, gelu:
 DECODE_LINEAR_ROWS = 1    # rows up to which decode_linear replaces cuBLAS: a batch-1 decode step (several rows are
                           # faster on cuBLAS than on a 16-row tl.dot tile: benchmarks/RESULTS.md, GPU)
 
+try:  # Programmatic Dependent Launch (sm_90+), in Triton since 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # (an older Triton: decode_linear(pdl=True) refuses)
+    gdc_launch_dependents = gdc_wait = None
+
 
 @triton.jit
-def _decode_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """y[N] = W[N, K] a[K] (+ b), a = x or silu(x[:K]) * x[K:]. Each program streams BLOCK_N rows of W and sums the
-    float32 products along K (one row: no tensor cores)."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _pdl_start(PDL: tl.constexpr):
+    """With programmatic dependent launch: wait for the kernels before this one (their outputs are its inputs), then
+    let the next kernel launch, so that its start overlaps this one's tail."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _exact_float(u, bias: tl.constexpr):
+    """u - bias as float32 for integers 0 <= u < 2^23: u in the mantissa of 2^23, then 2^23 + bias subtracted (exact).
+    An OR and an add at the full rate, where an int-to-float conversion runs at a quarter of it or less: the integer
+    weights' dequantisation is otherwise what bounds a GEMV that streams half or a quarter of float16's bytes."""
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, o_ptr, rn, mn, k0, K, G, WEIGHT: tl.constexpr, GROUPED: tl.constexpr,
+                 OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GPT: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """Rows rn, columns k0 .. k0 + BLOCK_K of W in float32: WEIGHT 16 a float weight; 8 int8 (times its group's scale
+    when GROUPED; a per-channel scale is applied to the sums instead); 4 int4 nibbles, minus 8 (times the group's
+    scale) or, with OFFSET, times the scale plus the group's offset. GPT: groups per tile (0: a group spans the
+    tile)."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    rows = rn.to(tl.int64)[:, None]
+    if WEIGHT == 4:
+        rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        if EVEN_K:
+            b = tl.load(w_ptr + rows * (K // 2) + rb[None, :], mask=mn[:, None], other=0).to(tl.int32)
+        else:
+            b = tl.load(w_ptr + rows * (K // 2) + rb[None, :], mask=mn[:, None] & (rb < K // 2)[None, :],
+                        other=0).to(tl.int32)
+        q = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_N, BLOCK_K))                  # column 2j low, 2j+1 high
+        w = _exact_float(q, 0.0 if OFFSET else 8.0)                                  # nibble (- 8)
+    elif WEIGHT == 8:
+        if EVEN_K:
+            b = tl.load(w_ptr + rows * K + rk[None, :], mask=mn[:, None], other=0)
+        else:
+            b = tl.load(w_ptr + rows * K + rk[None, :], mask=mn[:, None] & (rk < K)[None, :], other=0)
+        w = _exact_float(b.to(tl.uint8, bitcast=True).to(tl.int32) ^ 128, 128.0)     # (q + 128) - 128
+    elif EVEN_K:
+        w = tl.load(w_ptr + rows * K + rk[None, :], mask=mn[:, None], other=0).to(tl.float32)
+    else:
+        w = tl.load(w_ptr + rows * K + rk[None, :], mask=mn[:, None] & (rk < K)[None, :], other=0).to(tl.float32)
+    if GROUPED:
+        if GPT == 0:          # one group over the whole tile: a scale per row
+            at = rn.to(tl.int64) * (K // G) + k0 // G
+            w = w * tl.load(s_ptr + at, mask=mn, other=0.0).to(tl.float32)[:, None]
+            if OFFSET:
+                w = w + tl.load(o_ptr + at, mask=mn, other=0.0).to(tl.float32)[:, None]
+        else:                 # GPT groups of G columns
+            gi = k0 // G + tl.arange(0, GPT)
+            at = rows * (K // G) + gi[None, :]
+            gm = mn[:, None] & (gi < K // G)[None, :]
+            s = tl.load(s_ptr + at, mask=gm, other=0.0).to(tl.float32)
+            w3 = tl.reshape(w, (BLOCK_N, GPT, BLOCK_K // GPT)) * s[:, :, None]
+            if OFFSET:
+                w3 = w3 + tl.load(o_ptr + at, mask=gm, other=0.0).to(tl.float32)[:, :, None]
+            w = tl.reshape(w3, (BLOCK_N, BLOCK_K))
+    return w
+
+
+@triton.jit
+def _rope_epilogue(y, y_ptr, row0, cos_ptr, sin_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, c_t, c_h, s_t, s_h, N,
+                   QD, KD, D, ROT, CACHE_QUANT: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """Rows row0 .. row0 + BLOCK_N of the qkv output y (float32, rounded to the output dtype): q and k rotated in
+    interleaved pairs (the first ROT pairs of a head), the k and v rows written into cache row slots[0] (nothing
+    when it is negative). Returns the rotated rows."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    pr = row0 + 2 * tl.arange(0, HALF)                                  # the even row of each pair
+    pj = (pr % D) // 2
+    turn = (pr < QD + KD) & (pj < ROT)
+    c = tl.load(cos_ptr + pj, mask=turn, other=1.0)
+    s = tl.load(sin_ptr + pj, mask=turn, other=0.0)
+    a, b = tl.split(tl.reshape(y, (HALF, 2)))
+    y = tl.reshape(tl.join(a * c - b * s, a * s + b * c), (BLOCK_N,))
+    y = y.to(y_ptr.dtype.element_ty).to(tl.float32)                    # q, k as stored; k and v quantised from that
+    rn = row0 + tl.arange(0, BLOCK_N)
+    slot = tl.load(slots_ptr).to(tl.int64)
+    lim = tl.where(slot >= 0, N, 0)                                     # (padding rows: nothing stored)
+    is_k = (rn >= QD) & (rn < QD + KD) & (rn < lim)
+    is_v = (rn >= QD + KD) & (rn < lim)
+    kvh = tl.where(rn < QD + KD, rn - QD, rn - QD - KD) // D
+    at = slot * c_t + kvh.to(tl.int64) * c_h + rn % D
+    if CACHE_QUANT:
+        NG: tl.constexpr = BLOCK_N // GROUP
+        g = tl.reshape(y, (NG, GROUP))
+        scale = tl.maximum(tl.max(tl.abs(g), axis=1) / 127.0, 1e-5)
+        q = tl.reshape(tl.minimum(tl.maximum(_round_half_even(g / scale[:, None]), -127.0), 127.0),
+                       (BLOCK_N,)).to(tl.int8)
+        tl.store(kc_ptr + at, q, mask=is_k)
+        tl.store(vc_ptr + at, q, mask=is_v)
+        gr = row0 + GROUP * tl.arange(0, NG)                            # each group's first row
+        gkvh = tl.where(gr < QD + KD, gr - QD, gr - QD - KD) // D
+        sat = slot * s_t + gkvh.to(tl.int64) * s_h + (gr % D) // GROUP
+        tl.store(ks_ptr + sat, scale.to(ks_ptr.dtype.element_ty), mask=(gr >= QD) & (gr < QD + KD) & (gr < lim))
+        tl.store(vs_ptr + sat, scale.to(vs_ptr.dtype.element_ty), mask=(gr >= QD + KD) & (gr < lim))
+    else:
+        tl.store(kc_ptr + at, y.to(kc_ptr.dtype.element_ty), mask=is_k)
+        tl.store(vc_ptr + at, y.to(vc_ptr.dtype.element_ty), mask=is_v)
+    return y
+
+
+@triton.jit
+def _decode_linear_kernel(x_ptr, w_ptr, s_ptr, o_ptr, b_ptr, g_ptr, r_ptr, y_ptr, N, K, G, eps,
+                          cos_ptr, sin_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, c_t, c_h, s_t, s_h, QD, KD, D,
+                          ROT, WEIGHT: tl.constexpr, GROUPED: tl.constexpr, OFFSET: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                          ROPE: tl.constexpr, CACHE_QUANT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GPT: tl.constexpr, GROUP: tl.constexpr):
+    """y[N] = W[N, K] a[K] (+ b) for the one row of a decode step, W streamed once (BLOCK_N rows a program), the float32
+    products summed along K (one row: no tensor cores). a = x, or silu(x[:K]) * x[K:] (SWIGLU: the fused gate/up
+    output, activated as it is loaded), or with NORM g * x / rms(x): the row's sum of squares is summed from the same
+    loads and its 1 / rms scales the sums at the end (a scalar of the whole row, so no program reads the row twice).
+    Then + r (RESIDUAL: the residual stream the next norm takes), or ROPE: the qkv epilogue (_rope_epilogue)."""
+    _pdl_start(PDL)
+    row0 = tl.program_id(0) * BLOCK_N
+    rn = row0 + tl.arange(0, BLOCK_N)
     mn = rn < N
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            a = tl.load(x_ptr + rk)
-            w = tl.load(w_rows + rk[None, :], mask=mn[:, None], other=0.0)
+            a = tl.load(x_ptr + rk).to(tl.float32)
         else:
-            a = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
-            w = tl.load(w_rows + rk[None, :], mask=mn[:, None] & (rk < K)[None, :], other=0.0)
+            a = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
         if SWIGLU:                                  # rounded to x's dtype, as the swiglu kernel's output would be
-            g = a.to(tl.float32)
             u = tl.load(x_ptr + K + rk, mask=rk < K, other=0.0).to(tl.float32)
-            a = (g * tl.sigmoid(g) * u).to(x_ptr.dtype.element_ty)
-        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+            a = (a * tl.sigmoid(a) * u).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if NORM:
+            ss += a * a
+            a = a * tl.load(g_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+        w = _weight_tile(w_ptr, s_ptr, o_ptr, rn, mn, k0, K, G, WEIGHT, GROUPED, OFFSET, BLOCK_N, BLOCK_K, GPT,
+                         EVEN_K)
+        acc += w * a[None, :]
     y = tl.sum(acc, axis=1)
+    if NORM:
+        y = y / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    if WEIGHT == 8 and not GROUPED:                 # int8 per output channel
+        y = y * tl.load(s_ptr + rn, mask=mn, other=0.0).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=mn, other=0.0).to(tl.float32)
+    y = y.to(y_ptr.dtype.element_ty).to(tl.float32)  # the linear's output, as the unfused layers round it
+    if RESIDUAL:
+        y += tl.load(r_ptr + rn, mask=mn, other=0.0).to(tl.float32)
+    if ROPE:
+        y = _rope_epilogue(y, y_ptr, row0, cos_ptr, sin_ptr, slots_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, c_t, c_h, s_t,
+                           s_h, N, QD, KD, D, ROT, CACHE_QUANT, BLOCK_N, GROUP)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mn)
 
 
+def decode_blocks_linear(n: int, k: int, method: Optional[str]) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of decode_linear. Float weights: from benchmarks/gpu_gemv.py on an
+    H100 (Llama-2-7B's shapes): 8 weight rows (16 for N >= 16384) of 512 columns a program, 4 warps, 4 stages.
+    Quantised weights: the same rows of 1024 columns on 8 warps (as many bytes a step as float16's tile)."""
+    bn = 16 if n >= 16384 else 8
+    return (bn, 512, 4, 4) if method is None else (bn, 1024, 8, 4)
+
+
+def takes_quant(method: str, group_size: int, k: int) -> bool:
+    """Whether decode_linear streams a weight of this scheme: int8 per channel, or groups of a power of two from 16
+    that divide K (a tile holds whole groups, or one group spans it)."""
+    if method == "int8" and group_size == 0:
+        return True
+    g = group_size
+    return g >= 16 and g & (g - 1) == 0 and k % g == 0
+
+
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, swiglu: bool = False,
-                  launch: Launch = _launch) -> torch.Tensor:
-    """x [1, K] (or [1, 2K] with `swiglu`: gate | up) @ weight [N, K]^T (+ bias) -> [1, N] in x's dtype. Block shapes
-    from benchmarks/gpu_gemv.py on an H100 (Llama-2-7B's shapes): 8 weight rows (16 for N >= 16384) of 512 columns
-    per program, 4 stages deep, 4 warps."""
-    N, K = weight.shape
+                  norm: Optional[tuple] = None, residual: Optional[torch.Tensor] = None,
+                  rotary: Optional[RotaryStore] = None, quant: Optional[QuantRows] = None, pdl: bool = False,
+                  launch: Launch = _launch, blocks: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
+    """x [1, K] (or [1, 2K] with `swiglu`: gate | up) @ W^T (+ bias) -> [1, N] in x's dtype, W = `weight` [N, K] or,
+    with `quant`, the quantised weight it stores. `norm` (weight [K], eps): x is the residual stream and the product
+    is of reference.rms_norm(x) (one launch for norm and linear); `residual` [1, N]: added to the output (the
+    residual add of the norm after); `rotary`: the qkv linear's epilogue (RotaryStore); `pdl`: launched with
+    programmatic dependent launch (sm_90+); `blocks`: (BLOCK_N, BLOCK_K, warps, stages) instead of
+    decode_blocks_linear's (benchmarks/gpu_gemv.py's sweep)."""
+    method = None if quant is None else quant.method
+    N = weight.shape[0]
+    K = weight.shape[1] * (2 if method == "int4" else 1)
     if x.dim() != 2 or x.shape[0] != DECODE_LINEAR_ROWS or x.shape[1] != (2 * K if swiglu else K):
         raise ValueError(f"decode_linear takes {DECODE_LINEAR_ROWS} row of {2 * K if swiglu else K} columns; "
                          f"got {tuple(x.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError("decode_linear streams a contiguous weight (rows of K)")
+    if quant is not None and not takes_quant(method, quant.group_size, K):
+        raise ValueError(f"decode_linear: {method} groups of {quant.group_size} over {K} columns")
+    if pdl and gdc_wait is None:
+        raise ValueError(f"decode_linear(pdl=True) needs Triton's programmatic dependent launch (3.3+), not "
+                         f"{triton.__version__}")
+    bn, bk, warps, stages = blocks or decode_blocks_linear(N, K, method)
     x = x.contiguous()
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    bn, bk = (16 if N >= 16384 else 8), 512
-    launch(_decode_linear_kernel, (triton.cdiv(N, bn),), x, weight, bias if bias is not None else weight, y, N, K,
-           HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=4,
-           num_stages=4)
+    dummy = weight
+    group = quant.group_size if quant is not None else 0
+    gpt = 0 if not group or group >= bk else bk // group
+    if rotary is not None:
+        r = rotary
+        H, KV, D = r.heads, r.kv_heads, r.head_dim
+        if N != (H + 2 * KV) * D or residual is not None or D % 2 or (r.scale is not None and D % QUANT_GROUP):
+            raise ValueError(f"decode_linear's rotary epilogue: {N} rows for {H} + 2 x {KV} heads of {D}")
+        view = cache_view(r.cache, r.layout)[r.layer]                    # (2, MaxT, KV, D)
+        sview = cache_view(r.scale, r.layout)[r.layer] if r.scale is not None else view
+        rope = (r.cos.contiguous(), r.sin.contiguous(), r.slots.contiguous(), view[0], view[1], sview[0], sview[1],
+                view.stride(1), view.stride(2), sview.stride(1), sview.stride(2), H * D, KV * D, D, r.cos.shape[-1])
+    else:
+        rope = (dummy,) * 7 + (0,) * 4 + (0, 0, 1, 0)
+    norm_w, eps = norm if norm is not None else (dummy, 0.0)
+    extra = {"launch_pdl": True} if pdl else {}
+    launch(_decode_linear_kernel, (triton.cdiv(N, bn),), x, weight,
+           quant.scale if quant is not None else dummy,
+           quant.offset if quant is not None and quant.offset is not None else dummy,
+           bias if bias is not None else dummy, norm_w, residual if residual is not None else dummy, y, N, K,
+           max(group, 1), float(eps), *rope,
+           WEIGHT={None: 16, "int8": 8, "int4": 4}[method], GROUPED=group > 0,
+           OFFSET=quant is not None and quant.offset is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu,
+           NORM=norm is not None, RESIDUAL=residual is not None, ROPE=rotary is not None,
+           CACHE_QUANT=rotary is not None and rotary.scale is not None, PDL=pdl, BLOCK_N=bn, BLOCK_K=bk,
+           EVEN_K=K % bk == 0, GPT=gpt, GROUP=QUANT_GROUP, num_warps=warps, num_stages=stages, **extra)
     return y
 
 
@@ -402,13 +588,15 @@ def _kv_tile(c_ptr, s_ptr, slot, head, valid, c_t, c_h, s_t, s_h, D, out_ty: tl.
 
 @triton.jit
 def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_ptr, out_ptr, part_ptr, slopes_ptr,
-                        stride_qb, stride_qh, c_t, c_h, s_t, s_h, stride_sb, qk_scale, softcap, window, G, H, D,
-                        NUM_SPLITS, PAGED: tl.constexpr, QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                        SPLIT: tl.constexpr, EXACT: tl.constexpr, ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
+                        count_ptr, stride_qb, stride_qh, c_t, c_h, s_t, s_h, stride_sb, qk_scale, softcap, window, G,
+                        H, D, NUM_SPLITS, PAGED: tl.constexpr, QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                        SPLIT: tl.constexpr, MERGE: tl.constexpr, EXACT: tl.constexpr, ALIBI: tl.constexpr,
+                        SOFTCAP: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                         GROUP: tl.constexpr):
     """Program (b, kvh, sp): the G query heads of KV head kvh of sequence b against split sp of its keys (ALIBI: plus
-    slope_h x (j - (kvlen - 1)) on each score)."""
+    slope_h x (j - (kvlen - 1)) on each score). With MERGE, the last program of (b, kvh) to finish its split (a ticket
+    from count_ptr) merges the splits' partials into the output and resets the count for the next launch."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
@@ -446,9 +634,46 @@ def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, starts_ptr, kvlens_
         tl.store(part_ptr + row[:, None] + d[None, :], acc, mask=qm)
         tl.store(part_ptr + row + D, m_i, mask=g < G)
         tl.store(part_ptr + row + D + 1, l_i, mask=g < G)
+        if MERGE:
+            # every thread's partials written before the ticket (the atomic releases them, gpu scope), and read
+            # after it (acquire) from L2: the pattern of a grid-wide barrier
+            tl.debug_barrier()
+            count = count_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                _merge_partials(part_ptr, out_ptr, b * H + kvh * G, G, D, NUM_SPLITS, BLOCK_G, BLOCK_D)
+                tl.store(count, 0)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]             # l == 0: no keys (a padding row)
         tl.store(out_ptr + (b * H + heads[:, None]) * D + d[None, :], out.to(ty), mask=qm)
+
+
+@triton.jit(noinline=True)
+def _merge_partials(part_ptr, out_ptr, head0, G, D, NUM_SPLITS, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[head0 + g] for g < G (heads of [B x H] rows of D) from their NUM_SPLITS partials (rows of D + 2: acc, max,
+    sum): sum_s acc_s 2^(m_s - m) / sum_s l_s 2^(m_s - m), walking the splits with a running max. A call of its own
+    (noinline): its registers are not those of the attention loop before it."""
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gm, dm = g < G, d < D
+    heads = head0 + g
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    den = tl.zeros((BLOCK_G,), tl.float32)
+    num = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    for sp in tl.range(0, NUM_SPLITS, num_stages=1):
+        base = (heads * NUM_SPLITS + sp) * (D + 2)
+        m_s = tl.load(part_ptr + base + D, mask=gm, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_ptr + base + D + 1, mask=gm, other=0.0, cache_modifier=".cg")
+        acc = tl.load(part_ptr + base[:, None] + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0,
+                      cache_modifier=".cg")
+        m_new = tl.maximum(m, m_s)
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # splits with no key weigh 0
+        a_old, a_s = tl.math.exp2(m - safe), tl.math.exp2(m_s - safe)
+        den = den * a_old + l_s * a_s
+        num = num * a_old[:, None] + acc * a_s[:, None]
+        m = m_new
+    out = num / tl.where(den == 0.0, 1.0, den)[:, None]
+    tl.store(out_ptr + heads[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=gm[:, None] & dm[None, :])
 
 
 @triton.jit
@@ -495,20 +720,21 @@ def decode_blocks(head_dim: int, quantized: bool) -> tuple[int, int, int]:
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
                      cachestarts: torch.Tensor, kvlens: torch.Tensor, cache_mode: int,
-                     sliding_window: Optional[int] = None, num_splits: Optional[int] = None,
+                     sliding_window: Optional[int] = None, splits: DecodeSplits = DecodeSplits(),
                      launch: Launch = _launch, alibi: Optional[torch.Tensor] = None, softcap: float = 0.0
                      ) -> torch.Tensor:
     """q [B, H, D]: one new token per sequence, already in the cache at position kvlens[b] - 1; `alibi`: the slopes
     [H] float32 of an ALiBi model; `softcap`: the scores' soft cap (0: none). Returns [B, H, D] in q's dtype; the
     math of reference.attention_packed for decoding sequences. No host sync and no shape that depends on the history
-    lengths (capturable in a CUDA graph)."""
+    lengths (capturable in a CUDA graph). `splits` (reference.DecodeSplits): the split count (default:
+    decode_splits') and the tickets of a merge inside the kernel."""
     B, H, D = q.shape
     if q.stride(-1) != 1:
         raise ValueError("decode_attention needs a contiguous head_dim")
     view = cache_view(cache, layout)[layer]          # (2, MaxT, KV, D)
     KV = view.shape[2]
-    if num_splits is None:
-        num_splits = decode_splits(B, KV, sm_count(q.device))
+    num_splits = splits.count if splits.count is not None else decode_splits(B, KV, sm_count(q.device))
+    split_counts = splits.tickets
     block_g, block_n, block_d = decode_blocks(D, scale is not None)
     G = H // KV
     if G > block_g:
@@ -517,17 +743,21 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch
     if B == 0:
         return out
     split = num_splits > 1
+    merge = split and split_counts is not None and split_counts.numel() >= B * KV
+    if merge and split_counts.dtype != torch.int32:
+        raise ValueError(f"the split tickets must be int32, got {split_counts.dtype}")
     part = torch.empty(B * H * num_splits * (D + 2) if split else 1, dtype=torch.float32, device=q.device)
     sview = cache_view(scale, layout)[layer] if scale is not None else view
     starts = cachestarts.contiguous()
     launch(_decode_attn_kernel, (B, KV, num_splits), q, view[0], view[1], sview[0], sview[1], starts,
-           kvlens.contiguous(), out, part, _slopes(alibi, H, q), q.stride(0), q.stride(1), view.stride(1),
-           view.stride(2), sview.stride(1), sview.stride(2), starts.stride(0) if starts.dim() == 2 else 0,
-           LOG2E / math.sqrt(D), float(softcap or 1.0), int(sliding_window or 0), G, H, D, num_splits,
-           PAGED=cache_mode == 1, QUANT=scale is not None, HAS_WINDOW=bool(sliding_window), SPLIT=split,
-           EXACT=exact_dot(q.dtype), ALIBI=alibi is not None, SOFTCAP=bool(softcap), BLOCK_G=block_g,
-           BLOCK_N=block_n, BLOCK_D=block_d, PAGE=PAGE_SIZE, GROUP=QUANT_GROUP, num_warps=4, num_stages=3)
-    if split:
+           kvlens.contiguous(), out, part, _slopes(alibi, H, q), split_counts if merge else kvlens, q.stride(0),
+           q.stride(1), view.stride(1), view.stride(2), sview.stride(1), sview.stride(2),
+           starts.stride(0) if starts.dim() == 2 else 0, LOG2E / math.sqrt(D), float(softcap or 1.0),
+           int(sliding_window or 0), G, H, D, num_splits, PAGED=cache_mode == 1, QUANT=scale is not None,
+           HAS_WINDOW=bool(sliding_window), SPLIT=split, MERGE=merge, EXACT=exact_dot(q.dtype), ALIBI=alibi is not None,
+           SOFTCAP=bool(softcap), BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, PAGE=PAGE_SIZE, GROUP=QUANT_GROUP,
+           num_warps=4, num_stages=3)
+    if split and not merge:
         launch(_merge_splits_kernel, (B, H), part, out, H, D, num_splits, BLOCK_S=_pow2(num_splits),
                BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2)
     return out

@@ -14,16 +14,25 @@ from torch import nn
 from runner.kernels.quant_linear import CPU_KERNEL_MAX_ROWS, QuantWeight, make_linear, packed_args, quant_embedding
 
 
+def _fuses(linear, x: torch.Tensor) -> bool:
+    return getattr(linear, "fuses", None) is not None and linear.fuses(x)
+
+
 class ColumnParallelLinear(nn.Module):
-    """y_r = x W_r^T + b_r with W cut by output rows; the output stays cut unless gather_output."""
+    """y_r = x W_r^T + b_r with W cut by output rows; the output stays cut unless gather_output. `norm` and `rotary`:
+    work the small-rows kernel does around the product (runner.kernels.linear.SmallRows)."""
 
     def __init__(self, weight, bias: Optional[torch.Tensor], comm, gather_output: bool = False,
                  prepack: bool = True):
         super().__init__()
         self.linear, self.comm, self.gather_output = make_linear(weight, bias, prepack), comm, gather_output
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x)
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, norm=..., rotary=...) runs (x goes to the small-rows kernel)."""
+        return _fuses(self.linear, x)
+
+    def forward(self, x: torch.Tensor, norm: Optional[tuple] = None, rotary=None) -> torch.Tensor:
+        y = self.linear(x) if norm is None and rotary is None else self.linear(x, norm=norm, rotary=rotary)
         return self.comm.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -39,18 +48,27 @@ class RowParallelLinear(nn.Module):
         """Whether forward(x, swiglu=True) runs: x is a fused gate/up output its kernel activates as it loads."""
         return getattr(self.linear, "takes_swiglu", None) is not None and self.linear.takes_swiglu(x)
 
-    def forward(self, x: torch.Tensor, swiglu: bool = False, sp=None) -> torch.Tensor:
-        """x W_r^T, all-reduced, plus the bias; with `sp` (:class:`SeqParallel`: no bias) this rank's
-        partial sum, which sp's next norm reduces (written straight into its shared area where the kernel can)."""
-        if sp is not None and self.bias is not None:
-            raise ValueError("a row-parallel linear with a bias adds it after the all-reduce: no sequence parallelism")
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether x goes to the small-rows kernel (which adds `residual` in its epilogue)."""
+        return _fuses(self.linear, x)
+
+    def forward(self, x: torch.Tensor, swiglu: bool = False, sp=None, residual: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """x W_r^T, all-reduced, plus the bias (and `residual`: by rank 0's kernel before the all-reduce where it
+        fuses, else after); with `sp` (:class:`SeqParallel`: no bias) this rank's partial sum, which sp's next norm
+        reduces (written straight into its shared area where the kernel can)."""
+        if sp is not None and (self.bias is not None or residual is not None):
+            raise ValueError("a row-parallel linear with a bias or a residual adds it after the all-reduce: no "
+                             "sequence parallelism")
         if sp is not None and not swiglu:
             return sp.partial(self.linear, x)
-        y = self.linear(x, swiglu=True) if swiglu else self.linear(x)
+        fused_res = residual if residual is not None and self.comm.rank == 0 and self.fuses(x) else None
+        y = self.linear(x, swiglu=swiglu, residual=fused_res) if swiglu or fused_res is not None else self.linear(x)
         if sp is not None:
             return y
         y = self.comm.all_reduce_(y)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y + residual if residual is not None and not self.fuses(x) else y
 
 
 class ParallelEmbedding(nn.Module):

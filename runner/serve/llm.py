@@ -29,18 +29,21 @@ class LLM:
         ckpt_dir: PMX directory split into as many shards as ranks are started.
         tokenizer_path: tokenizer.model / tokenizer.json, or a directory (default: ckpt_dir).
         chat_template: a jinja chat template file (default: the tokenizer's own).
+        random_weights: random weights in the shapes of ckpt_dir's pmx_params.json (no shard is read), as
+            `serve --random_weights`: for measuring without a checkpoint.
         **options: any field of runner.config.EngineConfig, the flags of `python -m runner generate` (e.g.
             max_batch, kv_cache_tokens, device, dtype, quantized_cache); the cache is paged (cache_mode 1) in layout
             2 unless given (runner.config.serving_config).
     """
 
     def __init__(self, ckpt_dir: str, tokenizer_path: Optional[str] = None, chat_template: Optional[str] = None,
-                 **options):
+                 random_weights: bool = False, **options):
         try:
             config = serving_config(**options)
         except TypeError as e:
             raise PmxError(f"LLM: {e} (the engine options are runner.config.EngineConfig's fields)") from None
-        self._loaded = load(ckpt_dir, tokenizer_path, config, chat_template=chat_template)
+        self._loaded = load(ckpt_dir, tokenizer_path, config, chat_template=chat_template,
+                            random_weights=random_weights)
         self.engine = self._loaded.engine
         self.tokenizer = self._loaded.tokenizer
         self.session = self._loaded.session

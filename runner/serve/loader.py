@@ -26,17 +26,17 @@ class Loaded:
 
 
 def load(ckpt_dir: str, tokenizer_path: Optional[str], config: EngineConfig, stats=None, progress: bool = False,
-         chat_template: Optional[str] = None) -> Loaded:
-    """This rank's engine over `ckpt_dir` (split into as many shards as ranks), with a KV cache of
-    --kv_cache_tokens, else room for max_batch full-length sequences within the memory budget; the chat template
-    of `chat_template` (a jinja file), else the tokenizer's."""
+         chat_template: Optional[str] = None, random_weights: bool = False) -> Loaded:
+    """This rank's engine over `ckpt_dir` (split into as many shards as ranks; with `random_weights` only its
+    pmx_params.json is read), with a KV cache of --kv_cache_tokens, else room for max_batch full-length sequences
+    within the memory budget; the chat template of `chat_template` (a jinja file), else the tokenizer's."""
     params = PmxParams.load(Path(ckpt_dir))
     tok_dir = tokenizer_path or ckpt_dir
     tok = Tokenizer(tok_dir, params.bos_token_id, params.eos_ids[0] if params.eos_ids else None)
     template = ChatTemplate.load(Path(tok_dir), chat_template) or \
         (ChatTemplate.load(Path(ckpt_dir)) if tokenizer_path else None)
     eos = sorted(set(params.eos_ids) | ({tok.eos_id} if tok.eos_id is not None else set()))
-    sess = open_session(ckpt_dir, config, progress=progress)
+    sess = open_session(ckpt_dir, config, random_weights=random_weights, progress=progress)
     core = sess.core
     core.reserve(core.budget_rows(config.max_batch * core.max_model_len))
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template
           header_timeout: Annotated[float, Range(0, lo_open=True)] = 10.0,
           body_timeout: Annotated[float, Range(0, lo_open=True)] = 30.0,
           keep_alive_timeout: Annotated[float, Range(1)] = 5.0, max_connections: PositiveInt = 1024,
-          config: EngineConfig = serving_config()) -> None:
+          random_weights: bool = False, config: EngineConfig = serving_config()) -> None:
     """Serve a PMX model over OpenAI's HTTP API (completions, chat completions, streaming) on 1 or N ranks.
 
     Args:
@@ -49,9 +49,12 @@ def serve(ckpt_dir: CkptDir, tokenizer_path: TokenizerPath = None, chat_template
         body_timeout: seconds a client has to send a request's body (then 408, connection closed).
         keep_alive_timeout: seconds an idle keep-alive connection stays open.
         max_connections: open connections at most; a connection past them is answered 503 and closed.
+        random_weights: random weights in the shapes of ckpt_dir's pmx_params.json (no shard read; its tokenizer
+            still is): a server to measure without a checkpoint.
     """
     stats = EngineStats()
-    loaded = load(ckpt_dir, tokenizer_path, config, stats, progress=True, chat_template=chat_template)
+    loaded = load(ckpt_dir, tokenizer_path, config, stats, progress=True, chat_template=chat_template,
+                  random_weights=random_weights)
     sess, llm = loaded.session, loaded.engine
     if not sess.is_main:
         _follow(llm, drain_timeout)
