@@ -232,7 +232,7 @@ class DecoderFamily:
                 hidden_dim=hidden, intermediate_dim=int(c["intermediate_size"]),
                 num_layers=int(c["num_hidden_layers"]), num_heads=heads, num_kv_heads=kv_heads,
                 head_dim=head_dim, vocab_size=int(c["vocab_size"]), norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dims,
+                rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dims if rotary_dims != head_dim else None,
                 max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
                 qkv_bias=attn_bias if self.qkv_bias is None else self.qkv_bias,
                 o_bias=attn_bias if self.o_bias is None else self.o_bias,
