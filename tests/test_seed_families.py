@@ -358,7 +358,7 @@ def test_internlm2_dynamic_ntk_as_internlm2_decodes(tmp_path):
     ref = sf.internlm2(tmp_path / "hf", "safetensors", 1, 0, dynamic=2.0)
     convert(str(tmp_path / "hf"), str(tmp_path / "pmx"), progress=False)
     p = PmxParams.load(tmp_path / "pmx")
-    assert p.rope_scaling == {"type": "dynamic", "factor": 2.0} and p.max_position_embeddings == 16
+    assert p.rope_scaling == {"rope_type": "dynamic", "factor": 2.0} and p.max_position_embeddings == 16
     hd, base, L = p.head_dim, p.rope_theta, 23   # InternLM2DynamicNTKScalingRotaryEmbedding._set_cos_sin_cache
     want_base = base * ((2.0 * L / 16) - (2.0 - 1)) ** (hd / (hd - 2))
     want = 1.0 / (want_base ** (torch.arange(0, hd, 2).float() / hd))
