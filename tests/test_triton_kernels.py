@@ -160,7 +160,7 @@ def test_decode_attention_alibi(mode, quant, dtype, H, KV, num_splits, window):
     q = torch.randn(len(kvlens), H, D, device=DEV, dtype=dtype)
     slopes = torch.tensor(ref.alibi_slopes(H), device=DEV)
     got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens, device=DEV), mode, window,
-                                      splits=ref.DecodeSplits(num_splits), alibi=slopes)
+                                      splits=ref.DecodeSplits(num_splits), mods=ref.ScoreMods(slopes))
     want = _packed_reference(q, kv_all, [1] * len(kvlens), kvlens, window, slopes)
     close(got, want, dtype, scale=2)
     assert (want - _packed_reference(q, kv_all, [1] * len(kvlens), kvlens, window)).abs().max() > 0.1  # it matters
@@ -178,7 +178,7 @@ def test_prefill_attention_alibi(mode, quant, dtype):
     q = torch.randn(len(starts) * S, H, D, device=DEV, dtype=dtype)
     slopes = torch.tensor(ref.alibi_slopes(H), device=DEV)
     got = triton_ops.prefill_attention(q, cache, scale, 2, 0, cstarts, torch.tensor(kvlens, device=DEV), mode, S,
-                                       alibi=slopes)
+                                       mods=ref.ScoreMods(slopes))
     close(got, _packed_reference(q, kv_all, [S] * len(starts), kvlens, None, slopes), dtype, scale=2)
 
 
@@ -193,7 +193,7 @@ def test_decode_and_prefill_attention_soft_cap(quant, dtype):
     cache, scale, starts, kv_all = _filled_cache(0, quant, dtype, KV, D, kvlens)
     q = 3 * torch.randn(len(kvlens), H, D, device=DEV, dtype=dtype)
     got = triton_ops.decode_attention(q, cache, scale, 2, 0, starts, torch.tensor(kvlens, device=DEV), 0, 40,
-                                      splits=ref.DecodeSplits(2), softcap=cap)
+                                      splits=ref.DecodeSplits(2), mods=ref.ScoreMods(softcap=cap))
     want = _packed_reference(q, kv_all, [1, 1], kvlens, 40, softcap=cap)
     close(got, want, dtype, scale=2)
     assert (want - _packed_reference(q, kv_all, [1, 1], kvlens, 40)).abs().max() > 0.1  # it matters
@@ -201,7 +201,7 @@ def test_decode_and_prefill_attention_soft_cap(quant, dtype):
     cache, scale, cstarts, kv_all = _filled_cache(1, quant, dtype, KV, D, [3 + S])
     q = 3 * torch.randn(S, H, D, device=DEV, dtype=dtype)
     got = triton_ops.prefill_attention(q, cache, scale, 2, 0, cstarts, torch.tensor([3 + S], device=DEV), 1, S,
-                                       softcap=cap)
+                                       mods=ref.ScoreMods(softcap=cap))
     close(got, _packed_reference(q, kv_all, [S], [3 + S], None, softcap=cap), dtype, scale=2)
 
 

@@ -145,6 +145,11 @@ class Attention(nn.Module):
                               and q_norm is None and len(qkv) == 1)
         self.split_counts: Optional[torch.Tensor] = None   # decode attention's (the Transformer's, shared)
 
+    @property
+    def mods(self) -> ref.ScoreMods:
+        """What the Triton attention kernels do to the scores: ALiBi's slopes, the soft cap."""
+        return ref.ScoreMods(self.alibi, self.softcap)
+
     def forward(self, x: torch.Tensor, plan: StepPlan, cache: KVCache, sp: Optional[SeqParallel] = None,
                 norm: Optional[tuple] = None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The attention output projected by wo; `norm` (weight, eps): x is the residual stream and the qkv linear
@@ -233,8 +238,7 @@ class Attention(nn.Module):
         if self.ops.decode_attention is not None:  # a kernel that walks the cache itself
             kw = {} if self.split_counts is None else {"splits": ref.DecodeSplits(tickets=self.split_counts)}
             out = self.ops.decode_attention(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
-                                            d.kvlens, self.cache_mode, self.window, alibi=self.alibi,
-                                            softcap=self.softcap, **kw)
+                                            d.kvlens, self.cache_mode, self.window, mods=self.mods, **kw)
         elif self.ops.decode_attention_rows is not None and d.kv_slots is None:  # rows read in place
             out = self.ops.decode_attention_rows(q, cache.data, cache.scale, cache.layout, self.layer, d.cachestarts,
                                                  d.kvlens, self.window,
@@ -252,8 +256,7 @@ class Attention(nn.Module):
         n, S, D, window = g.n, g.seqlen, self.head_dim, self.spec.sliding_window
         if self.ops.prefill_attention is not None and not g.plain_for(window):
             out = self.ops.prefill_attention(q, cache.data, cache.scale, cache.layout, self.layer, g.cachestarts,
-                                             g.kvlens, self.cache_mode, S, self.window, alibi=self.alibi,
-                                             softcap=self.softcap)
+                                             g.kvlens, self.cache_mode, S, self.window, mods=self.mods)
             return out.reshape(n * S, self.heads * D)                              # (over the cache)
         if g.kv_slots is None:                                                    # a fresh prompt's own keys
             k, v = k.reshape(n, S, self.kv_heads, D), v.reshape(n, S, self.kv_heads, D)

@@ -42,7 +42,7 @@ from triton.runtime.jit import JITFunction, KernelInterface, create_function_fro
 from runner.engine.cache import new_cache
 from runner.kernels import triton_ops, triton_quant
 from runner.kernels.linear import QuantRows, RotaryStore
-from runner.kernels.reference import DecodeSplits
+from runner.kernels.reference import DecodeSplits, ScoreMods
 
 META = torch.device("meta")
 H100_SMS = 132            # the split count of decode attention follows the SM count (triton_ops.decode_splits)
@@ -146,6 +146,7 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
             cos = torch.empty(512, (m.rotary_dim or D) // 2, dtype=torch.float32, device=META)
             counts = torch.empty(256 * KV, dtype=torch.int32, device=META)   # (max_batch x KV heads)
             alibi = torch.empty(H, dtype=torch.float32, device=META) if m.alibi else None
+            mods = ScoreMods(alibi, m.softcap)
             qkv = torch.empty(512, (H + 2 * KV) * D, dtype=dt, device=META)
             q, k, v = (t.view(512, -1, D) for t in qkv.split([H * D, KV * D, KV * D], dim=-1))
             add(f"{tag} rotary", triton_ops.apply_rotary, q, cos, cos)
@@ -167,13 +168,12 @@ def engine_launches(models=MODELS, dtypes=DTYPES) -> list[Launch]:
                             kvlens = torch.empty(B, dtype=torch.int64, device=META)
                             qd = torch.empty(B, (H + 2 * KV) * D, dtype=dt, device=META)[:, : H * D].view(B, H, D)
                             add(f"{mtag} decode B={B}{' merge inside' if merge else ''}", triton_ops.decode_attention,
-                                qd, cache, scale, layout, 3, starts, kvlens, mode, window, alibi=alibi,
-                                softcap=m.softcap, splits=DecodeSplits(triton_ops.decode_splits(B, KV, H100_SMS),
-                                                                       counts if merge else None))
+                                qd, cache, scale, layout, 3, starts, kvlens, mode, window, mods=mods,
+                                splits=DecodeSplits(triton_ops.decode_splits(B, KV, H100_SMS),
+                                                    counts if merge else None))
                         starts = torch.empty((2, 32) if mode else (2,), dtype=torch.int64, device=META)
                         add(f"{mtag} prefill", triton_ops.prefill_attention, q, cache, scale, layout, 3, starts,
-                            torch.empty(2, dtype=torch.int64, device=META), mode, 256, window, alibi=alibi,
-                            softcap=m.softcap)
+                            torch.empty(2, dtype=torch.int64, device=META), mode, 256, window, mods=mods)
     return found
 
 

@@ -351,6 +351,15 @@ class DecodeSplits:
 
 
 @dataclass(frozen=True)
+class ScoreMods:
+    """What an attention kernel (runner.kernels.triton_ops' decode / prefill attention) does to its scores past
+    q.k / sqrt(D): ALiBi's `alibi` slopes [H] float32 times the key's distance added (None: none), then a soft cap
+    c tanh(s / c) (`softcap` c, 0: none; Gemma 2)."""
+    alibi: Optional[torch.Tensor] = None
+    softcap: float = 0.0
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """One layer's attention beside its weights, on one rank: what an attention op needs to know of it."""
     layer: int

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from runner.kernels.linear import QuantRows, RotaryStore
-from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP, DecodeSplits, cache_view
+from runner.kernels.reference import PAGE_SIZE, QUANT_GROUP, DecodeSplits, ScoreMods, cache_view
 
 DEFAULT_SM_COUNT = 16   # what decode_splits assumes off CUDA (the interpreter, ahead-of-time compiles)
 MAX_SPLITS = 32
@@ -721,14 +721,14 @@ def decode_blocks(head_dim: int, quantized: bool) -> tuple[int, int, int]:
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
                      cachestarts: torch.Tensor, kvlens: torch.Tensor, cache_mode: int,
                      sliding_window: Optional[int] = None, splits: DecodeSplits = DecodeSplits(),
-                     launch: Launch = _launch, alibi: Optional[torch.Tensor] = None, softcap: float = 0.0
-                     ) -> torch.Tensor:
-    """q [B, H, D]: one new token per sequence, already in the cache at position kvlens[b] - 1; `alibi`: the slopes
-    [H] float32 of an ALiBi model; `softcap`: the scores' soft cap (0: none). Returns [B, H, D] in q's dtype; the
+                     launch: Launch = _launch, mods: ScoreMods = ScoreMods()) -> torch.Tensor:
+    """q [B, H, D]: one new token per sequence, already in the cache at position kvlens[b] - 1; `mods`
+    (reference.ScoreMods): ALiBi slopes, a soft cap. Returns [B, H, D] in q's dtype; the
     math of reference.attention_packed for decoding sequences. No host sync and no shape that depends on the history
     lengths (capturable in a CUDA graph). `splits` (reference.DecodeSplits): the split count (default:
     decode_splits') and the tickets of a merge inside the kernel."""
     B, H, D = q.shape
+    alibi, softcap = mods.alibi, mods.softcap
     if q.stride(-1) != 1:
         raise ValueError("decode_attention needs a contiguous head_dim")
     view = cache_view(cache, layout)[layer]          # (2, MaxT, KV, D)
@@ -829,12 +829,13 @@ def prefill_blocks(head_dim: int, quantized: bool = False) -> tuple[int, int, in
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, layer: int,
                       cachestarts: torch.Tensor, kvlens: torch.Tensor, cache_mode: int, seqlen: int,
                       sliding_window: Optional[int] = None, launch: Launch = _launch,
-                      alibi: Optional[torch.Tensor] = None, softcap: float = 0.0) -> torch.Tensor:
+                      mods: ScoreMods = ScoreMods()) -> torch.Tensor:
     """q [n * seqlen, H, D]: seqlen new tokens of each of n sequences (already in the cache, the last at
-    kvlens[b] - 1), each attending causally over its keys in the cache (and within the sliding window; `alibi`:
-    the slopes [H] float32 of an ALiBi model; `softcap`: the scores' soft cap, 0: none). Returns [n * seqlen, H, D]
+    kvlens[b] - 1), each attending causally over its keys in the cache (and within the sliding window; `mods`
+    (reference.ScoreMods): ALiBi slopes, a soft cap). Returns [n * seqlen, H, D]
     in q's dtype: reference.attention_packed for these sequences."""
     T, H, D = q.shape
+    alibi, softcap = mods.alibi, mods.softcap
     if q.stride(-1) != 1:
         raise ValueError("prefill_attention needs a contiguous head_dim")
     n = kvlens.shape[0]
