@@ -188,6 +188,10 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT4O_SPLIT = (  # o200k's, Phi-4-mini's
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _split_then_bytes(pattern: str):
@@ -214,6 +218,7 @@ PRE_TOKENIZERS = {  # no pre-tokenizer named, or "default" (llama.cpp's fallback
     "default": _gpt2, "gpt-2": _gpt2, "smollm": _smollm,
     **{name: (lambda: _split_then_bytes(LLAMA3_SPLIT)) for name in LLAMA3_PRE},
     **{name: (lambda: _split_then_bytes(QWEN2_SPLIT)) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
+    "gpt-4o": lambda: _split_then_bytes(GPT4O_SPLIT),
 }
 
 
