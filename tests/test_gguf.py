@@ -136,24 +136,32 @@ NEW_FAMILIES = [
     ("phi4_mini", "phi3", "Q4_1", {}, dict(rotary_dim=12, num_kv_heads=2, tie_word_embeddings=True))]
 
 
+END_OF_TURN = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>", "phi3_5": "<|end|>"}
+
+
 @pytest.mark.parametrize("name,gguf_arch,qtype,overrides,want", NEW_FAMILIES, ids=[c[0] for c in NEW_FAMILIES])
 def test_new_families_match_transformers_on_the_same_file(tmp_path, name, gguf_arch, qtype, overrides, want):
     """A GGUF laid out as llama.cpp's converter writes each family (tests/gguf_files.py) converts to the model of its
     keys (the params `want`; LongRoPE's factors and attention factor from the file) with logits and greedy tokens of
     transformers loading the same file (with the model's config: transformers reads few of these keys); the matrices
     kept bit-exact (q's rows, cut from attn_qkv where fused, un-permuted over the rotated dims), the norms as the
-    file holds them (Gemma's 1 + w, so no offset added again); the tokenizer encodes as transformers' of the file."""
+    file holds them (Gemma's 1 + w, so no offset added again); the tokenizer encodes as transformers' of the file;
+    generation stops at EOS and at the end-of-turn token, found by its text as llama.cpp finds it."""
     import tokenizers
     from model_zoo.decoder import unpermute_rotary
     _, model = make_published(name, tmp_path / "hf", **overrides)
     cfg = model.config
-    tokenizer = None if gguf_arch == "phi3" and name == "phi4_mini" else sentencepiece_vocab(VOCAB)
+    tokenizer = None  # (a byte-level BPE)
+    if name in END_OF_TURN:  # a sentencepiece vocabulary with the family's end-of-turn token (llama.cpp stops at it)
+        tokenizer = sentencepiece_vocab(VOCAB)
+        tokenizer["tokens"][-1], tokenizer["types"][-1] = END_OF_TURN[name], 3
     path = write_gguf(model, tmp_path / "m.gguf", gguf_arch, matrices(qtype), tokenizer=tokenizer, pre="gpt-4o")[0]
     lines = []
     convert(str(path), str(tmp_path / "pmx"), progress=False, report=lines.append)
     assert any(ln.startswith(f"{qtype}: ") and ln.endswith("bit-exact") for ln in lines), lines
     p = PmxParams.load(tmp_path / "pmx")
     assert {k: getattr(p, k) for k in want} == want
+    assert p.eos_ids == ((2, VOCAB - 1) if name in END_OF_TURN else (2,))
     rope = getattr(cfg, "rope_parameters", {})
     if rope.get("rope_type") == "longrope":
         f32 = lambda xs: [float(np.float32(x)) for x in xs]  # noqa: E731 - as the file holds them

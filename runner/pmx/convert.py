@@ -271,7 +271,8 @@ def convert_gguf(files: list, output_dir: str, dtype: str = "auto", num_shards: 
     if report is not None:
         for line in _type_lines(kinds):
             report(line)
-    extras = tokenizer_files(ckpt, params.max_position_embeddings)
+    extras, eos = tokenizer_files(ckpt, params.max_position_embeddings)
+    params = params.replace(eos_token_id=eos[0] if len(eos) == 1 else eos or None)
     # checked apart from the file itself (an output beside it in its directory is fine; one holding it is not)
     return _write_dir(ckpt.path, output_dir, overwrite, params, plan, fetch, num_shards, "converting", progress,
                       None, extras, copy_tokenizer=False)
