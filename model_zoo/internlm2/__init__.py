@@ -45,8 +45,8 @@ class InternLM2Family(DecoderFamily):
         if scaling and scaling.get("type", scaling.get("rope_type")) not in ("dynamic", "linear"):
             raise PmxError(f"{source}: 'rope_scaling' type {scaling.get('type')!r} is not supported (InternLM2 has "
                            f"dynamic and linear)")
-        theta, rope = _rope(config, source)
         hidden, heads = k.int("hidden_size"), k.int("num_attention_heads")
+        theta, rope, _ = _rope(config, hidden // heads, source)
         bias = k.bool("bias", False)
         return PmxParams(
             model_type=self.name, architecture=config["architectures"][0], hidden_dim=hidden,
