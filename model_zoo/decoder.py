@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -174,6 +174,13 @@ class DecoderFamily:
     gguf_architecture: Optional[str] = None      # general.architecture of this family's GGUF files (llama.cpp's)
     gguf_rotate_half: bool = False               # the GGUF keeps q/k rows rotate-half (llama.cpp's NEOX rope), as HF;
                                                  # else (llama) its converter permuted them to interleaved pairs
+    gguf_defaults: tuple = ()                    # (key, value): what llama.cpp assumes where its GGUF has no key and
+                                                 # the family's config defaults differ (Gemma 3: no window)
+    gguf_norm_shift: float = 0.0                 # added to every norm weight by llama.cpp's converter (Gemma's 1: the
+                                                 # file holds 1 + w), so taken off norm_offset
+    gguf_score_scale_layers: Optional[tuple] = None  # llama.cpp's scale of the scores (no key holds it): set, 1 /
+                                                 # sqrt(head_dim), or 1 / sqrt(hidden / heads) at these block counts
+                                                 # (Gemma's 27B); None: the family's own (1 / sqrt(head_dim))
     config_defaults: tuple = ()                  # (key, value): what transformers' config class fills in where
                                                  # config.json has no such key (published configs leave them out)
     sliding_pattern: int = 0                     # without layer_types: every n-th layer full, the others sliding
@@ -316,45 +323,110 @@ class DecoderFamily:
         return tokenizer_config_with(directory, self.chat_template, special_ids(directory, self.chat_specials), named)
 
     # -- GGUF files: the same params and tensors from llama.cpp's keys and names ----------------------------------
-    def gguf_config(self, meta: dict, tensors: dict, source: str, rope_factors: Optional[list] = None) -> dict:
+    def gguf_config(self, meta: dict, tensors: dict, source: str, vectors: Optional[dict] = None) -> dict:
         """A transformers-style config (for :meth:`params`) from a GGUF file's metadata `meta` (key -> value),
-        tensor shapes `tensors` (name -> shape) and llama3 rope's frequency factors (`rope_freqs.weight`, where the
-        file has it); what this family cannot run is refused naming the key."""
-        a = self.gguf_architecture
+        tensor shapes `tensors` (name -> shape) and the vectors llama.cpp keeps as tensors (`vectors`: name -> list,
+        of GGUF_READ_INTO_PARAMS: llama3 rope's frequency factors, LongRoPE's long and short ones); where the file has
+        no key, what llama.cpp assumes for the architecture (`gguf_defaults`, then the family's config defaults);
+        what this family cannot run is refused naming the key."""
+        a, vectors = self.gguf_architecture, vectors or {}
         keys = ConfigKeys({k[len(a) + 1:]: v for k, v in meta.items() if k.startswith(f"{a}.")}, source)
         hidden, heads = keys.int("embedding_length"), keys.int("attention.head_count")
         head_dim = keys.int("attention.key_length", hidden // heads)
-        for key, want in (("attention.value_length", head_dim), ("rope.dimension_count", head_dim)):
-            if keys.int(key, want) != want:
-                raise PmxError(f"{source}: {a}.{key} = {keys.config[key]} is not supported (head_dim {head_dim}: "
-                               f"values and rotary over whole heads)")
+        if keys.int("attention.value_length", head_dim) != head_dim:
+            raise PmxError(f"{source}: {a}.attention.value_length = {keys.config['attention.value_length']} is not "
+                           f"supported (values as wide as keys: {head_dim})")
+        rotary = keys.int("rope.dimension_count", head_dim)
+        if rotary > head_dim or rotary % 2:
+            raise PmxError(f"{source}: {a}.rope.dimension_count = {rotary} is not supported (an even number of "
+                           f"rotated dims, at most head_dim {head_dim})")
         embd = tensors.get("token_embd.weight")
         if embd is None:
             raise PmxError(f"{source}: has no tensor 'token_embd.weight'")
         experts = keys.int("expert_count", 0, minimum=0)
         theta = keys.float("rope.freq_base", 10000.0)
+        layers = keys.int("block_count")
         config = {
+            **dict(self.gguf_defaults),
             "architectures": [self.architectures[0]], "hidden_size": hidden,
-            "intermediate_size": keys.int("feed_forward_length"), "num_hidden_layers": keys.int("block_count"),
+            "intermediate_size": keys.int("feed_forward_length"), "num_hidden_layers": layers,
             "num_attention_heads": heads, "num_key_value_heads": keys.int("attention.head_count_kv", heads),
             "head_dim": head_dim, "vocab_size": keys.int("vocab_size", embd[0]),
             "rms_norm_eps": keys.float("attention.layer_norm_rms_epsilon"), "rope_theta": theta,
-            "rope_scaling": _gguf_rope(keys, a, rope_factors, theta, head_dim, source),
+            "rope_scaling": _gguf_rope(keys, a, vectors, theta, rotary, source),
+            "partial_rotary_factor": _factor_of(rotary, head_dim),
             "max_position_embeddings": keys.int("context_length", 2048), "hidden_act": "silu",
-            "attention_bias": "blk.0.attn_q.bias" in tensors, "mlp_bias": "blk.0.ffn_gate.bias" in tensors,
+            "attention_bias": "blk.0.attn_q.bias" in tensors,
+            "mlp_bias": "blk.0.ffn_gate.bias" in tensors,
             "tie_word_embeddings": "output.weight" not in tensors,
             "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "pad_token_id": meta.get(
                 "tokenizer.ggml.padding_token_id"),
         }
+        for key, name in (("attn_logit_softcapping", "attn_logit_softcapping"),
+                          ("final_logit_softcapping", "final_logit_softcapping")):
+            if key in keys.config:
+                config[name] = keys.float(key)
+        config.update(self._gguf_window(keys, layers))
+        if "rope.freq_base_swa" in keys.config:  # the sliding layers' rope theta
+            local = keys.float("rope.freq_base_swa")
+            if self.local_rope_key is not None:
+                config[self.local_rope_key] = local
+            elif local != theta:
+                raise PmxError(f"{source}: {a}.rope.freq_base_swa = {local} (a rope theta of the sliding layers' own) "
+                               f"is not supported for {self.name}")
+        if self.gguf_score_scale_layers is not None:  # llama.cpp's scale of the scores (no key holds it)
+            config["query_pre_attn_scalar"] = hidden // heads if layers in self.gguf_score_scale_layers else head_dim
         if experts:
             config.update(num_local_experts=experts, num_experts_per_tok=keys.int("expert_used_count"))
         return config
 
-    def gguf_sources(self, p: PmxParams) -> list[TensorSource]:
+    def _gguf_window(self, keys: "ConfigKeys", layers: int) -> dict:
+        """The config's sliding window and layer kinds from `attention.sliding_window` (0: none) and llama.cpp's
+        `attention.sliding_window_pattern` (an int n: layer i slides unless i % n == n - 1, every layer where n is 0;
+        or a bool per layer), else the family's pattern; {} where the file has no window key."""
+        if "attention.sliding_window" not in keys.config:
+            return {}
+        window = keys.int("attention.sliding_window", minimum=0)
+        a = self.gguf_architecture
+        if not window:
+            return {"sliding_window": None}
+        if self.sliding_window_key is None:
+            raise PmxError(f"{keys.source}: {a}.attention.sliding_window = {window} is not supported for {self.name} "
+                           f"(no sliding-window attention)")
+        out = {"sliding_window": window, self.sliding_window_key: window}
+        pattern = keys.config.get("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            if len(pattern) != layers or not all(isinstance(x, bool) for x in pattern):
+                raise PmxError(f"{keys.source}: {a}.attention.sliding_window_pattern must hold a bool for each of the "
+                               f"{layers} layers, got {pattern!r}")
+            slides = pattern
+        elif pattern is not None:
+            n = keys.int("attention.sliding_window_pattern", minimum=0)
+            slides = [n == 0 or i % n < n - 1 for i in range(layers)]
+        else:
+            return out
+        out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in slides]
+        return out
+
+    def gguf_params(self, config: dict, dtype: str, source: str) -> PmxParams:
+        """:meth:`params` of a :meth:`gguf_config`, the norms' offset less what llama.cpp's converter added to the
+        weights (a Gemma GGUF's norms hold 1 + w: they are taken as they are)."""
+        p = self.params(config, dtype, source=source)
+        return p.replace(norm_offset=p.norm_offset - self.gguf_norm_shift)
+
+    def gguf_sources(self, p: PmxParams, names: Optional[set] = None) -> list[TensorSource]:
         """:meth:`tensor_sources` with GGUF names (candidates: a tied lm head is `token_embd.weight`), q/k rows
-        un-permuted only where the GGUF keeps them rotate-half."""
-        return [TensorSource(src.pmx_name, gguf_names(src.pmx_name, p.num_experts > 0), src.shape,
-                             src.rotary_heads if self.gguf_rotate_half else 0) for src in self.tensor_sources(p)]
+        un-permuted only where the GGUF keeps them rotate-half. q | k | v are cut from `attn_qkv` where the file
+        (`names`: its tensors) has it (Phi-3's, or any llama.cpp `--fuse-qkv` file), gate | up from `ffn_up` for a
+        family whose checkpoints fuse them (llama.cpp keeps Phi-3's as it is)."""
+        fused_qkv = names is not None and "blk.0.attn_qkv.weight" in names
+        layout = replace(self, fused_qkv="attn_qkv" if fused_qkv else None,
+                         fused_gate_up="ffn_up" if self.fused_gate_up else None)
+        experts = p.num_experts > 0
+        return [replace(src, hf_names=gguf_names(src.pmx_name, experts, src.take is not None),
+                        rotary_heads=src.rotary_heads if self.gguf_rotate_half else 0,
+                        rotary_dims=src.rotary_dims if self.gguf_rotate_half else 0)
+                for src in layout.tensor_sources(p)]
 
 
 GGUF_LAYER = {  # PMX module inside layers.{i} -> llama.cpp's tensor inside blk.{i}
@@ -362,35 +434,66 @@ GGUF_LAYER = {  # PMX module inside layers.{i} -> llama.cpp's tensor inside blk.
     "attention.wv": "attn_v", "attention.wo": "attn_output", "attention.q_norm": "attn_q_norm",
     "attention.k_norm": "attn_k_norm", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up",
     "feed_forward.w2": "ffn_down", "feed_forward.gate": "ffn_gate_inp",
+    "post_attention_norm": "post_attention_norm", "post_ffn_norm": "post_ffw_norm",
 }
+GGUF_FUSED = {"attention.wq": "attn_qkv", "attention.wk": "attn_qkv", "attention.wv": "attn_qkv",
+              "feed_forward.w1": "ffn_up", "feed_forward.w3": "ffn_up"}  # the parts of llama.cpp's fused tensors
 GGUF_EXPERTS = {"feed_forward.w1": "ffn_gate_exps", "feed_forward.w3": "ffn_up_exps", "feed_forward.w2": "ffn_down_exps"}
 GGUF_TOP = {"tok_embeddings.weight": ("token_embd.weight",), "output.weight": ("output.weight", "token_embd.weight"),
             "norm.weight": ("output_norm.weight",)}
-GGUF_READ_INTO_PARAMS = ("rope_freqs.weight",)  # llama3 rope's frequency factors: read into rope_scaling
+# vectors llama.cpp stores as tensors, read into the params (gguf_config): llama3 rope's frequency factors, LongRoPE's
+GGUF_READ_INTO_PARAMS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def gguf_names(pmx_name: str, experts: bool) -> tuple:
-    """Candidate GGUF names of a PMX tensor (MoE experts: llama.cpp's stacked [E, out, in] tensors)."""
+def gguf_names(pmx_name: str, experts: bool, fused: bool = False) -> tuple:
+    """Candidate GGUF names of a PMX tensor (MoE experts: llama.cpp's stacked [E, out, in] tensors; `fused`: a part
+    of a fused tensor)."""
     if pmx_name in GGUF_TOP:
         return GGUF_TOP[pmx_name]
     _, i, *rest = pmx_name.split(".")
     module = ".".join(rest[:-1])
-    name = GGUF_EXPERTS[module] if experts and module in GGUF_EXPERTS else GGUF_LAYER[module]
+    table = GGUF_EXPERTS if experts and module in GGUF_EXPERTS else GGUF_FUSED if fused else GGUF_LAYER
+    name = table[module]
     return (f"blk.{i}.{name}.{rest[-1]}",)
 
 
-def _gguf_rope(keys: "ConfigKeys", arch: str, factors: Optional[list], theta: float, head_dim: int, source: str
+def _factor_of(rotary: int, head_dim: int) -> float:
+    """The partial_rotary_factor whose int(head_dim x factor) (transformers' rotary dims) is `rotary`: rotary /
+    head_dim, or the next float above it where the product rounds below (30 / 44 x 44 < 30)."""
+    import math
+    f = rotary / head_dim
+    return f if int(head_dim * f) == rotary else math.nextafter(f, 2.0)
+
+
+def _gguf_rope(keys: "ConfigKeys", arch: str, vectors: dict, theta: float, rotary: int, source: str
                ) -> Optional[dict]:
-    """rope_scaling (transformers' dict) of a GGUF: `rope.scaling.type` linear / yarn with its keys, or llama3's
-    frequency `factors` (`rope_freqs.weight`, which llama.cpp's converter computes from a llama3 rope_scaling) turned
-    back into that dict."""
+    """rope_scaling (transformers' dict) of a GGUF: `rope.scaling.type` linear / yarn with its keys; llama3's
+    frequency factors (`rope_freqs.weight`, which llama.cpp's converter computes from a llama3 rope_scaling) turned
+    back into that dict; or LongRoPE's long and short factors (`rope_factors_long` / `_short.weight`, Phi-3's), with
+    `rope.scaling.original_context_length` and the attention factor llama.cpp's converter computed
+    (`rope.scaling.attn_factor`)."""
     kind = keys.config.get("rope.scaling.type", "none")
     factor = keys.config.get("rope.scaling.factor", keys.config.get("rope.scale_linear"))
-    if factors is not None:
-        if kind not in ("none", None):
-            raise PmxError(f"{source}: both rope_freqs.weight and {arch}.rope.scaling.type {kind!r}; only one is "
-                           f"supported")
-        return llama3_rope_from_factors(factors, theta, head_dim, source)
+    factors = vectors.get("rope_freqs.weight")
+    longrope = [vectors.get(f"rope_factors_{k}.weight") for k in ("long", "short")]
+    if factors is not None or any(f is not None for f in longrope):
+        what = "rope_freqs.weight" if factors is not None else "rope_factors_long.weight"
+        if kind not in ("none", None, "longrope") or (factors is not None and any(f is not None for f in longrope)):
+            raise PmxError(f"{source}: both {what} and {arch}.rope.scaling.type {kind!r} (or another rope's factors); "
+                           f"only one rope scaling is supported")
+        if factors is not None:
+            return llama3_rope_from_factors(factors, theta, rotary, source)
+        for name, f in zip(("rope_factors_long.weight", "rope_factors_short.weight"), longrope):
+            if f is None or len(f) != rotary // 2:
+                raise PmxError(f"{source}: LongRoPE needs rope_factors_long.weight and rope_factors_short.weight of "
+                               f"{rotary // 2} factors each (rotated dims / 2); {name} "
+                               f"{'is missing' if f is None else f'has {len(f)}'}")
+        out = {"rope_type": "longrope", "long_factor": [float(x) for x in longrope[0]],
+               "short_factor": [float(x) for x in longrope[1]],
+               "original_max_position_embeddings": keys.int("rope.scaling.original_context_length")}
+        if "rope.scaling.attn_factor" in keys.config:
+            out["attention_factor"] = keys.float("rope.scaling.attn_factor")
+        return out
     if kind in ("none", None) and factor in (None, 1.0):
         return None
     if kind in ("none", None, "linear"):
@@ -402,8 +505,8 @@ def _gguf_rope(keys: "ConfigKeys", arch: str, factors: Optional[list], theta: fl
             if key in keys.config:
                 out[name] = keys.float(key)
         return out
-    raise PmxError(f"{source}: {arch}.rope.scaling.type {kind!r} is not supported (supported: none, linear, yarn, and "
-                   f"llama3's rope_freqs.weight)")
+    raise PmxError(f"{source}: {arch}.rope.scaling.type {kind!r} is not supported (supported: none, linear, yarn, "
+                   f"llama3's rope_freqs.weight, LongRoPE's rope_factors_long / _short.weight)")
 
 
 def llama3_rope_from_factors(factors: list, theta: float, head_dim: int, source: str) -> Optional[dict]:

@@ -1,7 +1,8 @@
 """Small GGUF files for the tests, written with gguf's GGUFWriter from a transformers model's weights the way
 llama.cpp's convert_hf_to_gguf.py lays them out: its tensor names, Llama's q/k rows permuted to interleaved pairs
-(its LlamaModel.permute; qwen2 / qwen3 keep HF's rows), experts stacked [E, out, in], its metadata keys, and a
-tokenizer (a byte-level BPE trained here, or a sentencepiece-style vocabulary with scores)."""
+(its LlamaModel.permute; qwen2 / qwen3 / gemma2 / gemma3 / phi3 keep HF's rows), experts stacked [E, out, in], Gemma's
+norms as 1 + w, Phi-3's fused q | k | v and gate | up, its metadata keys per architecture, and a tokenizer (a
+byte-level BPE trained here, or a sentencepiece-style vocabulary with scores)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "block_sparse_moe.gate": "ffn_gate_inp",
          "mlp.gate": "ffn_gate_inp"}
+GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+ARCH_LAYER = {  # where an architecture's names differ from LAYER (gguf-py's tensor_mapping for it)
+    "gemma2": GEMMA_LAYER, "gemma3": GEMMA_LAYER,
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}}
+NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}  # llama.cpp's Gemma converters add 1 to every norm weight
 CORPUS = "Once upon a time there was a little girl named Lily. She loved to play outside in the park with her cat. "
 
 
@@ -31,7 +38,10 @@ def gguf_tensors(model, arch: str) -> dict:
     """{GGUF name: float32 array} of a transformers model, in llama.cpp's layout."""
     cfg = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    out = {"token_embd.weight": sd.pop("model.embed_tokens.weight"), "output_norm.weight": sd.pop("model.norm.weight")}
+    shift = NORM_SHIFT.get(arch, 0.0)
+    names = {**LAYER, **ARCH_LAYER.get(arch, {})}
+    out = {"token_embd.weight": sd.pop("model.embed_tokens.weight"),
+           "output_norm.weight": sd.pop("model.norm.weight") + np.float32(shift)}
     lm = sd.pop("lm_head.weight", None)
     if lm is not None and not cfg.tie_word_embeddings:
         out["output.weight"] = lm
@@ -49,7 +59,9 @@ def gguf_tensors(model, arch: str) -> dict:
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads
             w = permute(w, heads)
-        out[f"blk.{i}.{LAYER[module]}.{leaf}"] = w
+        if name.endswith("norm.weight"):
+            w = w + np.float32(shift)
+        out[f"blk.{i}.{names[module]}.{leaf}"] = w
     return out
 
 
@@ -89,30 +101,22 @@ def sentencepiece_vocab(vocab_size: int) -> dict:
 def write_gguf(model, path: Path, arch: str = "llama", qtype: Callable[[str, tuple], str] = lambda n, s: "F32",
                tokenizer: Optional[dict] = None, split_max_tensors: int = 0, pre: str = "gpt-2",
                extra: Optional[dict] = None, chat_template: Optional[str] = None) -> list[Path]:
-    """Writes `model` (a transformers Llama / Mixtral / Qwen2 / Qwen3) as a GGUF file of architecture `arch`, each
-    tensor in the type `qtype(name, shape)` names (F32, F16, BF16, or one gguf quantises: Q8_0, Q4_0, Q4_1, Q5_0,
-    ...), `extra` tensors added as given ({name: (type, array)}); split into parts of `split_max_tensors` tensors
-    where set. Returns the files written."""
+    """Writes `model` (a transformers Llama / Mixtral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / Phi-3) as a GGUF file of
+    architecture `arch`, each tensor in the type `qtype(name, shape)` names (F32, F16, BF16, or one gguf quantises:
+    Q8_0, Q4_0, Q4_1, Q5_0, ...), `extra` tensors added as given ({name: (type, array)}); split into parts of
+    `split_max_tensors` tensors where set. Returns the files written."""
     cfg = model.config
     tokenizer = tokenizer or byte_level_vocab(cfg.vocab_size)
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers)
-    w.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
-    w.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
-    w.add_uint32(f"{arch}.feed_forward_length", cfg.intermediate_size)
-    w.add_uint32(f"{arch}.attention.head_count", cfg.num_attention_heads)
-    w.add_uint32(f"{arch}.attention.head_count_kv", cfg.num_key_value_heads)
-    w.add_uint32(f"{arch}.attention.key_length", hd)
-    w.add_uint32(f"{arch}.attention.value_length", hd)
-    w.add_uint32(f"{arch}.rope.dimension_count", hd)
-    w.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    w.add_float32(f"{arch}.rope.freq_base", float(theta))
-    if getattr(cfg, "num_local_experts", 0):
-        w.add_uint32(f"{arch}.expert_count", cfg.num_local_experts)
-        w.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
+    tensors = {n: ("F32", a) for n, a in gguf_tensors(model, arch).items()}
+    for key, value in hparams(cfg, arch).items():
+        if isinstance(value, str):
+            w.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, int):
+            w.add_uint32(f"{arch}.{key}", value)
+        else:
+            w.add_float32(f"{arch}.{key}", value)
+    tensors.update(rope_tensors(cfg, arch))
     w.add_string("tokenizer.ggml.model", tokenizer["model"])
     if tokenizer["model"] == "gpt2":
         w.add_string("tokenizer.ggml.pre", pre)
@@ -128,7 +132,6 @@ def write_gguf(model, path: Path, arch: str = "llama", qtype: Callable[[str, tup
         w.add_bool("tokenizer.ggml.add_bos_token", tokenizer["add_bos"])
     if chat_template:
         w.add_chat_template(chat_template)
-    tensors = {n: ("F32", a) for n, a in gguf_tensors(model, arch).items()}
     tensors = {n: (qtype(n, a.shape) if a.ndim >= 2 else "F32", a) for n, (_, a) in tensors.items()}
     tensors.update(extra or {})
     for name, (type_name, a) in tensors.items():
@@ -145,6 +148,65 @@ def write_gguf(model, path: Path, arch: str = "llama", qtype: Callable[[str, tup
     w.write_tensors_to_file()
     w.close()
     return w.format_shard_names(Path(path))
+
+
+def _rope(cfg) -> tuple[dict, dict]:
+    """(the full layers' rope parameters, the sliding layers') of a transformers config, either style."""
+    rp = dict(getattr(cfg, "rope_parameters", None) or {})
+    if "full_attention" in rp:
+        return rp["full_attention"], rp.get("sliding_attention", {})
+    return rp or {"rope_theta": getattr(cfg, "rope_theta", 10000.0)}, {}
+
+
+def hparams(cfg, arch: str) -> dict:
+    """The `{arch}.*` keys llama.cpp's converter writes for a transformers config (its set_gguf_parameters): key ->
+    str, int (uint32) or float (float32)."""
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope, local = _rope(cfg)
+    out = {"block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
+           "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+           "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
+           "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps)}
+    if arch == "gemma2":  # Gemma2Model: no rope keys (llama.cpp's default theta, 10000, is Gemma 2's)
+        out.update({"attention.key_length": hd, "attention.value_length": hd,
+                    "attn_logit_softcapping": float(cfg.attn_logit_softcapping),
+                    "final_logit_softcapping": float(cfg.final_logit_softcapping),
+                    "attention.sliding_window": cfg.sliding_window})
+    elif arch == "gemma3":  # TextModel's keys (rope scaling of the full layers, both thetas), then Gemma3Model's
+        if rope.get("rope_type") == "linear":
+            out.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(rope["factor"])})
+        out.update({"rope.freq_base": float(rope["rope_theta"]), "attention.key_length": hd,
+                    "attention.value_length": hd})
+        if "rope_theta" in local:
+            out["rope.freq_base_swa"] = float(local["rope_theta"])
+        if cfg.final_logit_softcapping:
+            out["final_logit_softcapping"] = float(cfg.final_logit_softcapping)
+        if getattr(cfg, "sliding_window_pattern", None) != 1:
+            out["attention.sliding_window"] = cfg.sliding_window
+    elif arch == "phi3":  # Phi3MiniModel: the rotated dims, LongRoPE's context and attention factor, the window
+        rotated = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
+        orig = rope.get("original_max_position_embeddings", getattr(cfg, "original_max_position_embeddings", None)
+                        or cfg.max_position_embeddings)
+        out.update({"rope.scaling.original_context_length": orig, "rope.dimension_count": rotated,
+                    "rope.freq_base": float(rope["rope_theta"]), "attention.sliding_window": cfg.sliding_window or 0})
+        scale = cfg.max_position_embeddings / orig
+        if rope.get("long_factor"):
+            out["rope.scaling.attn_factor"] = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+    else:  # llama, qwen2, qwen3
+        out.update({"attention.key_length": hd, "attention.value_length": hd, "rope.dimension_count": hd,
+                    "vocab_size": cfg.vocab_size, "rope.freq_base": float(rope.get("rope_theta", 10000.0))})
+        if getattr(cfg, "num_local_experts", 0):
+            out.update({"expert_count": cfg.num_local_experts, "expert_used_count": cfg.num_experts_per_tok})
+    return out
+
+
+def rope_tensors(cfg, arch: str) -> dict:
+    """The rope vectors llama.cpp's converter writes as tensors: Phi-3's LongRoPE factors."""
+    rope, _ = _rope(cfg)
+    if arch != "phi3" or not rope.get("long_factor"):
+        return {}
+    return {f"rope_factors_{k}.weight": ("F32", np.array(rope[f"{k}_factor"], dtype=np.float32))
+            for k in ("long", "short")}
 
 
 def matrices(type_name: str, block: int = 32) -> Callable[[str, tuple], str]:

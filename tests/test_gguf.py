@@ -6,13 +6,15 @@ against transformers at TP 1 and 3 (through the server, with its chat answer), a
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ARCH_CONFIGS, SHARED_MODELS
+from conftest import ARCH_CONFIGS, SHARED_MODELS, make_published
 from gguf_files import dequantized, llama3_factors, matrices, one_parse_per_file, sentencepiece_vocab, write_gguf
 from runner.engine.tokenizer import Tokenizer
 from runner.errors import PmxError
@@ -21,7 +23,8 @@ from runner.pmx.params import PmxParams
 from runner.pmx.quant import dequantize, scheme_of
 from runner.pmx.store import SafetensorsReader
 from test_bad_input import run_cli
-from test_engine import engine, hf_logits, prompts_and_conts, rel_err, run_tp
+from test_engine import core, engine, hf_logits, prompts_and_conts, rel_err, run_tp
+from test_families import hf_greedy
 from tp_worker import teacher_forced_logits
 
 pytest.importorskip("gguf", reason="the gguf package is not installed")
@@ -44,9 +47,10 @@ def hf_model(arch: str, seed: int = 0, **overrides):
     return model
 
 
-def from_gguf(path: Path):
-    """transformers' model of GGUF `path`, dequantised to float32."""
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+def from_gguf(path: Path, config=None):
+    """transformers' model of GGUF `path`, dequantised to float32 (with `config` rather than the one transformers
+    reads from the file, where given)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
                                                              dtype=torch.float32).eval()
 
 
@@ -109,6 +113,129 @@ def test_q8_0_q4_0_q4_1_are_bit_exact(tmp_path, qtype):
             n, k = want.shape
             assert parts["qweight"].numel() == n * k // (1 if qtype == "Q8_0" else 2)
             assert parts["scale"].shape == (n, k // 32) and len(parts) == (3 if qtype == "Q4_1" else 2)
+
+
+# --- the families of issue 38: Gemma 2, Gemma 3, Phi-3 / 3.5 / Phi-4-mini ------------------------------------------
+# (tests/conftest.py PUBLISHED, tiny; llama.cpp takes Gemma's score scale from head_dim, and runs Gemma 3's files with
+# five local layers to a global one: the models here are those llama.cpp's reading of their files describes)
+NEW_FAMILIES = [
+    # soft caps, post norms (1 + w in the file), GeGLU, local / global layers alternating; a sentencepiece vocabulary
+    ("gemma2", "gemma2", "Q8_0", dict(query_pre_attn_scalar=16), dict(
+        layer_types=["sliding_attention", "full_attention"], sliding_window=5,
+        attn_logit_softcapping=float(np.float32(0.15)), final_logit_softcapping=0.5,  # (float32 in the file)
+        attention_scale=0.25, norm_offset=0.0, post_norms=True, embedding_scale=8.0,
+        hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    # q/k norms (1 + w), one KV head, a linear-scaled global rope beside the local layers' own theta
+    ("gemma3", "gemma3", "Q4_0", dict(num_hidden_layers=6, sliding_window_pattern=6), dict(
+        layer_types=["sliding_attention"] * 5 + ["full_attention"], qk_norm=True, rope_theta=1e6,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_rope_theta=10000.0, num_kv_heads=1,
+        norm_offset=0.0, attention_scale=32 ** -0.5)),
+    # attn_qkv and ffn_up (gate | up) cut apart, LongRoPE from rope_factors_long / _short across its switch
+    ("phi3_5", "phi3", "Q8_0", {}, dict(rotary_dim=16, sliding_window=64, norm_offset=0.0, tie_word_embeddings=False)),
+    # a partial rotary (rope.dimension_count 12 of 16), GQA, tied embeddings, o200k's pre-tokenizer
+    ("phi4_mini", "phi3", "Q4_1", {}, dict(rotary_dim=12, num_kv_heads=2, tie_word_embeddings=True))]
+
+
+END_OF_TURN = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>", "phi3_5": "<|end|>"}
+
+
+@pytest.mark.parametrize("name,gguf_arch,qtype,overrides,want", NEW_FAMILIES, ids=[c[0] for c in NEW_FAMILIES])
+def test_new_families_match_transformers_on_the_same_file(tmp_path, name, gguf_arch, qtype, overrides, want):
+    """A GGUF laid out as llama.cpp's converter writes each family (tests/gguf_files.py) converts to the model of its
+    keys (the params `want`; LongRoPE's factors and attention factor from the file) with logits and greedy tokens of
+    transformers loading the same file (with the model's config: transformers reads few of these keys); the matrices
+    kept bit-exact (q's rows, cut from attn_qkv where fused, un-permuted over the rotated dims), the norms as the
+    file holds them (Gemma's 1 + w, so no offset added again); the tokenizer encodes as transformers' of the file;
+    generation stops at EOS and at the end-of-turn token, found by its text as llama.cpp finds it."""
+    import tokenizers
+    from model_zoo.decoder import unpermute_rotary
+    _, model = make_published(name, tmp_path / "hf", **overrides)
+    cfg = model.config
+    tokenizer = None  # (a byte-level BPE)
+    if name in END_OF_TURN:  # a sentencepiece vocabulary with the family's end-of-turn token (llama.cpp stops at it)
+        tokenizer = sentencepiece_vocab(VOCAB)
+        tokenizer["tokens"][-1], tokenizer["types"][-1] = END_OF_TURN[name], 3
+    path = write_gguf(model, tmp_path / "m.gguf", gguf_arch, matrices(qtype), tokenizer=tokenizer, pre="gpt-4o")[0]
+    lines = []
+    convert(str(path), str(tmp_path / "pmx"), progress=False, report=lines.append)
+    assert any(ln.startswith(f"{qtype}: ") and ln.endswith("bit-exact") for ln in lines), lines
+    p = PmxParams.load(tmp_path / "pmx")
+    assert {k: getattr(p, k) for k in want} == want
+    assert p.eos_ids == ((2, VOCAB - 1) if name in END_OF_TURN else (2,))
+    rope = getattr(cfg, "rope_parameters", {})
+    if rope.get("rope_type") == "longrope":
+        f32 = lambda xs: [float(np.float32(x)) for x in xs]  # noqa: E731 - as the file holds them
+        assert p.rope_scaling == {"rope_type": "longrope", "long_factor": f32(rope["long_factor"]),
+                                  "short_factor": f32(rope["short_factor"]), "original_max_position_embeddings": 8,
+                                  "attention_factor": float(np.float32(2 ** 0.5))}  # sqrt(1 + ln 8 / ln 8)
+    hf = from_gguf(path, cfg)
+    prompts, conts = prompts_and_conts(VOCAB)
+    assert rel_err(logits(tmp_path / "pmx"), hf_logits(hf, prompts, conts)) < 1e-5
+    assert core(tmp_path / "pmx").generate(prompts, 8) == hf_greedy(hf, prompts, 8)
+
+    rd = SafetensorsReader(tmp_path / "pmx" / "model.00.safetensors")
+    parts = {k: rd.get(f"layers.0.attention.wq.{k}") for k in ("qweight", "scale", "offset")
+             if f"layers.0.attention.wq.{k}" in rd.keys()}
+    got = dequantize(parts["qweight"], parts["scale"], "int8" if qtype == "Q8_0" else "int4",
+                     offset=parts.get("offset"))
+    q_rows = cfg.num_attention_heads * p.head_dim
+    fused = gguf_arch == "phi3"
+    want_q = dequantized(path, "blk.0.attn_qkv.weight" if fused else "blk.0.attn_q.weight")[:q_rows]
+    assert torch.equal(got, unpermute_rotary(want_q, cfg.num_attention_heads, rotary_dims=p.rotary_dims))
+    assert torch.equal(rd.get("layers.0.attention_norm.weight"), dequantized(path, "blk.0.attn_norm.weight"))
+    text = "Once upon a time, in 2024, LILY's cat didn't play.  She loved the park"
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert Tokenizer(str(tmp_path / "pmx"), vocab_size=VOCAB).encode(text) == theirs(text).input_ids
+    ours = tokenizers.Tokenizer.from_file(str(tmp_path / "pmx" / "tokenizer.json")).pre_tokenizer
+    split = theirs.backend_tokenizer.pre_tokenizer  # (the pieces: this small vocabulary merges little)
+    assert (ours is None) == (split is None)
+    assert ours is None or ours.pre_tokenize_str(text) == split.pre_tokenize_str(text)
+
+
+def _params_of_keys(arch: str, keys: dict, layers: int = 6, vectors: Optional[dict] = None) -> PmxParams:
+    """The params a GGUF of `arch` with these `{arch}.*` keys (and a small model's required ones) converts to."""
+    from model_zoo import family_for_gguf
+    family = family_for_gguf(arch, False, "m.gguf")
+    meta = {f"{arch}.{k}": v for k, v in {"embedding_length": 64, "attention.head_count": 4, "block_count": layers,
+                                         "feed_forward_length": 96, "attention.layer_norm_rms_epsilon": 1e-6,
+                                         **keys}.items()}
+    config = family.gguf_config(meta, {"token_embd.weight": (300, 64)}, "m.gguf", vectors)
+    return family.gguf_params(config, "float32", "m.gguf")
+
+
+def test_new_families_gguf_keys():
+    """What llama.cpp assumes of these families' files, read the same way: Gemma's score scale from head_dim, from
+    hidden / heads at the 27B's block counts; attention.sliding_window_pattern as a period or a bool per layer;
+    no window key: Gemma 2's 4096 on alternate layers, none for Gemma 3; a window of 0: none (Phi-4-mini's); what
+    the family cannot run refused naming the key."""
+    assert _params_of_keys("gemma2", {"attention.key_length": 32}).attention_scale == 32 ** -0.5
+    assert _params_of_keys("gemma2", {"attention.key_length": 32}, layers=46).attention_scale == 16 ** -0.5
+    assert _params_of_keys("gemma3", {"attention.key_length": 32}, layers=62).attention_scale == 16 ** -0.5
+    gemma2 = _params_of_keys("gemma2", {}, layers=4)
+    assert (gemma2.sliding_window, gemma2.layer_types) == (4096, ["sliding_attention", "full_attention"] * 2)
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)  # llama.cpp's defaults
+    assert _params_of_keys("gemma3", {}).sliding_window is None
+    assert _params_of_keys("gemma3", {"attention.sliding_window": 8}).layer_types == \
+        ["sliding_attention"] * 5 + ["full_attention"]
+    three = _params_of_keys("gemma3", {"attention.sliding_window": 8, "attention.sliding_window_pattern": 3})
+    assert three.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    kinds = [True, False, False, True, True, False]
+    listed = _params_of_keys("gemma3", {"attention.sliding_window": 8, "attention.sliding_window_pattern": kinds})
+    assert listed.layer_types == ["sliding_attention" if k else "full_attention" for k in kinds]
+    every = _params_of_keys("gemma3", {"attention.sliding_window": 8, "attention.sliding_window_pattern": 0})
+    assert (every.sliding_window, every.layer_types) == (8, None)
+    assert _params_of_keys("phi3", {"attention.sliding_window": 0}).sliding_window is None
+    assert _params_of_keys("phi3", {"rope.dimension_count": 12}).rotary_dims == 12
+    for arch, keys, vectors, words in (
+            ("phi3", {"rope.freq_base_swa": 500.0}, None, "phi3.rope.freq_base_swa = 500.0"),
+            ("llama", {"attention.sliding_window": 8}, None, "llama.attention.sliding_window = 8"),
+            ("phi3", {"rope.dimension_count": 15}, None, "phi3.rope.dimension_count = 15"),
+            ("gemma3", {"attention.sliding_window": 8, "attention.sliding_window_pattern": [True]}, None,
+             "gemma3.attention.sliding_window_pattern must hold a bool for each of the 6 layers"),
+            ("phi3", {"rope.scaling.original_context_length": 8}, {"rope_factors_long.weight": [1.0] * 8},
+             "rope_factors_short.weight is missing")):
+        with pytest.raises(PmxError, match=re.escape(words)):
+            _params_of_keys(arch, keys, vectors=vectors)
 
 
 def test_mixtral_experts_and_split_set(tmp_path):
@@ -273,14 +400,14 @@ def test_unsupported_architecture_type_or_tokenizer_is_one_line(tmp_path):
     status 2 from the command), nothing written."""
     import gguf
     model = hf_model("llama_mha")
-    bad_arch = write_gguf(model, tmp_path / "phi.gguf", "phi3")[0]
+    bad_arch = write_gguf(model, tmp_path / "falcon.gguf", "falcon")[0]
     q8_1 = np.zeros((VOCAB, 64 // 32 * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1][1]), dtype=np.uint8)
     bad_type = write_gguf(model, tmp_path / "q81.gguf", extra={"token_embd.weight": ("Q8_1", q8_1)})[0]
     bad_pre = write_gguf(model, tmp_path / "pre.gguf", pre="falcon")[0]
     res = run_cli("convert", "--input_dir", bad_arch, "--output_dir", tmp_path / "out")  # one through the command
     lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(lines) == 1 and "GGUF architecture 'phi3'" in lines[0], res.stderr
-    assert "supported: llama" in lines[0] and str(bad_arch) in lines[0]
+    assert res.returncode == 2 and len(lines) == 1 and "GGUF architecture 'falcon'" in lines[0], res.stderr
+    assert "supported: gemma2, gemma3, llama, llama with experts, phi3, qwen2" in lines[0] and str(bad_arch) in lines[0]
     for path, words in ((bad_type, ["'token_embd.weight'", "type Q8_1"]),
                         (bad_pre, ["tokenizer.ggml.pre 'falcon'", "smollm"])):
         with pytest.raises(PmxError) as e:

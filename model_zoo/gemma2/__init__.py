@@ -17,7 +17,12 @@ GEMMA2_DEFAULTS = (
     ("rope_theta", 10000.0), ("attention_bias", False), ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
     ("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0))
 
+# GGUF: llama.cpp's "gemma2" files keep HF's rotate-half q/k rows (its NEOX rope) and hold every norm as 1 + w (its
+# converter adds the 1); no key holds the scores' scale: llama.cpp takes 1 / sqrt(head_dim), 1 / sqrt(hidden / heads)
+# for the 27B (46 layers), whose query_pre_attn_scalar that is; the soft caps and the window (4096 where no key says)
+# from its keys, local and global layers alternating (attention.sliding_window_pattern where the file has one)
 GEMMA2 = DecoderFamily(name="gemma2", architectures=("Gemma2ForCausalLM",), sliding_window_key="sliding_window",
                        sliding_pattern=2, config_defaults=GEMMA2_DEFAULTS, norm_offset=1.0, post_norms=True,
                        scale_embeddings=True, hf_modules=GEMMA_MODULES, chat_template=GEMMA_TEMPLATE,
-                       chat_specials=GEMMA_SPECIALS)
+                       chat_specials=GEMMA_SPECIALS, gguf_architecture="gemma2", gguf_rotate_half=True,
+                       gguf_norm_shift=1.0, gguf_score_scale_layers=(46,))

@@ -18,6 +18,10 @@ GEMMA3_DEFAULTS = (
     ("rope_theta", 1_000_000.0), ("rope_local_base_freq", 10_000.0), ("attention_bias", False),
     ("query_pre_attn_scalar", 256), ("sliding_window", 4096))
 
+# GGUF: "gemma3" files as Gemma 2's (rotate-half q/k rows, norms and q/k norms as 1 + w, the 27B's scale: 62 layers);
+# rope.freq_base is the global layers' theta (with rope.scaling linear), rope.freq_base_swa the local ones' (10000
+# where no key says, unscaled); five local layers to one global (attention.sliding_window_pattern where the file has
+# one); no attention.sliding_window key: no local layers (llama.cpp's converter leaves it out for pattern 1)
 GEMMA3 = DecoderFamily(
     name="gemma3", architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
     sliding_window_key="sliding_window", sliding_pattern=6, local_rope_key="rope_local_base_freq", qk_norm=True,
@@ -26,4 +30,5 @@ GEMMA3 = DecoderFamily(
     lm_heads=("lm_head.weight", "language_model.lm_head.weight"),
     left_out=((r"(model\.)?vision_tower\..*", "vision tower"),
               (r"(model\.)?multi_modal_projector\..*", "multimodal projector")),
-    chat_template=GEMMA_TEMPLATE, chat_specials=GEMMA_SPECIALS)
+    chat_template=GEMMA_TEMPLATE, chat_specials=GEMMA_SPECIALS, gguf_architecture="gemma3", gguf_rotate_half=True,
+    gguf_defaults=(("sliding_window", None),), gguf_norm_shift=1.0, gguf_score_scale_layers=(62,))

@@ -191,23 +191,22 @@ def convert_gguf(files: list, output_dir: str, dtype: str = "auto", num_shards: 
     source, tensors = str(ckpt.path), ckpt.tensors
     family = family_for_gguf(ckpt.architecture, "blk.0.ffn_gate_exps.weight" in tensors, source)
     shapes = {n: t.shape for n, t in tensors.items()}
-    factors = tensors.get("rope_freqs.weight")
-    config = family.gguf_config(ckpt.meta, shapes, source, None if factors is None else
-                                ckpt.float_tensor(factors).float().tolist())
+    vectors = {n: ckpt.float_tensor(tensors[n]).float().tolist() for n in GGUF_READ_INTO_PARAMS if n in tensors}
+    config = family.gguf_config(ckpt.meta, shapes, source, vectors)
     eos = eos_ids(ckpt.meta)
     config["eos_token_id"] = eos[0] if len(eos) == 1 else eos or None
     target_name = _gguf_dtype(dtype, ckpt)
-    params = family.params(config, target_name, source=source)
+    params = family.gguf_params(config, target_name, source)
     target = DTYPE_NAMES[target_name]
 
     sources, used = {}, set(GGUF_READ_INTO_PARAMS)
-    for src in family.gguf_sources(params):
+    for src in family.gguf_sources(params, set(tensors)):
         name = next((n for n in src.hf_names if n in tensors), None)
         if name is None:
             raise PmxError(f"{source}: missing tensor {src.hf_names[0]!r} (needed for {src.pmx_name})")
-        if tuple(tensors[name].shape) != tuple(src.shape):
+        if tuple(tensors[name].shape) != tuple(src.expected_hf_shape):
             raise PmxError(f"{ckpt.tensors[name].path}: tensor {name!r} has shape {list(tensors[name].shape)}, "
-                           f"expected {list(src.shape)} from its metadata")
+                           f"expected {list(src.expected_hf_shape)} from its metadata")
         sources[src.pmx_name] = (src, tensors[name])
         used.add(name)
     extra = sorted(set(tensors) - used)
@@ -245,8 +244,10 @@ def convert_gguf(files: list, output_dir: str, dtype: str = "auto", num_shards: 
                  for part in quant_parts(leaf)]
 
     def rows(src, x: torch.Tensor) -> torch.Tensor:
-        """q/k rows (of a weight, its scales, its offsets) from rotate-half to interleaved pairs, where stored so."""
-        return unpermute_rotary(x, src.rotary_heads) if src.rotary_heads else x
+        """This tensor's rows (of a weight, its scales, its offsets): its part of a fused tensor, q/k rows from
+        rotate-half to interleaved pairs where stored so."""
+        x = x if src.take is None else src.take(x)
+        return unpermute_rotary(x, src.rotary_heads, rotary_dims=src.rotary_dims) if src.rotary_heads else x
 
     def fetch(name: str) -> torch.Tensor | Stored:
         if name in pending:
@@ -254,7 +255,7 @@ def convert_gguf(files: list, output_dir: str, dtype: str = "auto", num_shards: 
         base, _, part = name.rpartition(".")
         if part not in QUANT_PARTS:
             src, t = sources[name]
-            if t.type in FLOATS and FLOATS[t.type] == target and not src.rotary_heads:
+            if t.type in FLOATS and FLOATS[t.type] == target and not src.rotary_heads and src.take is None:
                 return Stored.of_file(t.path, t.offset, target, t.shape)  # copied file to file
             x = rows(src, ckpt.float_tensor(t))
             return x if x.dtype == target else scratch.take("cast", target, x.shape).copy_(x)
@@ -270,7 +271,8 @@ def convert_gguf(files: list, output_dir: str, dtype: str = "auto", num_shards: 
     if report is not None:
         for line in _type_lines(kinds):
             report(line)
-    extras = tokenizer_files(ckpt, params.max_position_embeddings)
+    extras, eos = tokenizer_files(ckpt, params.max_position_embeddings)
+    params = params.replace(eos_token_id=eos[0] if len(eos) == 1 else eos or None)
     # checked apart from the file itself (an output beside it in its directory is fine; one holding it is not)
     return _write_dir(ckpt.path, output_dir, overwrite, params, plan, fetch, num_shards, "converting", progress,
                       None, extras, copy_tokenizer=False)

@@ -188,6 +188,10 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT4O_SPLIT = (  # o200k's, Phi-4-mini's
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _split_then_bytes(pattern: str):
@@ -214,11 +218,13 @@ PRE_TOKENIZERS = {  # no pre-tokenizer named, or "default" (llama.cpp's fallback
     "default": _gpt2, "gpt-2": _gpt2, "smollm": _smollm,
     **{name: (lambda: _split_then_bytes(LLAMA3_SPLIT)) for name in LLAMA3_PRE},
     **{name: (lambda: _split_then_bytes(QWEN2_SPLIT)) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
+    "gpt-4o": lambda: _split_then_bytes(GPT4O_SPLIT),
 }
 
 
-def tokenizer_files(ckpt: GGUFCheckpoint, max_positions: int) -> dict:
-    """tokenizer.json and tokenizer_config.json (name -> text) of the tokenizer the file's metadata describes."""
+def tokenizer_files(ckpt: GGUFCheckpoint, max_positions: int) -> tuple[dict, list]:
+    """tokenizer.json and tokenizer_config.json (name -> text) of the tokenizer the file's metadata describes, and the
+    ids generation stops at (:func:`eos_ids`)."""
     meta, path = ckpt.meta, ckpt.path
     kind = meta.get("tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
@@ -267,11 +273,20 @@ def tokenizer_files(ckpt: GGUFCheckpoint, max_positions: int) -> dict:
     config["added_tokens_decoder"] = {  # as transformers writes them: a chat template's special tokens are found here
         str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
         for t in spec["added_tokens"]}
-    return {"tokenizer.json": json.dumps(spec, ensure_ascii=False),
-            "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+    files = {"tokenizer.json": json.dumps(spec, ensure_ascii=False),
+             "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+    named = (backend.token_to_id(t) for t in END_OF_GENERATION)
+    return files, eos_ids(meta, [i for i in named if i is not None and i < ckpt.token_count])
 
 
-def eos_ids(meta: dict) -> list:
-    """The ids generation stops at: the EOS, and the end-of-turn / end-of-message tokens llama.cpp stops at too."""
-    ids = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+# The tokens llama.cpp also ends generation at, found by their text (llama-vocab.cpp; converters name no eot_token_id
+# for Gemma's <end_of_turn> or Phi-3's <|end|>, whose instruct models end their turns with them)
+END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
+                     "<|end_of_text|>", "</s>", "<eos>")
+
+
+def eos_ids(meta: dict, found: tuple = ()) -> list:
+    """The ids generation stops at: the EOS, the end-of-turn / end-of-message tokens the file names, and those `found`
+    by their text (END_OF_GENERATION), as llama.cpp stops at all of them."""
+    ids = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")] + list(found)
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
