@@ -36,8 +36,8 @@ FORMATS = {  # each variant from another of the layouts conversion reads: (forma
 ALL_CACHES = [dict(cache_layout=0, cache_mode=0), dict(cache_layout=1, cache_mode=1), dict(cache_layout=2),
               dict(cache_layout=3, cache_mode=1), dict(cache_layout=0, fused_kvcache=False),
               dict(cache_layout=3, cache_mode=1, fused_kvcache=False)]
-TP = [(name, 2) for name in sf.VARIANTS] + [(name, 4) for name in sf.VARIANTS if not name.endswith("13b")] + \
-     [("baichuan2_13b", 3)]  # 6 heads
+TP = [(name, 2) for name in sf.VARIANTS] + [("chatglm3", 4), ("qwen_logn", 4), ("baichuan2_7b", 4)] + \
+     [("baichuan2_13b", 3)]  # 6 heads; at 4 ranks: ChatGLM3's 2 KV heads replicated, Qwen's logn, Baichuan's NormHead
 
 
 @pytest.fixture(scope="module")

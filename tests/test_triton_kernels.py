@@ -311,12 +311,14 @@ def test_rotary_kv_store_one_launch(layout, quant, dtype):
         close(got, want, dtype)
 
 
-@pytest.mark.parametrize("dtype,N,K", [(dt, n, k) for dt in DTYPES for n, k in [(40, 300), (33, 512)]] +
-                         [(DTYPES[1], 17000, 96)] +  # (the wide-N tile: its dtype paths are the ones above)
-                         ([(dt, 4096, 11008) for dt in DTYPES] if CUDA else []))
-def test_decode_linear_matches_torch(dtype, N, K):
+@pytest.mark.parametrize("dtype,N,K,blocks", [(dt, n, k, None) for dt in DTYPES for n, k in [(40, 300), (33, 512)]]
+                         + [(DTYPES[1], 40, 300, triton_ops.decode_blocks_linear(16384, 300, None))]
+                         + ([(dt, 4096, 11008, None) for dt in DTYPES] if CUDA else []))
+def test_decode_linear_matches_torch(dtype, N, K, blocks):
     """decode_linear against the float32 product: plain, with a bias, and with SwiGLU taken from a fused gate/up
-    input (rounded to the input dtype first, as the swiglu kernel's output is); K off the block size included."""
+    input (rounded to the input dtype first, as the swiglu kernel's output is); K off the block size included;
+    `blocks`: the wide-N tile (16 rows a program, which N >= 16384 takes) on a small N (its dtype paths are the
+    narrow tile's)."""
     g, rows = torch.Generator().manual_seed(N * 1000 + K), triton_ops.DECODE_LINEAR_ROWS
     w = (torch.randn(N, K, generator=g) * 0.1).to(DEV, dtype)
     b = torch.randn(N, generator=g).to(DEV, dtype)
@@ -327,7 +329,7 @@ def test_decode_linear_matches_torch(dtype, N, K):
             gate, up = a.chunk(2, dim=-1)
             a = (torch.nn.functional.silu(gate) * up).to(dtype).float()
         want = a @ w.float().T + (0 if bias is None else bias.float())
-        got = triton_ops.decode_linear(x, w, bias, swiglu=swiglu)
+        got = triton_ops.decode_linear(x, w, bias, swiglu=swiglu, blocks=blocks)
         assert got.dtype == dtype and got.shape == (rows, N)
         err = float((got.float() - want).abs().max() / want.abs().max())
         assert err < TOL[dtype], (bias is None, swiglu, err)
@@ -407,10 +409,9 @@ def test_engine_with_triton_kernels_matches_transformers(make_hf, tmp_path, arch
 LOWP_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2}  # max |logit error| / max |logit|, int8 cache included
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("arch,options", [
-    ("llama_mha", dict(cache_layout=1, cache_mode=1, quantized_cache=True)),
-    ("mistral_window", dict(cache_layout=3)),  # sliding window 5: windowed prefill and decode
+@pytest.mark.parametrize("arch,options,dtype", [
+    ("llama_mha", dict(cache_layout=1, cache_mode=1, quantized_cache=True), torch.float16),
+    ("mistral_window", dict(cache_layout=3), torch.bfloat16),  # sliding window 5: windowed prefill and decode
 ])
 def test_engine_half_precision_matches_transformers(make_hf, tmp_path, dtype, arch, options):
     """The engine in float16 / bfloat16 on the Triton kernels against transformers in float32 on the same weights:

@@ -13,18 +13,19 @@ arguments and the block sizes / warps the wrapper picked instead of launching; e
 exactly as a launch on a GPU would be (Triton's own argument binder: types, 16-byte alignment and divisibility of
 the integers) and compiled for each target.
 
-    python -m runner.kernels.aot [--arch 80,90] [--json FILE]
+    python -m runner.kernels.aot [--arch 80,90] [--json FILE] [--cover 2]
 
 prints one line per distinct compile (kernel, registers, spill bytes, what it serves) and exits 1 if a
 kernel spills or a Triton kernel of runner.kernels.triton_ops / triton_quant was not compiled. Must run
 without TRITON_INTERPRET (under the interpreter the kernels are not compilable objects). tests/test_triton_aot.py
-runs it.
+runs it with `--cover 2` (every pair of choices made together compiled, in about a third of the time).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import re
 import sys
@@ -299,31 +300,71 @@ def compile_for(launch: Launch, arch: int, signature, constexprs, attrs, options
                     int(used.group(1)), int(spill.group(1)), int(spill.group(2)), seconds, list(launch.labels))
 
 
-def compile_all(launches: list[Launch], archs) -> list[Compiled]:
-    """Each distinct specialisation among `launches`, compiled once per arch (from the launch's min_arch)."""
+def distinct(launches: list[Launch], arch: int) -> list[tuple]:
+    """Each distinct specialisation among `launches` for sm_<arch> (from the launch's min_arch): (the first launch
+    that makes it, its specialisation (signature, constexprs, attrs, options), the labels of every launch that
+    shares it)."""
+    seen: dict = {}
+    for ln in launches:
+        if arch < ln.min_arch:
+            continue
+        spec = specialise(ln, GPUTarget("cuda", arch, 32))
+        signature, constexprs, attrs, options = spec
+        key = (ln.kernel.__name__, json.dumps(signature, sort_keys=True), repr(sorted(constexprs.items())),
+               repr(sorted(attrs.items())), repr(sorted(options.__dict__.items())))
+        if key in seen:
+            seen[key][2].extend(ln.labels)
+        else:
+            seen[key] = (ln, spec, list(ln.labels))
+    return list(seen.values())
+
+
+def choices(ln: Launch, spec) -> frozenset:
+    """The choices a specialisation is made of: each constexpr's value, the pointers' dtypes, warps and stages."""
+    signature, constexprs, _, options = spec
+    names = ln.kernel.arg_names
+    out = {f"{names[k[0]]}={v}" for k, v in constexprs.items() if isinstance(v, (int, bool))}
+    pointers = sorted({v for v in signature.values() if isinstance(v, str) and v.startswith("*")})
+    return frozenset(out | {f"pointers={pointers}", f"warps={options.num_warps}", f"stages={options.num_stages}"})
+
+
+def covering(specs: list[tuple], order: int) -> list[tuple]:
+    """A subset of `specs` (distinct's) in which, for each kernel, every combination of `order` choices that some
+    specialisation makes is made by one (order 2: every pair of choices; greedy, deterministic): what compiles in a
+    fraction of the time while every choice meets every other, so that a value that fails to compile or spills with
+    another shows."""
+    chosen = []
+    for kernel in dict.fromkeys(ln.kernel.__name__ for ln, _, _ in specs):
+        mine = [(x, {c for c in itertools.combinations(sorted(choices(x[0], x[1])), order)})
+                for x in specs if x[0].kernel.__name__ == kernel]
+        need = set().union(*(combos for _, combos in mine))
+        while need:
+            best, combos = max(mine, key=lambda m: len(m[1] & need))
+            need -= combos
+            chosen.append(best)
+    return chosen
+
+
+def compile_all(launches: list[Launch], archs, cover: int = 0) -> list[Compiled]:
+    """Each distinct specialisation among `launches`, compiled once per arch; `cover` n > 0: only a subset in which
+    every n choices any specialisation makes together are made by one (:func:`covering`)."""
     results = []
     for arch in archs:
-        seen: dict = {}
-        for ln in launches:
-            if arch < ln.min_arch:
-                continue
-            signature, constexprs, attrs, options = specialise(ln, GPUTarget("cuda", arch, 32))
-            key = (ln.kernel.__name__, json.dumps(signature, sort_keys=True), repr(sorted(constexprs.items())),
-                   repr(sorted(attrs.items())), repr(sorted(options.__dict__.items())))
-            if key in seen:
-                seen[key].labels.extend(ln.labels)
-                continue
-            seen[key] = res = compile_for(ln, arch, signature, constexprs, attrs, options)
+        specs = distinct(launches, arch)
+        for ln, (signature, constexprs, attrs, options), labels in (covering(specs, cover) if cover else specs):
+            res = compile_for(ln, arch, signature, constexprs, attrs, options)
+            res.labels = labels
             results.append(res)
     return results
 
 
-def main(arch: str = "80,90", json_out: Optional[str] = None, canary: bool = False) -> int:
-    """Compiles every engine specialisation for each arch; `canary` adds one deliberately spilling compile
-    (a 16384-wide norm row on one warp) to show that spills are detected."""
+def main(arch: str = "80,90", json_out: Optional[str] = None, canary: bool = False, cover: int = 0) -> int:
+    """Compiles every engine specialisation for each arch (`cover` n: a subset in which every n choices made
+    together are, :func:`covering`); `canary` adds one deliberately spilling compile (a 16384-wide norm row on one
+    warp) to show that spills are detected."""
     archs = [int(a) for a in str(arch).split(",") if a.strip()]
     launches = engine_launches()
-    results = compile_all(launches, archs)
+    results = compile_all(launches, archs, cover)
     extra = []
     if canary:
         x = torch.empty(1, 16384, dtype=torch.float16, device=META)
@@ -340,6 +381,7 @@ def main(arch: str = "80,90", json_out: Optional[str] = None, canary: bool = Fal
     if json_out:
         with open(json_out, "w") as f:
             json.dump({"kernels": all_kernels(), "missing": missing, "results": [vars(r) for r in results],
+                       "launches": [lab for ln in launches for lab in ln.labels],
                        "canary": [vars(r) for r in extra]}, f, indent=1)
     print(f"{len(results)} compiles, {sum(r.seconds for r in results):.1f}s; missing: {missing or 'none'}; "
           f"spilling: {[(r.kernel, r.arch, r.labels[0]) for r in spilled] or 'none'}")
@@ -352,4 +394,7 @@ if __name__ == "__main__":
     ap.add_argument("--arch", default="80,90", help="compute capabilities, e.g. 80,90")
     ap.add_argument("--json", dest="json_out", help="write the results to this JSON file")
     ap.add_argument("--canary", action="store_true", help="also compile a deliberately spilling kernel")
+    ap.add_argument("--cover", type=int, default=0,
+                    help="compile only a subset in which every N choices (constexprs, dtypes, warps) made together "
+                         "are (2: every pair, about a third of the compiles); 0: every specialisation")
     sys.exit(main(**vars(ap.parse_args())))
