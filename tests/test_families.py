@@ -104,7 +104,7 @@ def test_converted_params(make_hf, tmp_path):
                                           layer_types=None, sliding_window=5, rope_theta=1e6,
                                           sliding_rope_theta=10000.0, max_position_embeddings=131072,
                                           tie_word_embeddings=True, eos_token_id=[1, 106])),
-                       ("phi3", dict(sliding_window=5, layer_types=None, rope_scaling=None, rotary_dim=16)),
+                       ("phi3", dict(sliding_window=5, layer_types=None, rope_scaling=None, rotary_dim=None)),
                        ("phi4_mini", dict(rotary_dim=12, num_kv_heads=2, sliding_window=64, tie_word_embeddings=True,
                                           rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 8,
                                                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.4],
