@@ -131,7 +131,7 @@ NEW_FAMILIES = [
         rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_rope_theta=10000.0, num_kv_heads=1,
         norm_offset=0.0, attention_scale=32 ** -0.5)),
     # attn_qkv and ffn_up (gate | up) cut apart, LongRoPE from rope_factors_long / _short across its switch
-    ("phi3_5", "phi3", "Q8_0", {}, dict(rotary_dim=16, sliding_window=64, norm_offset=0.0, tie_word_embeddings=False)),
+    ("phi3_5", "phi3", "Q8_0", {}, dict(rotary_dim=None, sliding_window=64, norm_offset=0.0, tie_word_embeddings=False)),
     # a partial rotary (rope.dimension_count 12 of 16), GQA, tied embeddings, o200k's pre-tokenizer
     ("phi4_mini", "phi3", "Q4_1", {}, dict(rotary_dim=12, num_kv_heads=2, tie_word_embeddings=True))]
 
