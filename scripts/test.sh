@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what is needed (idempotent) and runs the whole test suite (~20 min on 2 cores): each test file's name with
+# Installs what is needed (idempotent) and runs the whole test suite (~36 min on 2 cores): each test file's name with
 # its progress, then the slowest tests (pyproject.toml's addopts). Arguments go to pytest (e.g. -k aot, -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
