@@ -314,6 +314,18 @@ def pytest_sessionstart(session):
     cpu_ops()  # built here on a fresh machine (and said so), not inside the first test whose job uses the kernels
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true",
+                     help="also run the tests marked `extended`: the wider matrix (more families, rank counts and "
+                          "launchers through the same code) that the default run samples")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """The leftovers check runs after every other test of the session."""
+    """Tests marked `extended` are deselected unless --extended is given (the default run keeps at least one case of
+    every feature, within CI's 20 minutes on 2 cores); the leftovers check runs after every other test."""
+    if not config.getoption("--extended"):
+        wider = [item for item in items if item.get_closest_marker("extended")]
+        if wider:
+            config.hook.pytest_deselected(items=wider)
+            items[:] = [item for item in items if not item.get_closest_marker("extended")]
     items.sort(key=lambda item: item.path.name == "test_leftovers.py")

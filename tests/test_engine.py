@@ -131,8 +131,8 @@ ALL_CACHES = [{"cache_layout": l, "cache_mode": m, "fused_kvcache": f}
               for l, m, f in itertools.product(range(4), (0, 1), (True, False))]
 
 
-@pytest.mark.parametrize("arch,n", [("llama_gqa_odd", 2), ("llama_gqa_odd", 4), ("qwen2", 2), ("qwen2", 4),
-                                    ("llama_bias", 4)])
+@pytest.mark.parametrize("arch,n", [("llama_gqa_odd", 2), ("llama_gqa_odd", 4), ("qwen2", 2),
+                                    pytest.param("qwen2", 4, marks=pytest.mark.extended), pytest.param("llama_bias", 4, marks=pytest.mark.extended)])
 def test_tensor_parallel_matches_transformers(make_hf, tmp_path, arch, n):
     """TP = n against transformers and TP = 1, for every cache layout, both cache modes, both attentions,
     and the int8 cache."""

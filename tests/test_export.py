@@ -67,7 +67,7 @@ def real(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["stories260k", "tinystories-656k"])
+@pytest.mark.parametrize("name", ["stories260k", pytest.param("tinystories-656k", marks=pytest.mark.extended)])
 def test_export_at_tp_1_2_4_passes_the_checker_with_ppl_pmx_ops_only(real, tmp_path, name):
     for n in (1, 2, 4):
         ckpt = real[name] / ("pmx" if n == 1 else f"pmx_{n}")

@@ -61,7 +61,8 @@ def ids_of(stdout: str) -> list[list[int]]:
     return [eval(m) for m in re.findall(r"^ids: (\[.*\])$", stdout, re.M)]  # noqa: S307 (our own output)
 
 
-CASES = [("stories260k", "single", 1), ("stories260k", "mpirun", 2), ("stories260k", "torchrun", 4),
+CASES = [("stories260k", "single", 1), ("stories260k", "mpirun", 2),
+         pytest.param("stories260k", "torchrun", 4, marks=pytest.mark.extended),
          ("stories260k", "mpirun", 8)] \
     + [("tinystories-656k", "single", 1), ("tinystories-656k", "mpirun", 2), ("tinystories-656k", "torchrun", 2)]
 

@@ -128,7 +128,7 @@ print(json.dumps(dict(rank=env.rank, host=socket.gethostname(), machine=machine_
     assert ranks[0]["describe"].startswith("2 rank(s) on 2 machines, collectives through MPI (MPICH")
 
 
-@pytest.mark.parametrize("backend", ["auto", "gloo"])
+@pytest.mark.parametrize("backend", ["auto", pytest.param("gloo", marks=pytest.mark.extended)])
 def test_mpich_generation_gives_tp1_tokens(stories, hostfile, tmp_path, backend):
     """auto: mpi4py; gloo: torch.distributed, whose rendezvous rank 0 publishes although its host name does not
     resolve."""

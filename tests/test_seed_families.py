@@ -36,8 +36,8 @@ FORMATS = {  # each variant from another of the layouts conversion reads: (forma
 ALL_CACHES = [dict(cache_layout=0, cache_mode=0), dict(cache_layout=1, cache_mode=1), dict(cache_layout=2),
               dict(cache_layout=3, cache_mode=1), dict(cache_layout=0, fused_kvcache=False),
               dict(cache_layout=3, cache_mode=1, fused_kvcache=False)]
-TP = [(name, 2) for name in sf.VARIANTS] + [("chatglm3", 4), ("qwen_logn", 4), ("baichuan2_7b", 4)] + \
-     [("baichuan2_13b", 3)]  # 6 heads; at 4 ranks: ChatGLM3's 2 KV heads replicated, Qwen's logn, Baichuan's NormHead
+TP = [(name, 2) for name in sf.VARIANTS] + [("chatglm3", 4)] + [  # (the rest: --extended)
+    pytest.param(name, n, marks=pytest.mark.extended) for name, n in (("qwen_logn", 4), ("baichuan2_7b", 4), ("baichuan2_13b", 3))]  # 6 heads; at 4 ranks: ChatGLM3's 2 KV heads replicated, Qwen's logn, Baichuan's NormHead
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +291,8 @@ def _run(cmd, env=None, timeout=300) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("name", ["chatglm3", "qwen", "baichuan_13b"])
+@pytest.mark.parametrize("name", ["chatglm3", pytest.param("qwen", marks=pytest.mark.extended),
+                                  pytest.param("baichuan_13b", marks=pytest.mark.extended)])
 def test_scripts_generate_dump_replay_and_bench(models, tmp_path, name):
     """ConvertWeightToPmx.py -> Split.py -> mpirun -np 2 Demo.py (the family's tokenizer encodes the prompt): the
     reference's greedy tokens; the dumped steps replay bit for bit through benchmark.sh; bench runs the model."""

@@ -370,8 +370,8 @@ def test_engine_with_triton_kernels_runs_the_seed_families(tmp_path, name):
     model = seed_families.build(name, tmp_path / "hf")
     convert(str(tmp_path / "hf"), str(tmp_path / "pmx"), progress=False)
     prompts, conts = prompts_and_conts(model.vocab_size)
-    conts = [c[:STEPS // 2] for c in conts]
-    want = model.logits(prompts, conts, STEPS // 2)
+    conts = [c[:4] for c in conts]  # 4 decode steps (the flash-decoding kernel over a growing cache)
+    want = model.logits(prompts, conts, 4)
     eng = engine(tmp_path / "pmx", DEV, kernels="triton", cache_layout=3, cache_mode=1, quantized_cache=False)
     assert eng.model.ops.name == "triton"
     got = torch.stack(teacher_forced_logits(eng, prompts, conts)).cpu()
@@ -387,7 +387,7 @@ def test_engine_with_triton_kernels_runs_the_seed_families(tmp_path, name):
 
 
 @pytest.mark.parametrize("arch,options,steps", [
-    ("llama_gqa_odd", dict(cache_layout=3, cache_mode=1), 16),
+    ("llama_gqa_odd", dict(cache_layout=3, cache_mode=1), 8),
     ("gemma2", dict(cache_layout=2, cache_mode=1), 2),  # soft caps, GeGLU, a windowed layer (5) and a full one
 ])
 def test_engine_with_triton_kernels_matches_transformers(make_hf, tmp_path, arch, options, steps):

@@ -8,11 +8,13 @@
 // The register tile is MR rows of x by NV vectors of channels, sized to the vector registers the machine has:
 // AVX-512 (32 of 16 floats): 6 rows x 64 channels (24 accumulators); AVX2 (16 of 8 floats): 6 rows x 16 channels (12
 // accumulators: the 6 x 16 micro-kernel of BLIS's Haswell sgemm), the block taken as 4 panels of 16 channels. One row
-// (batch-1 decode) takes the whole block, 64 channels, in one pass. Decoding reads every weight once per step, so the
-// block is walked in chunks of k that stay in L1 (or in one pass where one tile covers it) with software prefetch
-// ahead of the stream; prefill (many rows) walks it in chunks that stay in L2 across the passes of every 6 rows,
-// half-precision chunks widened once into a float32 buffer of the thread's own first, so the GEMM runs at the float32
-// FMA rate whatever the weight's width.
+// (batch-1 decode) takes the whole block, 64 channels, in one pass, prefetching a fixed distance ahead. A few rows
+// (batched decode) walk the block in chunks of k that stay in L2 while every row group and panel reads them, and the
+// tiles of a chunk ask for the next chunk's lines one at a time, spread evenly over the chunk's compute (a burst of
+// requests at a chunk's start left the tiles waiting on memory: 2x slower at 16 rows on AVX2). Prefill (many rows)
+// copies each chunk of a block once into a float32 buffer of the thread's own, panel by panel (half precision widened
+// as it is copied), so that every tile walks its panel sequentially from L1 / L2 at the float32 FMA rate whatever the
+// weight's width.
 // Threads: blocks of 64 channels are handed out a few at a time as threads ask (for_blocks, cpu_kernels.h).
 
 #include <ATen/Parallel.h>
@@ -85,23 +87,44 @@ inline vf load_w(const F16* p) {
 // the block's end it reads into the next block, which is next in memory).
 constexpr int64_t PF_BYTES = 8192;
 
-template <typename W>
-inline void prefetch_row(const W* wk) {  // the cache lines of k-row wk (64 channels), PF_BYTES ahead
-  const char* c = reinterpret_cast<const char*>(wk) + PF_BYTES;
-  for (int64_t i = 0; i < NB * (int64_t)sizeof(W); i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+// The cache lines of BYTES bytes at p (a k-row of a panel, some distance ahead of the one being read).
+template <int64_t BYTES>
+inline void prefetch_bytes(const char* p) {
+  for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
+// How a tile prefetches the weight stream as it reads it. kNone: not at all. kAhead: each k-row of the panel the
+// distance `ahead` bytes further on (batch-1 decode: a single pass over the block). kSpread: the lines of the next
+// chunk in order, one every `every` k-rows of all the tiles that read this chunk, so that the requests of a chunk's
+// successor are spread evenly over its compute instead of leaving the first tiles waiting on a burst of misses.
+enum Prefetch { kNone, kAhead, kSpread };
+
+struct Spread {
+  const char* p;    // the next line to ask for
+  const char* end;  // past the last
+  int every, left;  // one line every `every` k-rows; k-rows left until the next
+};
+
 // out[m][0..ncols) (+)= sum_{k0 <= k < k1} x[m, k] w[k][0..NV L) for R rows of x (row stride ldx); w: a panel of the
-// block (row stride NB); out row stride ldo. PF: prefetch the stream ahead.
-template <int R, int NV, bool PF, typename W>
+// block (row stride NB); out row stride ldo.
+template <int R, int NV, Prefetch PF, typename W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t k0, int64_t k1, float* out, int64_t ldo,
-                 int64_t ncols, bool accumulate) {
+                 int64_t ncols, bool accumulate, int64_t ahead = PF_BYTES, Spread* spread = nullptr,
+                 int64_t ldw = NB) {
   vf a[R][NV];
   for (int m = 0; m < R; ++m)
     for (int j = 0; j < NV; ++j) a[m][j] = vf{};
+  Spread sp = PF == kSpread ? *spread : Spread{};
   for (int64_t k = k0; k < k1; ++k) {
-    const W* wk = w + k * NB;
-    if (PF) prefetch_row(wk);
+    const W* wk = w + k * ldw;
+    if (PF == kAhead) prefetch_bytes<NV * L * (int64_t)sizeof(W)>(reinterpret_cast<const char*>(wk) + ahead);
+    if (PF == kSpread && --sp.left == 0) {
+      sp.left = sp.every;
+      if (sp.p < sp.end) {
+        _mm_prefetch(sp.p, _MM_HINT_T0);
+        sp.p += 64;
+      }
+    }
     vf wv[NV];
     for (int j = 0; j < NV; ++j) wv[j] = load_w(wk + j * L);
     for (int m = 0; m < R; ++m) {
@@ -109,6 +132,7 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t k0, int64_t k1
       for (int j = 0; j < NV; ++j) a[m][j] += xv * wv[j];
     }
   }
+  if (PF == kSpread) *spread = sp;
   for (int m = 0; m < R; ++m) {
     float* o = out + m * ldo;
     if (ncols == NV * L) {
@@ -127,71 +151,79 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t k0, int64_t k1
 
 // The rows [0, M) of x against one block's k in [k0, k1): tiles of up to MR rows by NV_TILE vectors, the block's
 // panels of NV_TILE L channels in turn for each MR rows (their k-chunk of x stays in L1 across the panels).
-template <bool PF, typename W>
+template <Prefetch PF, typename W>
 inline void rows_by_panels(const float* x, int64_t M, int64_t K, const W* w, int64_t k0, int64_t k1, float* out,
-                           int64_t ldo, int64_t ncols, bool accumulate) {
+                           int64_t ldo, int64_t ncols, bool accumulate, Spread* spread = nullptr,
+                           bool panel_major = false) {
   constexpr int64_t P = NV_TILE * L;
+  const int64_t ldw = panel_major ? P : NB;
   for (int64_t m0 = 0; m0 < M; m0 += MR) {
     const int64_t r = std::min<int64_t>(MR, M - m0);
     for (int64_t c0 = 0; c0 < ncols; c0 += P) {
       const int64_t nc = std::min(P, ncols - c0);
       const float* xm = x + m0 * K;
       float* o = out + m0 * ldo + c0;
+      const W* wp = panel_major ? w + c0 * (k1 - k0) - k0 * P : w + c0;  // (its row k at wp + k ldw)
       switch (r) {
 #define PMX_TILE(R) \
-  case R: tile<R, NV_TILE, PF>(xm, K, w + c0, k0, k1, o, ldo, nc, accumulate); break;
+  case R: tile<R, NV_TILE, PF>(xm, K, wp, k0, k1, o, ldo, nc, accumulate, PF_BYTES, spread, ldw); break;
         PMX_TILE(1) PMX_TILE(2) PMX_TILE(3) PMX_TILE(4) PMX_TILE(5)
-        default: tile<MR, NV_TILE, PF>(xm, K, w + c0, k0, k1, o, ldo, nc, accumulate);
+        default: tile<MR, NV_TILE, PF>(xm, K, wp, k0, k1, o, ldo, nc, accumulate, PF_BYTES, spread, ldw);
 #undef PMX_TILE
       }
     }
   }
 }
 
-// k per chunk: decode (streaming) chunks of a block stay in L1 (16 KiB) while every row group and panel reads them;
-// prefill chunks in L2 (128 KiB of float32, the widened copy of a half-precision chunk) across all the rows.
+// k per chunk: decode (streaming) chunks of a block stay in L2 (64 KiB: 16 KiB chunks in L1 were slower, their tiles'
+// set-up and the output's reloads repeated 4x as often); prefill chunks, copied panel-major, 128 KiB of float32.
 template <typename W>
-constexpr int64_t kc_stream() { return (16 << 10) / (NB * (int64_t)sizeof(W)); }
+constexpr int64_t kc_stream() { return (64 << 10) / (NB * (int64_t)sizeof(W)); }
 constexpr int64_t KC_PREFILL = (128 << 10) / (NB * sizeof(float));
 
-// Rows above which a call is prefill: the block's chunks are widened once into float32 (half precision) and walked
-// from L2; at or below, they are streamed from memory once, converted in registers.
+// Rows above which a call is prefill: the block's chunks are copied (widened) once into float32 panels and walked
+// from cache; at or below, they are streamed from memory once, converted in registers.
 constexpr int64_t STREAM_MAX_ROWS = 32;
 
 template <typename W>
 void stream_block(const float* x, int64_t M, int64_t K, const W* wb, float* out, int64_t ldo, int64_t ncols) {
   if (M == 1) {  // the whole block in one pass, prefetched
-    tile<1, NV_ROW, true>(x, K, wb, 0, K, out, ldo, ncols, false);
+    tile<1, NV_ROW, kAhead>(x, K, wb, 0, K, out, ldo, ncols, false);
     return;
   }
   if (NV_TILE * L == NB && M <= MR) {  // one tile covers the block (AVX-512): one pass
-    rows_by_panels<true>(x, M, K, wb, 0, K, out, ldo, ncols, false);
+    rows_by_panels<kNone>(x, M, K, wb, 0, K, out, ldo, ncols, false);
     return;
   }
   constexpr int64_t KC = kc_stream<W>();
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t k1 = std::min(K, k0 + KC);
-    // the next chunk (or the next block's first) asked for while this one is computed
+    // the next chunk (or the next block's first: next in memory) asked for line by line while this one is computed
     const char* next = reinterpret_cast<const char*>(wb + k1 * NB);
-    for (int64_t i = 0; i < KC * NB * (int64_t)sizeof(W); i += 64) _mm_prefetch(next + i, _MM_HINT_T1);
-    rows_by_panels<false>(x, M, K, wb, k0, k1, out, ldo, ncols, k0 > 0);
+    const int64_t lines = KC * NB * (int64_t)sizeof(W) / 64;
+    const int64_t reads = ((M + MR - 1) / MR) * (NB / (NV_TILE * L)) * (k1 - k0);  // k-rows all the tiles read
+    Spread sp{next, next + lines * 64, (int)std::max<int64_t>(1, reads / lines), 1};
+    rows_by_panels<kSpread>(x, M, K, wb, k0, k1, out, ldo, ncols, k0 > 0, &sp);
   }
 }
 
-inline void widen(const float* w, int64_t n, float* out) { std::memcpy(out, w, n * sizeof(float)); }
-
+// rows [0, kc) of a block chunk (row stride NB) widened to float32 panel-major: panel p (NV_TILE L channels) at
+// out + p kc P, its row k at + k P, so that a tile walks its panel sequentially.
 template <typename W>
-inline void widen(const W* w, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; i += L) {
-    const vf v = load_w(w + i);
-    std::memcpy(out + i, &v, sizeof(v));
-  }
+inline void widen_panels(const W* w, int64_t kc, float* out) {
+  constexpr int64_t P = NV_TILE * L;
+  for (int64_t k = 0; k < kc; ++k)
+    for (int64_t p = 0; p < NB / P; ++p)
+      for (int64_t j = 0; j < P; j += L) {
+        const vf v = load_w(w + k * NB + p * P + j);
+        std::memcpy(out + p * kc * P + k * P + j, &v, sizeof(v));
+      }
 }
 
 template <typename W>
 void linear_blocks(const float* x, int64_t M, int64_t K, const W* w, int64_t blocks, int64_t N, float* y) {
   pmx_cpu::for_blocks(blocks, [&](int64_t b0, int64_t b1) {
-    std::vector<float> buf(std::is_same_v<W, float> || M <= STREAM_MAX_ROWS ? 0 : KC_PREFILL * NB);
+    std::vector<float> buf(M <= STREAM_MAX_ROWS ? 0 : KC_PREFILL * NB);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
       const W* wb = w + b * K * NB;
@@ -201,12 +233,9 @@ void linear_blocks(const float* x, int64_t M, int64_t K, const W* w, int64_t blo
       }
       for (int64_t k0 = 0; k0 < K; k0 += KC_PREFILL) {
         const int64_t k1 = std::min(K, k0 + KC_PREFILL);
-        if constexpr (std::is_same_v<W, float>) {
-          rows_by_panels<false>(x, M, K, wb, k0, k1, y + n0, N, ncols, k0 > 0);
-        } else {  // widened once into buf (its row k - k0 at k), then the float32 tiles
-          widen(wb + k0 * NB, (k1 - k0) * NB, buf.data());
-          rows_by_panels<false>(x + k0, M, K, buf.data(), 0, k1 - k0, y + n0, N, ncols, k0 > 0);
-        }
+        // widened once into buf panel-major, then the float32 tiles
+        widen_panels(wb + k0 * NB, k1 - k0, buf.data());
+        rows_by_panels<kNone>(x + k0, M, K, buf.data(), 0, k1 - k0, y + n0, N, ncols, k0 > 0, nullptr, true);
       }
     }
   });
@@ -228,7 +257,7 @@ void float_linear_into(const float* x, int64_t M, int64_t K, const void* w, Floa
 void block_panel_f32(const float* x, int64_t M, int64_t K, const float* block, float* out, int64_t ldo,
                      int64_t ncols) {
   for (int64_t k0 = 0; k0 < K; k0 += KC_PREFILL)
-    rows_by_panels<false>(x, M, K, block, k0, std::min(K, k0 + KC_PREFILL), out, ldo, ncols, k0 > 0);
+    rows_by_panels<kNone>(x, M, K, block, k0, std::min(K, k0 + KC_PREFILL), out, ldo, ncols, k0 > 0);
 }
 
 }  // namespace pmx_cpu
