@@ -3,14 +3,18 @@
 server, and on the same server while a 50 MB request, 32 slow clients and a disconnect storm arrive.
 
     python benchmarks/serve_attack.py [--model ../shared/models/tinystories-656k] [--rounds 3] [--streams 16]
-                                      [--max_tokens 128] [--attacks big,slow,storm] [--json_path out/serve_attack.json]
+                                      [--max_tokens 128] [--attacks big,slow,storm] [--attacker_nice 10]
+                                      [--json_path out/serve_attack.json]
 
 One server (`python -m runner serve`, one rank, this checkout) on the model (an HF directory, converted once under
 --workdir, default ~/.cache/pmx-runner/attack). Each round measures the 16 streams twice, quiet and attacked, the
 order alternating from round to round; each measurement sends every stream's prompt at once (greedy, ignore_eos,
 --max_tokens tokens, prompts of their own for every round and phase) and records each stream's time to its first
 text and the gaps between its chunks. The attackers run in a process of their own (so that the measuring client
-is not slowed by them), from a second before the streams start until they end:
+is not slowed by them), from a second before the streams start until they end. They stand for clients elsewhere,
+whose own CPU is not the server's: on one box they run at niceness --attacker_nice (default 10), taking the cores
+when the server leaves them (0: the attackers' sending competes with the server as an equal, which on 2 cores
+measures the box as much as the server):
   50 MB      one request at a time that announces a 50 MB JSON body and sends it as fast as it goes (the server
              answers 413 from its Content-Length and closes), again and again;
   slow       32 clients trickling a request's headers a byte every 0.5 s (the server drops them after
@@ -201,7 +205,7 @@ def attack(url: str, seconds: float, out: str, attacks: str = "big,slow,storm") 
 def run(model: str = str(REPO.parent / "shared" / "models" / "tinystories-656k"), rounds: int = 3, streams: int = 16,
         max_tokens: int = 128, workdir: str = str(Path.home() / ".cache" / "pmx-runner" / "attack"),
         json_path: str = str(REPO / "out" / "serve_attack.json"), header_timeout: float = 10.0, seed: int = 0,
-        attacks: str = "big,slow,storm") -> None:
+        attacks: str = "big,slow,storm", attacker_nice: int = 10) -> None:
     """See the module docstring; `attacks`: some of big, slow, storm, storm_first (to see what each costs)."""
     from runner.pmx.convert import convert
     work = Path(workdir)
@@ -233,7 +237,8 @@ def run(model: str = str(REPO.parent / "shared" / "models" / "tinystories-656k")
                 attacker, counts = None, work / "attack.json"
                 if phase == "attacked":
                     attacker = subprocess.Popen([sys.executable, __file__, "attack", "--url", url, "--seconds",
-                                                 "600", "--out", str(counts), "--attacks", attacks], cwd=REPO)
+                                                 "600", "--out", str(counts), "--attacks", attacks], cwd=REPO,
+                                                preexec_fn=lambda: os.nice(attacker_nice))
                     time.sleep(1.5)
                 t0, steps0, cpu0 = time.monotonic(), _steps(url), (_cpu_s(proc.pid), _cpu_s(front))
                 res = asyncio.run(_measure(url, prompts, max_tokens))
@@ -275,7 +280,7 @@ def run(model: str = str(REPO.parent / "shared" / "models" / "tinystories-656k")
         ratios[key] = {"median": round(statistics.median(per), 3), "rounds": [round(x, 3) for x in per]}
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps({"model": model, "streams": streams, "max_tokens": max_tokens,
-                                           "rows": rows, "ratios": ratios}, indent=1))
+                                           "attacker_nice": attacker_nice, "rows": rows, "ratios": ratios}, indent=1))
     print("\n| metric | attacked / quiet (median) | per round |\n|---|---|---|")
     for key, v in ratios.items():
         print(f"| {key} | {v['median']:.2f} | {', '.join(f'{x:.2f}' for x in v['rounds'])} |")

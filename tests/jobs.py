@@ -8,13 +8,18 @@ while the job runs.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "PMX_TEST_JOB"
@@ -140,3 +145,35 @@ def run_job(cmd, out_dir: Path, env: dict | None = None, timeout: float = 120) -
         left = job.lingering()
         assert not left, f"processes {left} outlived the job"
         return rc, job.stdout, job.stderr, elapsed
+
+
+def run_cli_here(*args) -> SimpleNamespace:
+    """`python -m runner ARGS` in this process, as runner/__main__.py calls it (runner.cli.main ends a single process
+    with sys.exit, so that a caller in the same process can catch it): returncode, stdout and stderr, file descriptors
+    1 and 2 included (the error line is written to descriptor 2 itself). An unexpected exception leaves as the process
+    would print it: a traceback and status 1. For the commands' error paths, without a process start each."""
+    from runner.cli import main
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with tempfile.TemporaryFile() as fd1, tempfile.TemporaryFile() as fd2:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(fd1.fileno(), 1)
+        os.dup2(fd2.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:  # noqa: BLE001
+            err.write(traceback.format_exc())
+            code = 1
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        fd1.seek(0)
+        fd2.seek(0)
+        return SimpleNamespace(returncode=code, stdout=out.getvalue() + fd1.read().decode(errors="replace"),
+                               stderr=err.getvalue() + fd2.read().decode(errors="replace"))

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
 import sys
-import tempfile
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from jobs import run_cli_here
 
 
 def run_cli_process(*args) -> subprocess.CompletedProcess:
@@ -24,29 +22,8 @@ def run_cli_process(*args) -> subprocess.CompletedProcess:
 
 
 def run_cli(*args) -> SimpleNamespace:
-    """`python -m runner ARGS` in this process, as runner/__main__.py calls it (runner.cli.main, which ends a single
-    process with sys.exit so that a caller in the same process can catch it): its returncode and stderr. An unexpected
-    exception leaves as the process would print it: a traceback and status 1. (run_cli_process: the same in a process
-    of its own, for the first test.)"""
-    from runner.cli import main
-    err, code = io.StringIO(), 0
-    with tempfile.TemporaryFile() as fd2:  # the error line is written to file descriptor 2 itself (JobControl.report)
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(fd2.fileno(), 2)
-        try:
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                main([str(a) for a in args])
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:  # noqa: BLE001
-            err.write(traceback.format_exc())
-            code = 1
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        fd2.seek(0)
-        return SimpleNamespace(returncode=code, stderr=err.getvalue() + fd2.read().decode(errors="replace"))
+    """`python -m runner ARGS` in this process (run_cli_process: in a process of its own, for the first test)."""
+    return run_cli_here(*args)
 
 
 def assert_fails_cleanly(res, out_dir, *needles):

@@ -18,6 +18,7 @@ from runner.engine.compare import compare
 from runner.engine.dump import META_FILE, TensorDumper, load_meta, load_step, read_dump_file
 from runner.engine.replay import Agreement, infer_options, replay
 from runner.errors import PmxError
+from jobs import run_cli_here
 from test_engine import core
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,9 +195,9 @@ def test_compare_cli_exit_status_and_errors(stories, tmp_path):
     res = run([sys.executable, "-m", "runner", "compare", stories / "dump1", stories / "dump2", "--tensors", "logits",
                "--metric", "cosine"])
     assert res.returncode == 0 and "3 compared (cosine >= 0.999), 0 failed" in res.stdout
-    res = run([sys.executable, "-m", "runner", "compare", stories / "dump1", tmp_path / "missing"])
+    res = run_cli_here("compare", stories / "dump1", tmp_path / "missing")  # (the error paths in this process)
     assert res.returncode == 2 and "missing: dump directory not found" in res.stderr
-    res = run([sys.executable, "-m", "runner", "compare", stories / "dump1", stories / "dump2", "--metric", "l2"])
+    res = run_cli_here("compare", stories / "dump1", stories / "dump2", "--metric", "l2")
     assert res.returncode == 2 and "--metric must be one of snr, cosine, mse" in res.stderr
 
 
