@@ -6,9 +6,10 @@ windows, ALiBi, a partial rotary, GeGLU and soft-capped scores, int8 / int4 line
 their fusions and quantised weights, programmatic dependent launch on sm_90),
 as the ops' wrappers pick their block sizes and warps, are compiled down to cubins by Triton and ptxas (which
 ships in the triton wheel): what the interpreter cannot check. Each architecture compiles in its own process
-(without TRITON_INTERPRET, which conftest sets for this one), both at once, the subset in which every pair of
-choices (constexpr values, dtypes, warps) made together is made (`--cover 2`: about 120 of the 300 distinct
-specialisations an arch has); `python -m runner.kernels.aot` compiles them all."""
+(without TRITON_INTERPRET, which conftest sets for this one), both at once, a subset in which every choice
+(constexpr values, dtypes, warps) is made at least once (`--cover 1`); with --extended, every pair of choices made
+together (`--cover 2`: about 120 of the 300 distinct specialisations an arch has); `python -m runner.kernels.aot`
+compiles them all."""
 
 from __future__ import annotations
 
@@ -27,14 +28,15 @@ ARCHS = (80, 90)
 
 
 @pytest.fixture(scope="module")
-def aot(tmp_path_factory):
-    """{arch: the JSON of `python -m runner.kernels.aot --arch A`} (sm_90 also compiles the spilling canary)."""
+def aot(tmp_path_factory, request):
+    """{arch: the JSON of `python -m runner.kernels.aot --arch A`} (sm_90 also compiles the spilling canary): `--cover
+    1` (every choice made at least once), `--cover 2` with --extended (every pair of choices made together)."""
     tmp = tmp_path_factory.mktemp("aot")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     procs = {}
     for arch in ARCHS:
         cmd = [sys.executable, "-m", "runner.kernels.aot", "--arch", str(arch), "--json", str(tmp / f"{arch}.json"),
-               "--cover", "2"]
+               "--cover", "2" if request.config.getoption("--extended") else "1"]
         if arch == 90:
             cmd.append("--canary")
         env_a = dict(env, TRITON_CACHE_DIR=str(tmp / f"cache{arch}"))  # fresh: nothing cached across runs
