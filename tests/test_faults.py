@@ -75,9 +75,8 @@ def test_an_unexpected_error_mid_generation_ends_the_job(stories, tmp_path):
 
 
 SIGNAL_CASES = [  # (launcher, signal, whom: a rank number or "launcher")
-    ("mpich", signal.SIGINT, 1), pytest.param("mpich", signal.SIGTERM, 1, marks=pytest.mark.extended), ("mpich", signal.SIGKILL, 1),
-    ("mpich", signal.SIGINT, "launcher"), pytest.param("torchrun", signal.SIGTERM, 1, marks=pytest.mark.extended),
-    ("torchrun", signal.SIGKILL, 1),
+    ("mpich", signal.SIGINT, 1), ("mpich", signal.SIGTERM, 1), ("mpich", signal.SIGKILL, 1),
+    ("mpich", signal.SIGINT, "launcher"), ("torchrun", signal.SIGTERM, 1), ("torchrun", signal.SIGKILL, 1),
 ]
 
 
