@@ -7,23 +7,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from jobs import run_cli_here
+from jobs import run_cli_here as run_cli  # (in this process; run_cli_process: a process of its own)
 
 
 def run_cli_process(*args) -> subprocess.CompletedProcess:
     """`python -m runner ARGS` in a process of its own."""
     return subprocess.run([sys.executable, "-m", "runner", *map(str, args)], capture_output=True, text=True)
-
-
-def run_cli(*args) -> SimpleNamespace:
-    """`python -m runner ARGS` in this process (run_cli_process: in a process of its own, for the first test)."""
-    return run_cli_here(*args)
 
 
 def assert_fails_cleanly(res, out_dir, *needles):

@@ -94,7 +94,8 @@ inline void prefetch_bytes(const char* p) {
 }
 
 // How a tile prefetches the weight stream as it reads it. kNone: not at all. kAhead: each k-row of the panel the
-// distance `ahead` bytes further on (batch-1 decode: a single pass over the block). kSpread: the lines of the next
+// distance PF_BYTES further on (a single pass over the block: batch-1 decode, and AVX-512's one tile of up to MR
+// rows). kSpread: the lines of the next
 // chunk in order, one every `every` k-rows of all the tiles that read this chunk, so that the requests of a chunk's
 // successor are spread evenly over its compute instead of leaving the first tiles waiting on a burst of misses.
 enum Prefetch { kNone, kAhead, kSpread };
@@ -109,7 +110,7 @@ struct Spread {
 // block (row stride NB); out row stride ldo.
 template <int R, int NV, Prefetch PF, typename W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t k0, int64_t k1, float* out, int64_t ldo,
-                 int64_t ncols, bool accumulate, int64_t ahead = PF_BYTES, Spread* spread = nullptr,
+                 int64_t ncols, bool accumulate, Spread* spread = nullptr,
                  int64_t ldw = NB) {
   vf a[R][NV];
   for (int m = 0; m < R; ++m)
@@ -117,7 +118,7 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t k0, int64_t k1
   Spread sp = PF == kSpread ? *spread : Spread{};
   for (int64_t k = k0; k < k1; ++k) {
     const W* wk = w + k * ldw;
-    if (PF == kAhead) prefetch_bytes<NV * L * (int64_t)sizeof(W)>(reinterpret_cast<const char*>(wk) + ahead);
+    if (PF == kAhead) prefetch_bytes<NV * L * (int64_t)sizeof(W)>(reinterpret_cast<const char*>(wk) + PF_BYTES);
     if (PF == kSpread && --sp.left == 0) {
       sp.left = sp.every;
       if (sp.p < sp.end) {
@@ -166,9 +167,9 @@ inline void rows_by_panels(const float* x, int64_t M, int64_t K, const W* w, int
       const W* wp = panel_major ? w + c0 * (k1 - k0) - k0 * P : w + c0;  // (its row k at wp + k ldw)
       switch (r) {
 #define PMX_TILE(R) \
-  case R: tile<R, NV_TILE, PF>(xm, K, wp, k0, k1, o, ldo, nc, accumulate, PF_BYTES, spread, ldw); break;
+  case R: tile<R, NV_TILE, PF>(xm, K, wp, k0, k1, o, ldo, nc, accumulate, spread, ldw); break;
         PMX_TILE(1) PMX_TILE(2) PMX_TILE(3) PMX_TILE(4) PMX_TILE(5)
-        default: tile<MR, NV_TILE, PF>(xm, K, wp, k0, k1, o, ldo, nc, accumulate, PF_BYTES, spread, ldw);
+        default: tile<MR, NV_TILE, PF>(xm, K, wp, k0, k1, o, ldo, nc, accumulate, spread, ldw);
 #undef PMX_TILE
       }
     }
@@ -192,7 +193,7 @@ void stream_block(const float* x, int64_t M, int64_t K, const W* wb, float* out,
     return;
   }
   if (NV_TILE * L == NB && M <= MR) {  // one tile covers the block (AVX-512): one pass
-    rows_by_panels<kNone>(x, M, K, wb, 0, K, out, ldo, ncols, false);
+    rows_by_panels<kAhead>(x, M, K, wb, 0, K, out, ldo, ncols, false);
     return;
   }
   constexpr int64_t KC = kc_stream<W>();
