@@ -2,8 +2,7 @@
 # The main job, end to end: install (idempotent), convert a real instruct model to PMX (SmolLM2-135M-Instruct, from
 # the Q4_1 GGUF file llama.cpp runs), split it in 3 (its 9 query and 3 KV heads), check that merging gives back the
 # same bytes, then ask it a question under `mpirun -np 3` in its own chat template (greedy).
-# The small story models the README's other blocks use are converted and split in 2 as well (out/demo/pmx, pmx_2,
-# tiny, tiny_2).
+# The small story model the README's other blocks use is converted and split in 2 as well (out/demo/pmx, pmx_2).
 # Uses ../shared/models; where it is absent, a small random-weight model is made instead (its text is gibberish).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,14 +21,6 @@ $PY scripts/Split.py --input_dir "$WORK/pmx" --num_shards 2 --output_dir "$WORK/
 $PY scripts/Merge.py --input_dir "$WORK/pmx_2" --num_shards 2 --output_dir "$WORK/pmx_merged" --overwrite
 cmp "$WORK/pmx/model.00.safetensors" "$WORK/pmx_merged/model.00.safetensors"
 echo "demo: merge(split(model, 2)) is bit-identical to the converted model"
-TINY=../shared/models/tinystories-656k
-if [ -f "$TINY/config.json" ]; then  # the second story model: tied weights stored as lm_head, tokenizer.json
-  $PY scripts/ConvertWeightToPmx.py --input_dir "$TINY" --output_dir "$WORK/tiny" --overwrite
-  $PY scripts/Split.py --input_dir "$WORK/tiny" --num_shards 2 --output_dir "$WORK/tiny_2" --overwrite
-  $PY scripts/Merge.py --input_dir "$WORK/tiny_2" --num_shards 2 --output_dir "$WORK/tiny_merged" --overwrite
-  cmp "$WORK/tiny/model.00.safetensors" "$WORK/tiny_merged/model.00.safetensors"
-  echo "demo: tinystories-656k round trip is bit-identical too"
-fi
 SMOL=../shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$SMOL" ]; then
   PROMPT=${PROMPT:-Once upon a time}

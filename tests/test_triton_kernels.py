@@ -5,7 +5,6 @@ on a GPU the same tests run compiled, with the larger shapes too."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 triton_ops = pytest.importorskip("runner.kernels.triton_ops", reason="triton is not installed")
 from runner.kernels import reference as ref  # noqa: E402
+from matrix import pairwise  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -76,8 +76,7 @@ def _cache(layout, layers, rows, kv, D, quant, dtype):
             torch.zeros(ref.cache_shape(layout, layers, rows, kv, D // 8), device=DEV, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("layout,quant,dtype", [(lay, qu, dt) for lay, qu in itertools.product(range(4), (False, True))
-                                                for dt in DTYPES])
+@pytest.mark.parametrize("layout,quant,dtype", pairwise(range(4), (False, True), DTYPES, full=CUDA))
 def test_kv_store_every_layout(layout, quant, dtype):
     T, KV, D, rows = 5, 3, 16, 40
     k, v = torch.randn(T, KV, D, device=DEV, dtype=dtype) * 3, torch.randn(T, KV, D, device=DEV, dtype=dtype)
@@ -131,10 +130,8 @@ def _packed_reference(q, kv_all, seqlens, kvlens, window, alibi=None, softcap=0.
                                 softcap=softcap)
 
 
-@pytest.mark.parametrize("mode", [0, 1])
-@pytest.mark.parametrize("quant", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H,KV,D,window", [(4, 2, 16, None), (6, 1, 24, 5), (3, 3, 8, None)])
+@pytest.mark.parametrize("mode,quant,dtype,H,KV,D,window", pairwise(
+    [0, 1], [False, True], DTYPES, [(4, 2, 16, None), (6, 1, 24, 5), (3, 3, 8, None)], full=CUDA))
 def test_decode_attention_matches_packed_reference(mode, quant, dtype, H, KV, D, window):
     """One program per (sequence, KV head, split) over the whole query group (tl.dot), 3 splits merged by the
     merge kernel."""
@@ -147,10 +144,8 @@ def test_decode_attention_matches_packed_reference(mode, quant, dtype, H, KV, D,
     close(got, _packed_reference(q, kv_all, [1] * len(kvlens), kvlens, window), dtype, scale=2)
 
 
-@pytest.mark.parametrize("mode", [0, 1])
-@pytest.mark.parametrize("quant", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H,KV,num_splits,window", [(6, 6, 3, None), (5, 1, 1, None), (8, 2, 2, 40)])
+@pytest.mark.parametrize("mode,quant,dtype,H,KV,num_splits,window", pairwise(
+    [0, 1], [False, True], DTYPES, [(6, 6, 3, None), (5, 1, 1, None), (8, 2, 2, 40)], full=CUDA))
 def test_decode_attention_alibi(mode, quant, dtype, H, KV, num_splits, window):
     """ALiBi (Baichuan-13B): slope_h x (j - (kvlen - 1)) added to each score, the slopes of head counts that are and
     are not powers of two, split or not, with a sliding window too."""
@@ -264,14 +259,11 @@ def test_decode_splits_fixed_per_batch():
     assert triton_ops.decode_splits(4, 8, triton_ops.sm_count(torch.device("cpu"))) == 1
 
 
-@pytest.mark.parametrize("mode", [0, 1])
-@pytest.mark.parametrize("quant", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H,KV,D,window,S,starts", [
-    (4, 2, 16, None, 40, [0, 100]),   # 80 (token, head) rows: two row blocks; a chunk crossing a page
-    (6, 1, 24, 5, 7, [3, 0]),         # sliding window
-    (3, 3, 8, None, 3, [130, 1]),     # continued chunks
-])
+@pytest.mark.parametrize("mode,quant,dtype,H,KV,D,window,S,starts", pairwise([0, 1], [False, True], DTYPES, [
+    (4, 2, 16, None, 40, (0, 100)),   # 80 (token, head) rows: two row blocks; a chunk crossing a page
+    (6, 1, 24, 5, 7, (3, 0)),         # sliding window
+    (3, 3, 8, None, 3, (130, 1)),     # continued chunks
+], full=CUDA))
 def test_prefill_attention_matches_packed_reference(mode, quant, dtype, H, KV, D, window, S, starts):
     """The varlen flash kernel: n sequences of S new tokens (fresh or continuing) over their keys in the cache."""
     torch.manual_seed(2)
@@ -283,9 +275,7 @@ def test_prefill_attention_matches_packed_reference(mode, quant, dtype, H, KV, D
     close(got, _packed_reference(q, kv_all, [S] * len(starts), kvlens, window), dtype, scale=2)
 
 
-@pytest.mark.parametrize("layout", range(4))
-@pytest.mark.parametrize("quant", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout,quant,dtype", pairwise(range(4), (False, True), DTYPES, full=CUDA))
 def test_rotary_kv_store_one_launch(layout, quant, dtype):
     """q and k rotated in place in the fused qkv output, the rotated k and v written to the cache: the reference's
     apply_rotary then kv_store; a row with slot -1 (CUDA graph padding) is rotated but not stored."""
