@@ -230,6 +230,11 @@ def save_state_dict(sd: dict, directory: Path, fmt: str = "safetensors", num_fil
 def make_hf(tmp_path):
     """make_hf(arch, fmt="safetensors", num_files=1, seed=0, **overrides) -> (dir, HF model in eval mode): arch one of
     ARCH_CONFIGS (the config as transformers writes it) or PUBLISHED (as the hub has it)."""
+    return hf_maker(tmp_path)
+
+
+def hf_maker(tmp_path: Path):
+    """make_hf's function, writing under `tmp_path` (for fixtures of a wider scope)."""
     import transformers
 
     def make(arch: str, fmt: str = "safetensors", num_files: int = 1, seed: int = 0, **overrides):

@@ -127,6 +127,22 @@ def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun", env=Non
     return (logits, json.loads(Path(f"{out}.json").read_text())) if with_info else logits
 
 
+def run_tp_batch(tmp_path, n, jobs: list, launcher="mpirun") -> list:
+    """run_tp(..., with_info=True) for each job (pmx, options, prompts, conts, spec_extra) on the same n ranks in one
+    launch (tests/tp_worker.py --batch): [(logits, info)] in the jobs' order."""
+    tag = uuid.uuid4().hex[:8]
+    spec = [{"ckpt": str(pmx), "out": str(tmp_path / f"logits-batch-{tag}-{i}.pt"), "options": options,
+             "spec": {"prompts": prompts, "conts": conts, **(extra or {})}}
+            for i, (pmx, options, prompts, conts, extra) in enumerate(jobs)]
+    (tmp_path / f"batch-{tag}.json").write_text(json.dumps(spec))
+    worker = [str(ROOT / "tests" / "tp_worker.py"), "--batch", str(tmp_path / f"batch-{tag}.json")]
+    cmd = [str(ROOT / "scripts" / "mpirun.sh"), "-np", str(n), sys.executable, *worker] if launcher == "mpirun" else \
+        [sys.executable, "-m", "runner.parallel.torchrun", "--standalone", "--nproc_per_node", str(n), *worker]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120 + 60 * len(jobs))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [(torch.load(j["out"], weights_only=True), json.loads(Path(j["out"] + ".json").read_text())) for j in spec]
+
+
 ALL_CACHES = [{"cache_layout": l, "cache_mode": m, "fused_kvcache": f}
               for l, m, f in itertools.product(range(4), (0, 1), (True, False))]
 

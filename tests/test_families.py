@@ -18,7 +18,8 @@ from runner.engine.model import load_shard
 from runner.pmx.convert import convert, reshard
 from runner.pmx.params import PmxParams
 from runner.pmx.quant import QuantScheme
-from test_engine import core, engine, hf_logits, prompts_and_conts, rel_err, run_tp
+from conftest import hf_maker
+from test_engine import core, engine, hf_logits, prompts_and_conts, rel_err, run_tp, run_tp_batch
 from tp_worker import teacher_forced_logits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,25 +156,47 @@ def test_dynamic_ntk_matches_transformers_decoding(make_hf, tmp_path):
         assert rel_err(got, ref) < 1e-4, (options, rel_err(got, ref))
 
 
+def _tp_case(make_hf, base: Path, name: str, n: int):
+    """(HF model, its PMX dir, split in n, the worker's option sets, prompts, conts, spec extras) of a TP case."""
+    src, model = make(make_hf, name)
+    convert(str(src), str(base / "pmx"), progress=False)
+    reshard(str(base / "pmx"), str(base / f"pmx{n}"), n, progress=False)
+    new = name in NEW
+    return (model, base / "pmx", base / f"pmx{n}", LAYOUTS[:3] + ([INT8] if new else []),
+            *prompts_and_conts(model.config.vocab_size), {"generate": 12} if new else None)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory):
+    """test_family_tensor_parallel's cases at n = 2 that this session runs, in one mpirun (tests/tp_worker.py
+    --batch): name -> (the case as _tp_case gives it, logits, info)."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if item.originalname == "test_family_tensor_parallel" and item.callspec.params["n"] == 2]
+    base = tmp_path_factory.mktemp("tp2")
+    cases = {name: _tp_case(hf_maker(base / name), base / name, name, 2) for name in names}
+    results = run_tp_batch(base, 2, [(split, *rest) for _, _, split, *rest in cases.values()])
+    return {name: (cases[name], *res) for name, res in zip(names, results)}
+
+
 @pytest.mark.parametrize("name,n", [("qwen3", 2), pytest.param("qwen3", 4, marks=pytest.mark.extended), ("mixtral", 2), ("mixtral", 4),
                                     ("mistral_window", 2), ("yarn", 2), ("gemma2", 2), ("gemma3", 2),
                                     ("phi4_mini", 2)])
-def test_family_tensor_parallel(make_hf, tmp_path, name, n):
+def test_family_tensor_parallel(make_hf, request, tmp_path, name, n):
     """Split / merge bit for bit, then n ranks under mpirun against transformers and TP=1 in three cache settings;
-    the new families also with the int8 cache and greedy (Gemma 3's one KV head replicated on both ranks)."""
-    src, model = make(make_hf, name)
-    convert(str(src), str(tmp_path / "pmx"), progress=False)
-    reshard(str(tmp_path / "pmx"), str(tmp_path / f"pmx{n}"), n, progress=False)
-    reshard(str(tmp_path / f"pmx{n}"), str(tmp_path / "merged"), 1, progress=False)
-    assert filecmp.cmp(tmp_path / "pmx" / "model.00.safetensors", tmp_path / "merged" / "model.00.safetensors",
+    the new families also with the int8 cache and greedy (Gemma 3's one KV head replicated on both ranks). (n = 2:
+    every family in one launch.)"""
+    if n == 2:
+        case, results, info = request.getfixturevalue("two_ranks")[name]
+    else:
+        case = _tp_case(make_hf, tmp_path, name, n)
+        results, info = run_tp(tmp_path, case[2], n, case[3], *case[4:6], with_info=True, spec_extra=case[6])
+    model, pmx, split, _, prompts, conts, _ = case
+    reshard(str(split), str(tmp_path / "merged"), 1, progress=False)
+    assert filecmp.cmp(pmx / "model.00.safetensors", tmp_path / "merged" / "model.00.safetensors",
                        shallow=False)  # merge(split(m)) == m, bit for bit
-    prompts, conts = prompts_and_conts(model.config.vocab_size)
     ref = hf_logits(model, prompts, conts)
-    tp1 = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx"), prompts, conts))
+    tp1 = torch.stack(teacher_forced_logits(engine(pmx), prompts, conts))
     new = name in NEW
-    options = LAYOUTS[:3] + ([INT8] if new else [])
-    results, info = run_tp(tmp_path, tmp_path / f"pmx{n}", n, options, prompts, conts, with_info=True,
-                           spec_extra={"generate": 12} if new else None)
     for opts, got in zip(LAYOUTS[:3], results):
         assert rel_err(got, ref) < 1e-4, (opts, rel_err(got, ref))
         assert rel_err(got, tp1) < 1e-4
@@ -182,7 +205,7 @@ def test_family_tensor_parallel(make_hf, tmp_path, name, n):
         assert torch.nn.functional.cosine_similarity(results[-1].flatten(1), ref.flatten(1)).min() >= 0.999
         assert info[0]["generated"] == hf_greedy(model, prompts, 12)
         assert all(i["fused_decode"] for i in info[:2])  # the one-call C++ step serves their decode steps
-        assert PmxParams.load(tmp_path / f"pmx{n}").kv_replication == (2 if name == "gemma3" else 1)
+        assert PmxParams.load(split).kv_replication == (2 if name == "gemma3" else 1)
 
 
 # (Llama 3's and Qwen2's layers are these families' with fewer features: test_family_matches_transformers and the

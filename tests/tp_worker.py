@@ -5,7 +5,8 @@ steps fed with given tokens (teacher forcing), so logits can be compared with tr
 TP=1. Usage: python tests/tp_worker.py CKPT OUT.pt '[{"cache_layout": 2, ...}, ...]' PROMPTS_JSON [COMM_BACKEND]
 (saves [option sets, steps, B, V] on the CPU, and in OUT.pt.json which steps each engine took: one-call decode,
 sequence parallelism, with its collectives counted and how many found the partial sums already in place; with
-"generate": n in PROMPTS_JSON, also each prompt's n greedy ids from the engine core, as "generated")
+"generate": n in PROMPTS_JSON, also each prompt's n greedy ids from the engine core, as "generated"); or
+python tests/tp_worker.py --batch JOBS.json [COMM_BACKEND]: several such runs, one after the other, in one launch.
 """
 
 from __future__ import annotations
@@ -92,5 +93,16 @@ def main(ckpt: str, out: str, options: str, prompts: str, comm_backend: str = "a
     sess.close()
 
 
+def batch(jobs: str, comm_backend: str = "auto") -> None:
+    """Each job of the JSON list in the file `jobs` ({"ckpt", "out", "options", "spec"}: main's arguments) in turn on
+    these ranks: one launch for the same test over many models (its start-up, most of such a test's time, once)."""
+    with open(jobs) as f:
+        for job in json.load(f):
+            main(job["ckpt"], job["out"], json.dumps(job["options"]), json.dumps(job["spec"]), comm_backend)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    if sys.argv[1] == "--batch":  # tp_worker.py --batch JOBS.json [COMM_BACKEND]
+        batch(*sys.argv[2:4])
+    else:
+        main(*sys.argv[1:6])
