@@ -63,7 +63,7 @@ def ids_of(stdout: str) -> list[list[int]]:
 
 CASES = [("stories260k", "single", 1), ("stories260k", "mpirun", 2),
          pytest.param("stories260k", "torchrun", 4, marks=pytest.mark.extended),
-         ("stories260k", "mpirun", 8)] \
+         pytest.param("stories260k", "mpirun", 8, marks=pytest.mark.extended)] \
     + [("tinystories-656k", "single", 1), ("tinystories-656k", "mpirun", 2), ("tinystories-656k", "torchrun", 2)]
 
 
