@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -314,6 +315,12 @@ def leftovers(at_start: dict, grace_s: float = 5.0) -> list[str]:
 
 
 def pytest_sessionstart(session):
+    # The jobs the tests start get SIGINT as a terminal's user would send it. A shell starts a background job (`cmd &`
+    # in a script, as CI may run the suite) with SIGINT ignored, and every process started from it inherits that: a
+    # SIGINT to mpiexec then ends nothing (test_faults). A handler of Python's own is reset to the default in each
+    # child at exec.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     session.config.stash[AT_START] = _entries()
     from runner.kernels.cpu_ext import cpu_ops
     cpu_ops()  # built here on a fresh machine (and said so), not inside the first test whose job uses the kernels
