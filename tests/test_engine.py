@@ -115,16 +115,20 @@ def run_tp(tmp_path, pmx, n, options, prompts, conts, launcher="mpirun", env=Non
     calls whose partial was written in the shared area}: tests/tp_worker.py); spec_extra: more of the worker's
     spec (e.g. {"generate": n}: greedy ids too, in the info's "generated")."""
     out = tmp_path / f"logits-{launcher}-{n}-{uuid.uuid4().hex[:8]}.pt"
-    worker = [str(ROOT / "tests" / "tp_worker.py"), str(pmx), str(out), json.dumps(options),
-              json.dumps({"prompts": prompts, "conts": conts, **(spec_extra or {})}), comm_backend]
-    if launcher == "mpirun":
-        cmd = [str(ROOT / "scripts" / "mpirun.sh"), "-np", str(n), sys.executable, *worker]
-    else:
-        cmd = [sys.executable, "-m", "runner.parallel.torchrun", "--standalone", "--nproc_per_node", str(n), *worker]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
-    assert res.returncode == 0, res.stderr[-3000:]
+    launch_worker(n, [str(pmx), str(out), json.dumps(options),
+                      json.dumps({"prompts": prompts, "conts": conts, **(spec_extra or {})}), comm_backend],
+                  launcher, env)
     logits = torch.load(out, weights_only=True)
     return (logits, json.loads(Path(f"{out}.json").read_text())) if with_info else logits
+
+
+def launch_worker(n: int, args: list, launcher: str = "mpirun", env=None, timeout: float = 300) -> None:
+    """tests/tp_worker.py ARGS on n ranks under mpirun or torchrun; fails the test with its stderr if it fails."""
+    worker = [str(ROOT / "tests" / "tp_worker.py"), *args]
+    cmd = [str(ROOT / "scripts" / "mpirun.sh"), "-np", str(n), sys.executable, *worker] if launcher == "mpirun" else \
+        [sys.executable, "-m", "runner.parallel.torchrun", "--standalone", "--nproc_per_node", str(n), *worker]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    assert res.returncode == 0, res.stderr[-3000:]
 
 
 def run_tp_batch(tmp_path, n, jobs: list, launcher="mpirun") -> list:
@@ -135,12 +139,14 @@ def run_tp_batch(tmp_path, n, jobs: list, launcher="mpirun") -> list:
              "spec": {"prompts": prompts, "conts": conts, **(extra or {})}}
             for i, (pmx, options, prompts, conts, extra) in enumerate(jobs)]
     (tmp_path / f"batch-{tag}.json").write_text(json.dumps(spec))
-    worker = [str(ROOT / "tests" / "tp_worker.py"), "--batch", str(tmp_path / f"batch-{tag}.json")]
-    cmd = [str(ROOT / "scripts" / "mpirun.sh"), "-np", str(n), sys.executable, *worker] if launcher == "mpirun" else \
-        [sys.executable, "-m", "runner.parallel.torchrun", "--standalone", "--nproc_per_node", str(n), *worker]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120 + 60 * len(jobs))
-    assert res.returncode == 0, res.stderr[-3000:]
+    launch_worker(n, ["--batch", str(tmp_path / f"batch-{tag}.json")], launcher, timeout=120 + 60 * len(jobs))
     return [(torch.load(j["out"], weights_only=True), json.loads(Path(j["out"] + ".json").read_text())) for j in spec]
+
+
+def asked_for(request, test: str, n: int) -> list:
+    """The `name` parameters of this session's cases of `test` at n ranks (a fixture running them in one launch)."""
+    return [item.callspec.params["name"] for item in request.session.items
+            if item.originalname == test and item.callspec.params["n"] == n]
 
 
 ALL_CACHES = [{"cache_layout": l, "cache_mode": m, "fused_kvcache": f}

@@ -19,7 +19,7 @@ from runner.pmx.convert import convert, reshard
 from runner.pmx.params import PmxParams
 from runner.pmx.quant import QuantScheme
 from conftest import hf_maker
-from test_engine import core, engine, hf_logits, prompts_and_conts, rel_err, run_tp, run_tp_batch
+from test_engine import asked_for, core, engine, hf_logits, prompts_and_conts, rel_err, run_tp, run_tp_batch
 from tp_worker import teacher_forced_logits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,8 +170,7 @@ def _tp_case(make_hf, base: Path, name: str, n: int):
 def two_ranks(request, tmp_path_factory):
     """test_family_tensor_parallel's cases at n = 2 that this session runs, in one mpirun (tests/tp_worker.py
     --batch): name -> (the case as _tp_case gives it, logits, info)."""
-    names = [item.callspec.params["name"] for item in request.session.items
-             if item.originalname == "test_family_tensor_parallel" and item.callspec.params["n"] == 2]
+    names = asked_for(request, "test_family_tensor_parallel", 2)
     base = tmp_path_factory.mktemp("tp2")
     cases = {name: _tp_case(hf_maker(base / name), base / name, name, 2) for name in names}
     results = run_tp_batch(base, 2, [(split, *rest) for _, _, split, *rest in cases.values()])

@@ -23,7 +23,7 @@ from runner.errors import PmxError
 from runner.pmx.convert import convert, quantize_model, reshard
 from runner.pmx.params import PmxParams
 from runner.pmx.quant import QuantScheme
-from test_engine import STEPS, core, engine, prompts_and_conts, rel_err, run_tp, run_tp_batch
+from test_engine import STEPS, asked_for, core, engine, prompts_and_conts, rel_err, run_tp, run_tp_batch
 from tp_worker import teacher_forced_logits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,8 +80,7 @@ TP_OPTIONS = [dict(cache_layout=0), dict(cache_layout=2, cache_mode=1), dict(cac
 def two_ranks(models, request, tmp_path_factory):
     """The TP = 2 runs of every family this session's tests ask for, in one mpirun (tests/tp_worker.py --batch):
     name -> (split dir, logits, info)."""
-    names = [item.callspec.params["name"] for item in request.session.items
-             if item.originalname == "test_tensor_parallel_greedy_and_split_merge" and item.callspec.params["n"] == 2]
+    names = asked_for(request, "test_tensor_parallel_greedy_and_split_merge", 2)
     base, jobs = tmp_path_factory.mktemp("tp2"), []
     for name in names:
         pmx, ref = models(name)
@@ -96,18 +95,18 @@ def test_tensor_parallel_greedy_and_split_merge(models, request, tmp_path, name,
     every family in one launch)."""
     pmx, ref = models(name)
     prompts, conts = prompts_and_conts(ref.vocab_size)
-    options = TP_OPTIONS
     if n == 2:
         split, logits, info = request.getfixturevalue("two_ranks")[name]
     else:
         split = tmp_path / "split"
         reshard(str(pmx), str(split), n, progress=False)
-        logits, info = run_tp(tmp_path, split, n, options, prompts, conts, with_info=True, spec_extra={"generate": GEN})
+        logits, info = run_tp(tmp_path, split, n, TP_OPTIONS, prompts, conts, with_info=True,
+                              spec_extra={"generate": GEN})
     reshard(str(split), str(tmp_path / "merged"), 1, progress=False)
     assert filecmp.cmp(pmx / "model.00.safetensors", tmp_path / "merged" / "model.00.safetensors", shallow=False)
     want = ref.logits(prompts, conts, STEPS)
     greedy = [ref.greedy(p, GEN) for p in prompts]
-    for opts, got, i in zip(options, logits, info):
+    for opts, got, i in zip(TP_OPTIONS, logits, info):
         assert rel_err(got, want) < 1e-4, (opts, rel_err(got, want))
         assert i["generated"] == greedy, opts
         assert i["fused_decode"] == opts.get("fused_kvcache", True)  # the one-call step, collectives in C++
