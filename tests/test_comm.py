@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,8 @@ import torch
 from conftest import ROOT
 from jobs import has_open_mpi, launch_cmd, run_job
 from runner.kernels.cpu_ext import cpu_ops
-from runner.parallel.shm import SharedMemory
+from runner.parallel.job import describe
+from runner.parallel.shm import SHM_LINE, SHM_PID_AT, SharedMemory
 
 OPEN_MPI = pytest.param("openmpi", marks=pytest.mark.skipif(not has_open_mpi(), reason="Open MPI is not installed"))
 
@@ -91,3 +95,37 @@ def test_shared_memory_without_room_for_the_reduce_norm_areas_keeps_the_collecti
     err = capfd.readouterr().err
     assert "/dev/shm has no room for" in err and "without sequence parallelism" in err, err
     assert _shm_files() <= before
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="this project's CPU extension could not be built here")
+@pytest.mark.parametrize("peer", ["reaped", "zombie", "running"])
+def test_a_shared_memory_wait_on_a_rank_that_has_exited_ends_at_once(peer):
+    """A rank waiting for a peer that has exited (gone from /proc, or a zombie its launcher has not reaped) raises
+    within a fraction of a second, not at the deadline, in one line that names the peer; one still running is waited
+    for until the deadline (the launcher normally kills the waiting rank first: this is for when it does not)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"]) if peer != "running" else None
+    try:
+        if peer == "reaped":
+            proc.wait(30)
+        elif peer == "zombie":
+            stat = Path(f"/proc/{proc.pid}/stat")
+            deadline = time.monotonic() + 30
+            while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z" and time.monotonic() < deadline:
+                time.sleep(0.01)
+        pid = proc.pid if proc else os.getpid()
+        ws = torch.zeros(cpu_ops().shm_header_bytes() + 2 * 2 * 4096, dtype=torch.uint8)
+        ws[SHM_LINE + SHM_PID_AT: SHM_LINE + SHM_PID_AT + 8] = torch.frombuffer(bytearray(pid.to_bytes(8, "little")),
+                                                                               dtype=torch.uint8)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as caught:
+            torch.ops.pmx_cpu.shm_all_reduce_(torch.ones(4), ws, 0, 2, 1.0)
+        took = time.monotonic() - t0
+    finally:
+        if proc:
+            proc.wait(30)
+    if peer == "running":
+        assert took >= 1.0 and "all_reduce did not complete within 1s" in str(caught.value), caught.value
+        return
+    assert took < 0.5, took
+    message, code, details = describe(caught.value)
+    assert (message, code, details) == (f"rank 1 (pid {pid}) ended while rank 0 waited for it in all_reduce", 3, None)

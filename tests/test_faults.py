@@ -129,3 +129,34 @@ def test_the_wrong_number_of_ranks_for_a_dump_ends_in_seconds(stories, tmp_path)
     rc, _, err, secs = run_job(cmd, tmp_path, {**env, **launch_env}, timeout=60)
     assert rc != 0 and ("has no rank_2" in err or "split into 2 shard(s) but 3 rank(s)" in err), err
     assert not (tmp_path / "out").exists()  # no empty rank folders
+
+
+def test_a_rank_that_exits_unseen_by_the_launcher_ends_the_others_at_once(stories, tmp_path):
+    """MPICH's launcher kills the other ranks when one exits, but a run of the suite once saw it miss that: rank 0
+    waited for the collective timeout. Here the launcher's proxy is stopped while rank 1 is killed (so it is left a
+    zombie no one reaps): rank 0's shared-memory wait sees it gone and ends, naming it."""
+    def state(pid: int) -> str:  # R, S, Z, ... ("" once reaped)
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return ""
+
+    cmd, env = launch_cmd("mpich", 2, *DEMO, "--ckpt_dir", stories / "pmx_2", *LONG)
+    with Job(cmd, tmp_path, env) as job:
+        rank0, victim = job.rank_pid(0), job.rank_pid(1)
+        proxy = int(open(f"/proc/{victim}/stat").read().rsplit(")", 1)[1].split()[1])  # both ranks' parent
+        job.wait_for("generating")
+        time.sleep(0.5)
+        os.kill(proxy, signal.SIGSTOP)  # (it forwards the ranks' output too: rank 0's message shows after SIGCONT)
+        try:
+            t0 = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            while state(rank0) not in ("Z", "") and time.monotonic() - t0 < 2 * END_WITHIN:
+                time.sleep(0.02)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(proxy, signal.SIGCONT)
+        rc = ended_within(job, 60, t0)
+    assert rc != 0 and took < 2.0, (took, job.stderr)
+    assert re.fullmatch(rf"rank 0: error: rank 1 \(pid {victim}\) ended while rank 0 waited for it in "
+                        r"(all_reduce|all_gather|reduce_norm)", error_lines(job.stderr, 0)[0]), job.stderr

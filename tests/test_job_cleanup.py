@@ -56,9 +56,16 @@ def test_a_failed_mpich_job_leaves_no_shared_memory(tmp_path, how, launcher):
 
 
 TORCHRUN_WORKER = """
-import os, sys, torch
+import os, sys, time, torch
 sys.stdout.write("error_file " + os.environ["TORCHELASTIC_ERROR_FILE"] + "\\n")  # one write (the ranks share the pipe)
 sys.stdout.flush()
+said = os.path.join(os.path.dirname(__file__), "rank1-said")
+if os.environ["RANK"] == "1":
+    open(said, "w").close()
+else:  # rank 0 fails only once rank 1 has written its line (the agent stops rank 1 when rank 0 fails)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(said) and time.monotonic() < deadline:
+        time.sleep(0.01)
 sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "0" else 0)
 """
 

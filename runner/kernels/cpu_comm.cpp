@@ -24,7 +24,11 @@
 //
 // Waiting spins (pause), then yields the core (sched_yield: ranks may outnumber cores), and, while it waits,
 // lets other Python threads run (the GIL is released, so the communicator's watchdog can end a job whose peer
-// hangs). A wait past `timeout_s` raises an error naming the collective and the rank waited for.
+// hangs). A wait past `timeout_s` raises an error naming the collective and the rank waited for. A longer wait also
+// looks, every PEER_LOOK_S, whether the rank it waits for still runs (its pid, which each rank writes in its header
+// line at 8 bytes, 0 where the ranks cannot see each other's processes: runner/parallel/shm.py): a peer that has
+// exited (or is a zombie) raises at once, whatever the launcher does about it. MPICH's launcher kills the other
+// ranks when one exits, but not always (a run of the test suite waited for the collective timeout).
 // Measured on the project's 2-core box, 768 floats between 2 ranks, called from Python: 2.8 us, against 4-5 us
 // for mpi4py's Allreduce, and ~30 us for that as a Python torch op inside the compiled step (benchmarks/RESULTS.md,
 // "Tensor parallelism on CPU").
@@ -38,14 +42,18 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <fcntl.h>
 #include <immintrin.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include "cpu_kernels.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <utility>
 
@@ -53,6 +61,9 @@ namespace {
 
 constexpr int64_t LINE = 64;     // bytes per rank in the header (one cache line each: no false sharing)
 constexpr int64_t HEADER = 4096;  // header bytes before the slots (room for 64 ranks)
+constexpr int64_t PID_AT = 8;     // where a rank's pid sits in its header line (after its counter)
+#define PEER_ENDED "ended while rank"  // runner/parallel/job.py's PEER_ENDED: the error's one line, no traceback
+constexpr double PEER_LOOK_S = 0.05;  // how often a long wait looks whether the rank it waits for still runs
 
 struct Workspace {
   uint8_t* base;
@@ -68,8 +79,24 @@ struct Workspace {
     TORCH_CHECK(slot >= LINE, "shared-memory workspace of ", ws.numel(), " bytes is too small for ", world, " ranks");
   }
   int64_t* counter(int64_t r) const { return reinterpret_cast<int64_t*>(base + r * LINE); }
+  int64_t pid(int64_t r) const { return __atomic_load_n(reinterpret_cast<int64_t*>(base + r * LINE + PID_AT), __ATOMIC_RELAXED); }
   uint8_t* data(int64_t parity, int64_t r) const { return base + HEADER + (parity * world + r) * slot; }
 };
+
+// Whether process `pid` has exited: /proc has no such process, or it is a zombie (exited, not yet reaped).
+bool process_ended(int64_t pid) {
+  if (pid <= 0) return false;
+  char path[64], buf[512];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT || errno == ESRCH;
+  const ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
+  ::close(fd);
+  if (n <= 0) return n == 0;  // read on an exiting process's stat
+  buf[n] = 0;
+  const char* end = std::strrchr(buf, ')');  // "pid (comm) S ...": the comm may hold spaces and parentheses
+  return end != nullptr && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X');
+}
 
 // Publishes `seq` for this rank and waits until every rank has published it.
 void arrive_and_wait(const Workspace& w, int64_t seq, double timeout_s, const char* what) {
@@ -83,12 +110,19 @@ void arrive_and_wait(const Workspace& w, int64_t seq, double timeout_s, const ch
     if (__atomic_load_n(w.counter(r), __ATOMIC_ACQUIRE) >= seq) continue;
     pmx_cpu::GilRelease unlocked;  // a longer wait: let other threads run, give the core away between looks
     const auto t0 = std::chrono::steady_clock::now();
+    double next_look = PEER_LOOK_S;
     for (int64_t i = 1; __atomic_load_n(w.counter(r), __ATOMIC_ACQUIRE) < seq; ++i) {
       sched_yield();
-      if (i % 1024 == 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > timeout_s) {
-        TORCH_CHECK(false, what, " did not complete within ", timeout_s, "s: rank ", w.rank, " waited for rank ", r,
-                    ", which has probably died or hung");
+      if (i % 256 != 0) continue;
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (waited > next_look) {
+        next_look = waited + PEER_LOOK_S;
+        const int64_t pid = w.pid(r);
+        TORCH_CHECK(__atomic_load_n(w.counter(r), __ATOMIC_ACQUIRE) >= seq || !process_ended(pid),
+                    "rank ", r, " (pid ", pid, ") " PEER_ENDED " ", w.rank, " waited for it in ", what);
       }
+      TORCH_CHECK(waited <= timeout_s, what, " did not complete within ", timeout_s, "s: rank ", w.rank,
+                  " waited for rank ", r, ", which has probably died or hung");
     }
   }
 }

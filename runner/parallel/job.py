@@ -19,6 +19,8 @@ from runner.errors import PmxError
 from runner.parallel.launch import end_job, mpi, rank_from_environment, under_mpi
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+PEER_ENDED = "ended while rank"  # in the error of a shared-memory wait whose peer exited (cpu_comm.cpp's PEER_ENDED)
+PEER_ENDED_CODE = 3              # as the collective timeout's (runner.parallel.watchdog)
 
 
 class Interrupted(BaseException):
@@ -132,6 +134,8 @@ def describe(exc: BaseException, skip: tuple[str, ...] = ()) -> tuple[str, int, 
         return str(Interrupted(signal.SIGINT)), exit_code(signal.SIGINT), None
     if isinstance(exc, PmxError):
         return str(exc), 2, None
+    if isinstance(exc, RuntimeError) and PEER_ENDED in str(exc):  # another rank failed first: its message says why
+        return str(exc).splitlines()[0], PEER_ENDED_CODE, None
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         return f"{exc.filename}: {exc.strerror}", 2, None
     tb = exc.__traceback__

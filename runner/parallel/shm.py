@@ -18,6 +18,7 @@ from runner.kernels.cpu_ext import cpu_ops
 SHM_ENV = "PMX_SHM_COMM"       # 0: the CPU communicators never use shared memory (mpi4py / gloo only)
 SHM_SLOT_BYTES = 4 << 20       # per rank and parity: larger collectives go in chunks of this size
 SHM_AREA_BYTES = 8 << 20       # per area of reduce_norm (world + 1 areas): the most floats [M, D] it takes
+SHM_LINE, SHM_PID_AT = 64, 8   # the header's line per rank, and where its pid sits there (cpu_comm.cpp's LINE, PID_AT)
 
 
 class SharedMemory:
@@ -26,7 +27,9 @@ class SharedMemory:
     all on this machine, the C++ extension is missing, /dev/shm cannot be used or PMX_SHM_COMM=0.
 
     The communicator's watchdog (which a wait lets run: the C++ wait releases the GIL) ends a job whose peer
-    hangs, with its message; the wait's own deadline, `deadline_s`, is a backstop behind it."""
+    hangs, with its message; the wait's own deadline, `deadline_s`, is a backstop behind it. A wait also ends at
+    once, with an error, when the rank it waits for has exited (each rank's pid is in the workspace's header),
+    whether or not the launcher ends the job."""
 
     def __init__(self, workspace: torch.Tensor, region: torch.Tensor, area: int, rank: int, world: int,
                  deadline_s: float):
@@ -64,7 +67,12 @@ class SharedMemory:
                     mm = mmap.mmap(f.fileno(), os.fstat(f.fileno()).st_size)
             except OSError:
                 mm = None
-        mapped = all_true(mm is not None)  # also: every rank has opened the file
+        if mm is not None:  # this rank's pid in its header line, for the waits' look at whether a peer still runs
+            mm[rank * SHM_LINE + SHM_PID_AT: rank * SHM_LINE + SHM_PID_AT + 8] = os.getpid().to_bytes(8, "little")
+        mapped = all_true(mm is not None)  # also: every rank has opened the file and written its pid
+        if mapped and not all_true(all(_maps(pid_in(mm, r), made[0]) for r in range(world) if r != rank)):
+            for r in range(world):  # some rank cannot see another's process (pid namespaces): no looks at all
+                mm[r * SHM_LINE + SHM_PID_AT: r * SHM_LINE + SHM_PID_AT + 8] = bytes(8)
         if rank == 0 and made is not None:
             os.unlink(made[0])
         if not mapped:
@@ -113,6 +121,21 @@ class SharedMemory:
         torch.ops.pmx_cpu.shm_reduce_norm_(partial, residual, weight, eps, self.workspace, self.region, self.area,
                                            self.rank, self.world, self.deadline_s)
         return self._area(self.world, m, d)
+
+
+def pid_in(mm, rank: int) -> int:
+    """The pid rank `rank` wrote in its header line."""
+    return int.from_bytes(mm[rank * SHM_LINE + SHM_PID_AT: rank * SHM_LINE + SHM_PID_AT + 8], "little")
+
+
+def _maps(pid: int, path: str) -> bool:
+    """Whether process `pid`, as this process sees it, maps `path`: then a wait can tell from /proc whether that
+    peer still runs (not so across pid namespaces, where the number is another process or none)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(path in ln for ln in f)
+    except OSError:
+        return False
 
 
 def machine_id() -> str:
