@@ -4,35 +4,30 @@ Commands: convert, split, merge, quantize (PMX layer); generate, replay, compare
 (ONNX, runner.onnx); serve (the OpenAI-compatible server). Each is a plain, typed function (the engine's flags are EngineConfig's,
 shared by every engine command); fire dispatches to it, with the parse functions of :mod:`runner.args` so that
 every flag is read as typed (`--input_dir X` and `--input-dir X` both work). :func:`run` is the error path of
-every entry point: see :mod:`runner.parallel.job`.
+every entry point: see :mod:`runner.parallel.job`. The engine's, the server's and ONNX's commands are imported when
+asked for (`from runner.cli import generate` imports the engine only: every rank of every job starts faster).
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib
 import os
 import sys
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Callable, Optional
 
 import fire
 
 from runner.args import (Dtype, GroupSize, OneOf, Overwrite, PositiveInt, Progress, QuantizeEmbedding, QuantizeOutput,
                          QuantMethod, Range, check_argv, doc_lines, help_text, typed)
-from runner.engine.bench import bench
-from runner.engine.compare import compare
-from runner.engine.demo import generate
-from runner.engine.perplexity import perplexity
-from runner.engine.replay import replay
 from runner.errors import PmxError
-from runner.onnx.export import export
-from runner.onnx.replay import onnx_replay
 from runner.parallel.job import JobControl, describe
 from runner.pmx.convert import convert as pmx_convert
 from runner.pmx.convert import quantize_model, reshard
 from runner.pmx.quant import scheme_from_flags, scheme_of
 from runner.pmx.random_model import make_random_model as write_random_model
-from runner.serve.server import serve
 
 
 def convert(input_dir: str, output_dir: str, dtype: Dtype = "auto", num_shards: PositiveInt = 1,
@@ -127,10 +122,37 @@ def make_random_model(output_dir: str, hidden_dim: PositiveInt = 128, intermedia
     print(f"wrote a random-weight Llama checkpoint to {output_dir}")
 
 
-COMMANDS: dict[str, Callable] = {
-    "convert": convert, "split": split, "merge": merge, "quantize": quantize, "generate": generate, "serve": serve,
-    "replay": replay, "compare": compare, "bench": bench, "perplexity": perplexity, "export": export, "onnx_replay": onnx_replay,
-    "make_random_model": make_random_model}
+ELSEWHERE = {  # command -> its module, imported when the command is asked for
+    "generate": "runner.engine.demo", "serve": "runner.serve.server", "replay": "runner.engine.replay",
+    "compare": "runner.engine.compare", "bench": "runner.engine.bench", "perplexity": "runner.engine.perplexity",
+    "export": "runner.onnx.export", "onnx_replay": "runner.onnx.replay"}
+ORDER = ("convert", "split", "merge", "quantize", "generate", "serve", "replay", "compare", "bench", "perplexity",
+         "export", "onnx_replay", "make_random_model")
+
+
+def __getattr__(name: str) -> Callable:
+    """`from runner.cli import generate` (and the other commands of ELSEWHERE): imported on first use."""
+    if name in ELSEWHERE:
+        return getattr(importlib.import_module(ELSEWHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class Commands(Mapping):
+    """name -> command, in ORDER; a command of another module is imported when it is looked up."""
+
+    def __getitem__(self, name: str) -> Callable:
+        if name not in ORDER:
+            raise KeyError(name)
+        return __getattr__(name) if name in ELSEWHERE else globals()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(ORDER)
+
+    def __len__(self) -> int:
+        return len(ORDER)
+
+
+COMMANDS = Commands()
 HELP_FLAGS = ("--help", "-h", "-help")
 
 
