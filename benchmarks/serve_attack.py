@@ -2,8 +2,8 @@
 """Streams under attack: time to first token and inter-token latency (p50 / p99) of 16 normal streams on a quiet
 server, and on the same server while a 50 MB request, 32 slow clients and a disconnect storm arrive.
 
-    python benchmarks/serve_attack.py [--model ../shared/models/tinystories-656k] [--rounds 3] [--streams 16]
-                                      [--max_tokens 128] [--attacks big,slow,storm] [--attacker_nice 10]
+    python benchmarks/serve_attack.py [--model ../shared/models/tinystories-656k] [--rounds 8] [--streams 16]
+                                      [--max_tokens 400] [--attacks big,slow,storm] [--attacker_nice 19]
                                       [--json_path out/serve_attack.json]
 
 One server (`python -m runner serve`, one rank, this checkout) on the model (an HF directory, converted once under
@@ -12,9 +12,12 @@ order alternating from round to round; each measurement sends every stream's pro
 --max_tokens tokens, prompts of their own for every round and phase) and records each stream's time to its first
 text and the gaps between its chunks. The attackers run in a process of their own (so that the measuring client
 is not slowed by them), from a second before the streams start until they end. They stand for clients elsewhere,
-whose own CPU is not the server's: on one box they run at niceness --attacker_nice (default 10), taking the cores
-when the server leaves them (0: the attackers' sending competes with the server as an equal, which on 2 cores
-measures the box as much as the server):
+whose own CPU is not the server's: on one box they run at niceness --attacker_nice (default 19), taking the cores
+when the server leaves them. At niceness 10 a nice-0 task still yields ~10% of a contended core to each attacker
+process, and at 0 the attackers' sending competes with the server as an equal: on 2 cores either measures the box
+as much as the server (the attack's own counts, in the JSON, show the server took as many attacks at 19 as at 10).
+--max_tokens 400 (the model's 512 positions less the prompts) makes a phase ~1.5-2 s: at 128 tokens a phase was
+0.7 s, a fifth of it the streams' start, and one hiccup moved its p99:
   50 MB      one request at a time that announces a 50 MB JSON body and sends it as fast as it goes (the server
              answers 413 from its Content-Length and closes), again and again;
   slow       32 clients trickling a request's headers a byte every 0.5 s (the server drops them after
@@ -202,10 +205,10 @@ def attack(url: str, seconds: float, out: str, attacks: str = "big,slow,storm") 
 
 
 # -- the benchmark ---------------------------------------------------------------------------------------------------
-def run(model: str = str(REPO.parent / "shared" / "models" / "tinystories-656k"), rounds: int = 3, streams: int = 16,
-        max_tokens: int = 128, workdir: str = str(Path.home() / ".cache" / "pmx-runner" / "attack"),
+def run(model: str = str(REPO.parent / "shared" / "models" / "tinystories-656k"), rounds: int = 8, streams: int = 16,
+        max_tokens: int = 400, workdir: str = str(Path.home() / ".cache" / "pmx-runner" / "attack"),
         json_path: str = str(REPO / "out" / "serve_attack.json"), header_timeout: float = 10.0, seed: int = 0,
-        attacks: str = "big,slow,storm", attacker_nice: int = 10) -> None:
+        attacks: str = "big,slow,storm", attacker_nice: int = 19) -> None:
     """See the module docstring; `attacks`: some of big, slow, storm, storm_first (to see what each costs)."""
     from runner.pmx.convert import convert
     work = Path(workdir)
