@@ -3,7 +3,7 @@ into blocks of 64 output channels, k-major (runner/kernels/cpu_linear.cpp), deco
 the KV cache and one-pass residual + RMSNorm and SwiGLU (runner/kernels/cpu_step.cpp), and the collectives of
 ranks on one machine through shared memory (runner/kernels/cpu_comm.cpp).
 
-The extension is built on first use for this machine (-march=native, OpenMP as torch), ~20 s on 2 cores, which rank
+The extension is built on first use for this machine (-march=native, OpenMP as torch), ~30 s on 2 cores, which rank
 0 says on stderr. The build is cached in a directory named by a hash of what it is made of (the C++ files' contents,
 the flags, torch's and Python's versions, the CPU), under $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions: any
 clone of the same version on this machine finds it (torch's own cache is keyed by the extension's name and
@@ -69,7 +69,7 @@ def _load_or_build(directory: Path) -> None:
     from torch.utils.cpp_extension import load
     loud = rank_from_environment()[0] == 0
     if loud:
-        note(f"building this project's C++ CPU kernels for this machine (once per version: ~20 s on 2 cores) "
+        note(f"building this project's C++ CPU kernels for this machine (once per version: ~30 s on 2 cores) "
              f"into {directory}")
     t0 = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
