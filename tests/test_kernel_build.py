@@ -17,7 +17,8 @@ BUILDING = "building this project's C++ CPU kernels"
 
 def test_first_build_is_announced_once_and_cached_for_any_clone(tmp_path):
     """The new cache directory is seeded with the objects of this checkout's own build (the suite's first use of the
-    kernels compiled them; ninja finds them up to date, unless a source was touched since): what runs here is the build's announcement, its lock between
+    kernels compiled them; ninja finds them up to date, unless the sources are newer than that build, e.g. a fresh clone
+    beside a build cache made before it, where it compiles them again): what runs here is the build's announcement, its lock between
     the ranks, the link and the marking as built, in seconds rather than the compile's ~40 s."""
     assert cpu_ops() is not None
     cache = tmp_path / "ext"
