@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what is needed (idempotent) and runs the test suite (~19 min on 2 cores): each test file's name with
+# Installs what is needed (idempotent) and runs the test suite (18-25 min on 2 cores, as loaded): each test file's name with
 # its progress, then the slowest tests (pyproject.toml's addopts). Arguments go to pytest (e.g. -k aot, -x;
 # --extended adds the tests marked `extended`, the wider matrix the default run samples: tests/conftest.py).
 set -euo pipefail
