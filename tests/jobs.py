@@ -34,6 +34,14 @@ def has_open_mpi() -> bool:
                                                                      capture_output=True).stdout
 
 
+def proc_stat(pid: int) -> list[str]:
+    """Process `pid`'s /proc stat fields after its name: [state (R, S, Z, ...), parent pid, ...]; [] once reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
 def launch_cmd(launcher: str, n: int, *cmd) -> tuple[list, dict]:
     """(command, environment) starting `cmd` on n ranks: launcher "mpich" (the venv's mpirun), "openmpi" (both
     through scripts/mpirun.sh) or "torchrun" (its standalone rendezvous on localhost, as scripts/torchrun.sh runs

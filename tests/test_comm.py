@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from conftest import ROOT
-from jobs import has_open_mpi, launch_cmd, run_job
+from jobs import has_open_mpi, launch_cmd, proc_stat, run_job
 from runner.kernels.cpu_ext import cpu_ops
 from runner.parallel.job import describe
-from runner.parallel.shm import SHM_LINE, SHM_PID_AT, SharedMemory
+from runner.parallel.shm import SharedMemory, pid_slot
 
 OPEN_MPI = pytest.param("openmpi", marks=pytest.mark.skipif(not has_open_mpi(), reason="Open MPI is not installed"))
 
@@ -108,14 +108,12 @@ def test_a_shared_memory_wait_on_a_rank_that_has_exited_ends_at_once(peer):
         if peer == "reaped":
             proc.wait(30)
         elif peer == "zombie":
-            stat = Path(f"/proc/{proc.pid}/stat")
             deadline = time.monotonic() + 30
-            while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z" and time.monotonic() < deadline:
+            while proc_stat(proc.pid)[:1] != ["Z"] and time.monotonic() < deadline:
                 time.sleep(0.01)
         pid = proc.pid if proc else os.getpid()
         ws = torch.zeros(cpu_ops().shm_header_bytes() + 2 * 2 * 4096, dtype=torch.uint8)
-        ws[SHM_LINE + SHM_PID_AT: SHM_LINE + SHM_PID_AT + 8] = torch.frombuffer(bytearray(pid.to_bytes(8, "little")),
-                                                                               dtype=torch.uint8)
+        ws[pid_slot(1)] = torch.frombuffer(bytearray(pid.to_bytes(8, "little")), dtype=torch.uint8)
         t0 = time.monotonic()
         with pytest.raises(RuntimeError) as caught:
             torch.ops.pmx_cpu.shm_all_reduce_(torch.ones(4), ws, 0, 2, 1.0)

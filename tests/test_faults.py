@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from jobs import Job, has_open_mpi, launch_cmd, run_job
+from jobs import Job, has_open_mpi, launch_cmd, proc_stat, run_job
 
 DEMO = [sys.executable, ROOT / "scripts" / "Demo.py"]
 LONG = ["--batch", 128, "--max_gen_len", 500, "--context_chunking", "false"]  # > 5 s of generation on 2 cores
@@ -137,23 +137,17 @@ def test_a_rank_that_exits_unseen_by_the_launcher_ends_the_others_at_once(storie
     """MPICH's launcher kills the other ranks when one exits, but a run of the suite once saw it miss that: rank 0
     waited for the collective timeout. Here the launcher's proxy is stopped while rank 1 is killed (so it is left a
     zombie no one reaps): rank 0's shared-memory wait sees it gone and ends, naming it."""
-    def state(pid: int) -> str:  # R, S, Z, ... ("" once reaped)
-        try:
-            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return ""
-
     cmd, env = launch_cmd("mpich", 2, *DEMO, "--ckpt_dir", stories / "pmx_2", *LONG)
     with Job(cmd, tmp_path, env) as job:
         rank0, victim = job.rank_pid(0), job.rank_pid(1)
-        proxy = int(open(f"/proc/{victim}/stat").read().rsplit(")", 1)[1].split()[1])  # both ranks' parent
+        proxy = int(proc_stat(victim)[1])  # both ranks' parent
         job.wait_for("generating")
         time.sleep(0.5)
         os.kill(proxy, signal.SIGSTOP)  # (it forwards the ranks' output too: rank 0's message shows after SIGCONT)
         try:
             t0 = time.monotonic()
             os.kill(victim, signal.SIGKILL)
-            while state(rank0) not in ("Z", "") and time.monotonic() - t0 < 2 * END_WITHIN:
+            while proc_stat(rank0)[:1] not in (["Z"], []) and time.monotonic() - t0 < 2 * END_WITHIN:
                 time.sleep(0.02)
             took = time.monotonic() - t0
         finally:

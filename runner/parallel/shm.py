@@ -68,11 +68,11 @@ class SharedMemory:
             except OSError:
                 mm = None
         if mm is not None:  # this rank's pid in its header line, for the waits' look at whether a peer still runs
-            mm[rank * SHM_LINE + SHM_PID_AT: rank * SHM_LINE + SHM_PID_AT + 8] = os.getpid().to_bytes(8, "little")
+            mm[pid_slot(rank)] = os.getpid().to_bytes(8, "little")
         mapped = all_true(mm is not None)  # also: every rank has opened the file and written its pid
         if mapped and not all_true(all(_maps(pid_in(mm, r), made[0]) for r in range(world) if r != rank)):
             for r in range(world):  # some rank cannot see another's process (pid namespaces): no looks at all
-                mm[r * SHM_LINE + SHM_PID_AT: r * SHM_LINE + SHM_PID_AT + 8] = bytes(8)
+                mm[pid_slot(r)] = bytes(8)
         if rank == 0 and made is not None:
             os.unlink(made[0])
         if not mapped:
@@ -123,9 +123,14 @@ class SharedMemory:
         return self._area(self.world, m, d)
 
 
+def pid_slot(rank: int) -> slice:
+    """The workspace's bytes that hold rank `rank`'s pid (int64, little-endian; 0: no looks at that rank)."""
+    return slice(rank * SHM_LINE + SHM_PID_AT, rank * SHM_LINE + SHM_PID_AT + 8)
+
+
 def pid_in(mm, rank: int) -> int:
     """The pid rank `rank` wrote in its header line."""
-    return int.from_bytes(mm[rank * SHM_LINE + SHM_PID_AT: rank * SHM_LINE + SHM_PID_AT + 8], "little")
+    return int.from_bytes(mm[pid_slot(rank)], "little")
 
 
 def _maps(pid: int, path: str) -> bool:
