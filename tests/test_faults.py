@@ -134,9 +134,9 @@ def test_the_wrong_number_of_ranks_for_a_dump_ends_in_seconds(stories, tmp_path)
 
 
 def test_a_rank_that_exits_unseen_by_the_launcher_ends_the_others_at_once(stories, tmp_path):
-    """MPICH's launcher kills the other ranks when one exits, but a run of the suite once saw it miss that: rank 0
-    waited for the collective timeout. Here the launcher's proxy is stopped while rank 1 is killed (so it is left a
-    zombie no one reaps): rank 0's shared-memory wait sees it gone and ends, naming it."""
+    """MPICH's launcher kills the other ranks when one exits, but can miss it (rank 0 would wait for the collective
+    timeout). Here the launcher's proxy is stopped while rank 1 is killed (so it is left a zombie no one reaps): rank
+    0's shared-memory wait sees it gone and ends, naming it."""
     cmd, env = launch_cmd("mpich", 2, *DEMO, "--ckpt_dir", stories / "pmx_2", *LONG)
     with Job(cmd, tmp_path, env) as job:
         rank0, victim = job.rank_pid(0), job.rank_pid(1)

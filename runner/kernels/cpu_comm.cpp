@@ -27,8 +27,8 @@
 // hangs). A wait past `timeout_s` raises an error naming the collective and the rank waited for. A longer wait also
 // looks, every PEER_LOOK_S, whether the rank it waits for still runs (its pid, which each rank writes in its header
 // line at 8 bytes, 0 where the ranks cannot see each other's processes: runner/parallel/shm.py): a peer that has
-// exited (or is a zombie) raises at once, whatever the launcher does about it. MPICH's launcher kills the other
-// ranks when one exits, but not always (a run of the test suite waited for the collective timeout).
+// exited (or is a zombie) raises at once, whatever the launcher does about it (MPICH's launcher kills the other
+// ranks when one exits, but can miss it: the others would wait for the collective timeout).
 // Measured on the project's 2-core box, 768 floats between 2 ranks, called from Python: 2.8 us, against 4-5 us
 // for mpi4py's Allreduce, and ~30 us for that as a Python torch op inside the compiled step (benchmarks/RESULTS.md,
 // "Tensor parallelism on CPU").
