@@ -322,6 +322,34 @@ def test_cpu_decode_attention_matches_attend_over_gathered_rows(layout, case, in
 
 
 @needs_ext
+@pytest.mark.parametrize("int8", [False, True], ids=["f32_cache", "int8_cache"])
+@pytest.mark.parametrize("h,kv,d,n", [(12, 12, 64, 24), (16, 4, 64, 40), (8, 2, 16, 9), (6, 3, 64, 63)],
+                         ids=["mha", "gqa", "blocked_short_heads", "odd_kv"])
+def test_cpu_decode_attention_shares_heads_out_to_the_bit(int8, h, kv, d, n):
+    """A lone sequence whose history is too short to cut into parts has its KV heads shared out between the threads:
+    each head's result is the bits one thread gives (and the torch attention's within float rounding)."""
+    from runner.kernels import torch_ops
+    g = torch.Generator().manual_seed(n)
+    cache = torch.randn(ref.cache_shape(0, 2, 128, kv, d), generator=g)
+    scale = None
+    if int8:
+        cache, scale = ref.quantize_int8(cache)
+    q, rows, lens = torch.randn(1, h, d, generator=g), torch.randperm(128, generator=g)[None, :n], torch.tensor([n])
+    threads = torch.get_num_threads()
+    try:
+        got = {}
+        for t in (1, 2, 4):
+            torch.set_num_threads(t)
+            got[t] = torch_ops.decode_attention_rows(q, cache, scale, 0, 1, rows, lens, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[1], got[2]) and torch.equal(got[1], got[4])
+    k, v = torch_ops.kv_load(cache, scale, 0, 1, rows, torch.float32)
+    want = torch_ops.attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), None, False)[:, :, 0]
+    assert (got[1] - want).abs().max() <= 2e-6 * want.abs().max()
+
+
+@needs_ext
 @pytest.mark.parametrize("paged", [False, True], ids=["offsets", "pages"])
 @pytest.mark.parametrize("window", [0, 50])
 def test_cpu_decode_attention_reads_rows_from_offsets_and_page_starts(paged, window):

@@ -14,9 +14,9 @@
 // page starts (position j at row rows[b, j / page_size] + j % page_size), as the plan has them. The cache, of any
 // layout, is float32 or int8 with float16 scales per group of 8 (dequantised a row at a time, as the reference).
 // Nothing is gathered: a task is one sequence (or one part of a long history, when there are fewer sequences than
-// threads; or the rows of one sequence at consecutive positions, as a verify step of speculative decoding has them,
-// each history row read once for all of them), which walks its rows in order, all heads of a row at once (they are
-// adjacent in the cache; each K/V row read once for the G = H / KV query heads of its group), with the rows a few
+// threads, or a share of its KV heads where the history is too short to cut; or the rows of one sequence at
+// consecutive positions, as a verify step of speculative decoding has them, each history row read once for all of
+// them), which walks its rows in order, all its heads of a row at once (they are adjacent in the cache; each K/V row read once for the G = H / KV query heads of its group), with the rows a few
 // ahead prefetched; CHUNK_ROWS positions at a time, their scores into a buffer of H x N floats (rows padded to whole
 // vectors), the softmax statistics brought up to date (vectorised exp; the output so far rescaled where the maximum
 // grows), then the weighted sum of their value rows (each row's key and value read close together in time: 1.6-2x
@@ -241,10 +241,10 @@ struct CacheRows : pmx_cpu::KVRows {
     for (; i < D; ++i) buf[i] = static_cast<float>(r[i]) * static_cast<float>(sc[i / 8]);
     return buf;
   }
-  void prefetch(int64_t row) const {  // the row's lines for every head
+  void prefetch(int64_t row, int64_t kv0, int64_t kv1) const {  // the row's lines for heads [kv0, kv1)
     const char* base = f != nullptr ? (const char*)(f + row * row_stride) : (const char*)(q + row * row_stride);
     const int64_t elem = f != nullptr ? 4 : 1;
-    for (int64_t h = 0; h < KV; ++h)
+    for (int64_t h = kv0; h < kv1; ++h)
       for (int64_t i = 0; i < D * elem; i += 64) _mm_prefetch(base + h * head_stride * elem + i, _MM_HINT_T0);
   }
 };
@@ -503,13 +503,18 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
     parts = std::max(parts, std::min(threads, (lens[first[g + 1] - 1] - first_seen(lens[first[g]], window)) /
                                                   MIN_PART_ROWS));
   if (NG >= threads) parts = 1;
+  // fewer groups than threads and histories too short to cut: each group's KV heads shared out between the threads
+  // instead (a head's arithmetic is the same whichever task runs it: the same bits as one task)
+  const int64_t splits = parts == 1 && NG < threads ? std::min(KV, threads / NG) : 1;
   std::vector<float> part_out(parts > 1 ? B * parts * H * D : 0), part_max(B * parts * H), part_sum(B * parts * H);
   const CacheRows K(k), V(v);
-  at::parallel_for(0, NG * parts, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, NG * parts * splits, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s, buf(D), kt, kbuf;
     std::vector<int64_t> rowbuf, from, to;
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t t = task / splits, sp = task % splits;
       const int64_t g = t / parts, p = t % parts, b0 = first[g], R = first[g + 1] - b0;
+      const int64_t kv0 = KV * sp / splits, kv1 = KV * (sp + 1) / splits, h0 = kv0 * G, h1 = kv1 * G;  // its heads
       // scores 16 positions at a time where the query heads sharing a key repay transposing it (short heads, or
       // enough query heads per KV head); else a dot product per query and position. (By the model's shape alone: a
       // verify step's rows get the bits each would get alone, so speculation keeps greedy outputs to the bit.)
@@ -529,7 +534,7 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
       const auto out_of = [&](int64_t r) {
         return parts > 1 ? part_out.data() + ((b0 + r) * parts + p) * H * D : op + (b0 + r) * H * D;
       };
-      for (int64_t r = 0; r < R; ++r) std::fill(out_of(r), out_of(r) + H * D, 0.0f);
+      for (int64_t r = 0; r < R; ++r) std::fill(out_of(r) + h0 * D, out_of(r) + h1 * D, 0.0f);
       const int64_t* rr;  // this part's rows: the table's, or worked out from the offset / pages
       if (h.table) {
         rr = h.rows + b0 * h.row_stride + j0;
@@ -541,7 +546,7 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
       const int64_t np = (n + 31) / 16 * 16;  // (score rows padded: a block of 16 stores whole vectors from any jb < n)
       s.resize(R * H * np);
       for (int64_t r = 0; r < R; ++r)
-        for (int64_t hh = 0; hh < H; ++hh)
+        for (int64_t hh = h0; hh < h1; ++hh)
           part_max[((b0 + r) * parts + p) * H + hh] = -std::numeric_limits<float>::infinity(),
           part_sum[((b0 + r) * parts + p) * H + hh] = 0.0f;
       // CHUNK_ROWS positions at a time: their keys' scores, the softmax statistics brought up to date (the output so
@@ -553,8 +558,8 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
       if (blocked) {  // 16 positions at a time: the block's keys transposed, each query's 16 scores one FMA per dim
         for (int64_t jb = cb; jb < ce; jb += 16) {
           const int64_t w = std::min<int64_t>(16, ce - jb);
-          for (int64_t i = 0; i < 16 && jb + 16 + i < n; ++i) K.prefetch(rr[jb + 16 + i]);
-          for (int64_t kh = 0; kh < KV; ++kh) {
+          for (int64_t i = 0; i < 16 && jb + 16 + i < n; ++i) K.prefetch(rr[jb + 16 + i], kv0, kv1);
+          for (int64_t kh = kv0; kh < kv1; ++kh) {
             const float* rows[16];
             for (int64_t i = 0; i < w; ++i) rows[i] = K.get(rr[jb + i], kh, kbuf.data() + i * D);
             for (int64_t c = 0; c < D; c += 16) {  // kt[d][i] = key i's dim d
@@ -577,8 +582,8 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
         }
       } else {
         for (int64_t j = cb; j < ce; ++j) {  // row by row: all heads of a row are next to each other in the cache
-          if (j + PF_ROWS < n) K.prefetch(rr[j + PF_ROWS]);
-          for (int64_t kh = 0; kh < KV; ++kh) {
+          if (j + PF_ROWS < n) K.prefetch(rr[j + PF_ROWS], kv0, kv1);
+          for (int64_t kh = kv0; kh < kv1; ++kh) {
             const float* kr = K.get(rr[j], kh, buf.data());
             for (int64_t r = 0; r < R; ++r) {
               if (j < from[r] || j >= to[r]) continue;
@@ -594,14 +599,14 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
         if (a >= e) continue;
         float* sr = s.data() + r * H * np;
         if (softcap > 0)  // cap tanh(s / cap), as reference.soft_cap
-          for (int64_t hh = 0; hh < H; ++hh) soft_cap_into(sr + hh * np + a, e - a, softcap);
+          for (int64_t hh = h0; hh < h1; ++hh) soft_cap_into(sr + hh * np + a, e - a, softcap);
         if (slopes)  // ALiBi: slope_h x (j - the query's position len - 1), as reference.alibi_bias
-          for (int64_t hh = 0; hh < H; ++hh)
+          for (int64_t hh = h0; hh < h1; ++hh)
             for (int64_t j = a; j < e; ++j)
               sr[hh * np + j] += slopes[hh] * static_cast<float>(j0 + j - (len - 1));
         float *pm = &part_max[((b0 + r) * parts + p) * H], *ps = &part_sum[((b0 + r) * parts + p) * H];
         float* o = out_of(r);
-        for (int64_t hh = 0; hh < H; ++hh) {
+        for (int64_t hh = h0; hh < h1; ++hh) {
           float* seg = sr + hh * np + a;
           float mx = pm[hh];
           for (int64_t j = 0; j < e - a; ++j) mx = std::max(mx, seg[j]);
@@ -617,8 +622,8 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
       if (blocked) {  // o += p_i v_i over 16 positions at a time, o loaded once
         for (int64_t jb = cb; jb < ce; jb += 16) {
           const int64_t w = std::min<int64_t>(16, ce - jb);
-          for (int64_t i = 0; i < 16 && jb + 16 + i < n; ++i) V.prefetch(rr[jb + 16 + i]);
-          for (int64_t kh = 0; kh < KV; ++kh) {
+          for (int64_t i = 0; i < 16 && jb + 16 + i < n; ++i) V.prefetch(rr[jb + 16 + i], kv0, kv1);
+          for (int64_t kh = kv0; kh < kv1; ++kh) {
             const float* rows[16];
             for (int64_t i = 0; i < w; ++i) rows[i] = V.get(rr[jb + i], kh, kbuf.data() + i * D);
             for (int64_t r = 0; r < R; ++r) {
@@ -637,8 +642,8 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
         }
       } else {
         for (int64_t j = cb; j < ce; ++j) {
-          if (j + PF_ROWS < n) V.prefetch(rr[j + PF_ROWS]);
-          for (int64_t kh = 0; kh < KV; ++kh) {
+          if (j + PF_ROWS < n) V.prefetch(rr[j + PF_ROWS], kv0, kv1);
+          for (int64_t kh = kv0; kh < kv1; ++kh) {
             const float* vr = V.get(rr[j], kh, buf.data());
             for (int64_t r = 0; r < R; ++r) {
               if (j < from[r] || j >= to[r]) continue;
@@ -654,7 +659,7 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
         for (int64_t r = 0; r < R; ++r) {
           float* o = out_of(r);
           const float* ps = &part_sum[(b0 + r) * H];
-          for (int64_t hh = 0; hh < H; ++hh) {
+          for (int64_t hh = h0; hh < h1; ++hh) {
             const float inv = 1.0f / ps[hh];
             for (int64_t i = 0; i < D; ++i) o[hh * D + i] *= inv;
           }
