@@ -4,9 +4,13 @@ changed source builds anew."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import sys
 import time
+
+import pytest
 
 from jobs import ROOT, run_job
 from runner.kernels.cpu_ext import build_dir, cpu_ops
@@ -52,3 +56,28 @@ def test_first_build_is_announced_once_and_cached_for_any_clone(tmp_path):
     script.write_text("from runner.kernels.cpu_ext import build_dir; print(build_dir())")
     rc, out, err, _ = run_job([sys.executable, script], tmp_path, env, timeout=120)
     assert rc == 0 and out.strip().startswith(str(cache / "pmx_cpu-")) and out.strip() != str(built), out + err
+
+
+# The instruction sets whose branches of the kernels this machine's own build (-march=native) may never compile: an
+# AVX-512 server's (AVX-512 F/BW/DQ/VL, VNNI, BF16: a Xeon since Sapphire Rapids, a Zen 4 or 5 takes those paths) and
+# a CPU's without AVX2 (the portable loops; arm64 takes them too).
+FOREIGN_ARCHS = ["sapphirerapids", pytest.param("x86-64-v2", marks=pytest.mark.extended)]
+
+
+@pytest.mark.parametrize("arch", FOREIGN_ARCHS)
+def test_every_instruction_set_branch_of_the_kernels_compiles(arch):
+    """Each kernel source with per-instruction-set branches passes the compiler's checks (syntax, types, the
+    intrinsics' signatures) for another machine than this one, with torch's headers as the build uses them."""
+    from torch.utils.cpp_extension import include_paths
+    import sysconfig
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    assert cxx is not None, "no C++ compiler: the kernels could not be built either"
+    flags = ["-std=c++17", "-fsyntax-only", f"-march={arch}", "-fopenmp", "-DTORCH_EXTENSION_NAME=pmx_cpu",
+             *(f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]])]
+    sources = [p for p in sorted((ROOT / "runner" / "kernels").glob("cpu_*.cpp")) if "__AVX512" in p.read_text()]
+    assert len(sources) >= 3  # the GEMMs, the quantised linears, the step's ops
+    jobs = [(p, subprocess.Popen([cxx, *flags, str(p)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            for p in sources]
+    for p, job in jobs:
+        out, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, f"{p.name} for -march={arch}:\n{out[-4000:]}"
