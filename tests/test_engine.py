@@ -132,12 +132,13 @@ def launch_worker(n: int, args: list, launcher: str = "mpirun", env=None, timeou
 
 
 def run_tp_batch(tmp_path, n, jobs: list, launcher="mpirun") -> list:
-    """run_tp(..., with_info=True) for each job (pmx, options, prompts, conts, spec_extra) on the same n ranks in one
-    launch (tests/tp_worker.py --batch): [(logits, info)] in the jobs' order."""
+    """run_tp(..., with_info=True) for each job (pmx, options, prompts, conts, spec_extra[, env]) on the same n ranks
+    in one launch (tests/tp_worker.py --batch; `env`: variables set in the ranks while that job runs, e.g.
+    {"PMX_SHM_COMM": "0"}): [(logits, info)] in the jobs' order."""
     tag = uuid.uuid4().hex[:8]
     spec = [{"ckpt": str(pmx), "out": str(tmp_path / f"logits-batch-{tag}-{i}.pt"), "options": options,
-             "spec": {"prompts": prompts, "conts": conts, **(extra or {})}}
-            for i, (pmx, options, prompts, conts, extra) in enumerate(jobs)]
+             "spec": {"prompts": prompts, "conts": conts, **(extra or {})}, "env": dict(env[0]) if env else {}}
+            for i, (pmx, options, prompts, conts, extra, *env) in enumerate(jobs)]
     (tmp_path / f"batch-{tag}.json").write_text(json.dumps(spec))
     launch_worker(n, ["--batch", str(tmp_path / f"batch-{tag}.json")], launcher, timeout=120 + 60 * len(jobs))
     return [(torch.load(j["out"], weights_only=True), json.loads(Path(j["out"] + ".json").read_text())) for j in spec]
