@@ -154,20 +154,44 @@ ALL_CACHES = [{"cache_layout": l, "cache_mode": m, "fused_kvcache": f}
               for l, m, f in itertools.product(range(4), (0, 1), (True, False))]
 
 
-@pytest.mark.parametrize("arch,n", [("llama_gqa_odd", 2), ("llama_gqa_odd", 4), ("qwen2", 2),
-                                    pytest.param("qwen2", 4, marks=pytest.mark.extended), pytest.param("llama_bias", 4, marks=pytest.mark.extended)])
-def test_tensor_parallel_matches_transformers(make_hf, tmp_path, arch, n):
-    """TP = n against transformers and TP = 1, for every cache layout, both cache modes, both attentions,
-    and the int8 cache."""
+def _tp_case(make_hf, base: Path, arch: str, n: int):
+    """(HF model, its PMX dir, split in n, the worker's option sets, whether they include the int8 cache) of a case
+    of test_tensor_parallel_matches_transformers."""
     src, model = make_hf(arch)
-    convert(str(src), str(tmp_path / "pmx"), progress=False)
-    reshard(str(tmp_path / "pmx"), str(tmp_path / f"pmx{n}"), n, progress=False)
-    prompts, conts = prompts_and_conts(model.config.vocab_size)
-    ref = hf_logits(model, prompts, conts)
-    tp1 = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx"), prompts, conts))
+    convert(str(src), str(base / "pmx"), progress=False)
+    reshard(str(base / "pmx"), str(base / f"pmx{n}"), n, progress=False)
     with_int8 = model.config.head_dim % 8 == 0 if hasattr(model.config, "head_dim") else True
     option_sets = ALL_CACHES + ([{"quantized_cache": True, "cache_layout": 1, "cache_mode": 1}] if with_int8 else [])
-    results = run_tp(tmp_path, tmp_path / f"pmx{n}", n, option_sets, prompts, conts)
+    return model, base / "pmx", base / f"pmx{n}", option_sets, with_int8
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory):
+    """test_tensor_parallel_matches_transformers's cases at n = 2 that this session runs, in one mpirun
+    (tests/tp_worker.py --batch): arch -> (the case as _tp_case gives it, logits)."""
+    from conftest import hf_maker
+    base = tmp_path_factory.mktemp("tp2")
+    archs = [item.callspec.params["arch"] for item in request.session.items
+             if item.originalname == "test_tensor_parallel_matches_transformers" and item.callspec.params["n"] == 2]
+    cases = {arch: _tp_case(hf_maker(base / arch), base / arch, arch, 2) for arch in archs}
+    results = run_tp_batch(base, 2, [(split, options, *prompts_and_conts(model.config.vocab_size), None)
+                                     for model, _, split, options, _ in cases.values()])
+    return {arch: (cases[arch], logits) for arch, (logits, _) in zip(archs, results)}
+
+
+@pytest.mark.parametrize("arch,n", [("llama_gqa_odd", 2), ("llama_gqa_odd", 4), ("qwen2", 2),
+                                    pytest.param("qwen2", 4, marks=pytest.mark.extended), pytest.param("llama_bias", 4, marks=pytest.mark.extended)])
+def test_tensor_parallel_matches_transformers(make_hf, request, tmp_path, arch, n):
+    """TP = n against transformers and TP = 1, for every cache layout, both cache modes, both attentions,
+    and the int8 cache. (n = 2: every architecture in one launch.)"""
+    if n == 2:
+        (model, pmx, _, option_sets, with_int8), results = request.getfixturevalue("two_ranks")[arch]
+    else:
+        model, pmx, split, option_sets, with_int8 = _tp_case(make_hf, tmp_path, arch, n)
+        results = run_tp(tmp_path, split, n, option_sets, *prompts_and_conts(model.config.vocab_size))
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    ref = hf_logits(model, prompts, conts)
+    tp1 = torch.stack(teacher_forced_logits(engine(pmx), prompts, conts))
     for options, got in zip(ALL_CACHES, results):
         assert rel_err(got, ref) < 1e-4, (options, rel_err(got, ref))
         assert rel_err(got, tp1) < 1e-4
@@ -177,7 +201,7 @@ def test_tensor_parallel_matches_transformers(make_hf, tmp_path, arch, n):
         assert torch.nn.functional.cosine_similarity(int8.flatten(1), ref.flatten(1)).min() >= 0.999
     else:
         with pytest.raises(PmxError, match="head_dim divisible by 8"):
-            engine(tmp_path / "pmx", quantized_cache=True)
+            engine(pmx, quantized_cache=True)
 
 
 HALF_CPU_SHAPE = dict(hidden_size=128, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
