@@ -165,18 +165,34 @@ def _tp_case(make_hf, base: Path, arch: str, n: int):
     return model, base / "pmx", base / f"pmx{n}", option_sets, with_int8
 
 
+HALF_TP_OPTIONS = [{}, {"fused_decode": False}, {"fused_decode": False, "seq_parallel": False}]
+
+
+def _half_case(make_hf, base: Path):
+    """(HF model, its bfloat16 PMX dir, split in 2) of test_half_precision_tensor_parallel_matches_one_rank."""
+    src, model = make_hf("llama_gqa_odd", **HALF_CPU_SHAPE)
+    convert(str(src), str(base / "pmx"), dtype="bfloat16", progress=False)
+    reshard(str(base / "pmx"), str(base / "pmx2"), 2, progress=False)
+    return model, base / "pmx", base / "pmx2"
+
+
 @pytest.fixture(scope="module")
 def two_ranks(request, tmp_path_factory):
-    """test_tensor_parallel_matches_transformers's cases at n = 2 that this session runs, in one mpirun
-    (tests/tp_worker.py --batch): arch -> (the case as _tp_case gives it, logits)."""
+    """This module's 2-rank mpirun runs of tests/tp_worker.py that this session asks for, in one launch (--batch):
+    test_tensor_parallel_matches_transformers's cases at n = 2, arch -> (the case as _tp_case gives it, logits, info),
+    and test_half_precision_tensor_parallel_matches_one_rank's, "half" -> (the case as _half_case gives it, logits,
+    info)."""
     from conftest import hf_maker
-    base = tmp_path_factory.mktemp("tp2")
-    archs = [item.callspec.params["arch"] for item in request.session.items
-             if item.originalname == "test_tensor_parallel_matches_transformers" and item.callspec.params["n"] == 2]
-    cases = {arch: _tp_case(hf_maker(base / arch), base / arch, arch, 2) for arch in archs}
-    results = run_tp_batch(base, 2, [(split, options, *prompts_and_conts(model.config.vocab_size), None)
-                                     for model, _, split, options, _ in cases.values()])
-    return {arch: (cases[arch], logits) for arch, (logits, _) in zip(archs, results)}
+    base, cases, jobs = tmp_path_factory.mktemp("tp2"), {}, []
+    for item in request.session.items:
+        if item.originalname == "test_tensor_parallel_matches_transformers" and item.callspec.params["n"] == 2:
+            arch = item.callspec.params["arch"]
+            cases[arch] = case = _tp_case(hf_maker(base / arch), base / arch, arch, 2)
+            jobs.append((case[2], case[3], *prompts_and_conts(case[0].config.vocab_size), None))
+        elif item.originalname == "test_half_precision_tensor_parallel_matches_one_rank":
+            cases["half"] = case = _half_case(hf_maker(base / "half"), base / "half")
+            jobs.append((case[2], HALF_TP_OPTIONS, *prompts_and_conts(case[0].config.vocab_size), None))
+    return {key: (case, *res) for (key, case), res in zip(cases.items(), run_tp_batch(base, 2, jobs))}
 
 
 @pytest.mark.parametrize("arch,n", [("llama_gqa_odd", 2), ("llama_gqa_odd", 4), ("qwen2", 2),
@@ -185,7 +201,7 @@ def test_tensor_parallel_matches_transformers(make_hf, request, tmp_path, arch, 
     """TP = n against transformers and TP = 1, for every cache layout, both cache modes, both attentions,
     and the int8 cache. (n = 2: every architecture in one launch.)"""
     if n == 2:
-        (model, pmx, _, option_sets, with_int8), results = request.getfixturevalue("two_ranks")[arch]
+        (model, pmx, _, option_sets, with_int8), results, _ = request.getfixturevalue("two_ranks")[arch]
     else:
         model, pmx, split, option_sets, with_int8 = _tp_case(make_hf, tmp_path, arch, n)
         results = run_tp(tmp_path, split, n, option_sets, *prompts_and_conts(model.config.vocab_size))
@@ -253,17 +269,13 @@ def test_matrix_dtype_is_the_checkpoints_only_where_the_cpu_kernels_read_it(monk
     assert session.pick_matrix_dtype("auto", "bfloat16", cpu) == torch.float32
 
 
-def test_half_precision_tensor_parallel_matches_one_rank(make_hf, tmp_path):
+def test_half_precision_tensor_parallel_matches_one_rank(request, tmp_path):
     """A bfloat16 checkpoint at TP = 2 (weights at their width on each rank, the one-call step and sequence
-    parallelism) against TP = 1 and transformers in float32."""
-    src, model = make_hf("llama_gqa_odd", **HALF_CPU_SHAPE)
-    convert(str(src), str(tmp_path / "pmx"), dtype="bfloat16", progress=False)
-    reshard(str(tmp_path / "pmx"), str(tmp_path / "pmx2"), 2, progress=False)
+    parallelism) against TP = 1 and transformers in float32. (TP = 2: in the module's one 2-rank launch.)"""
+    (model, pmx, _), tp2, info = request.getfixturevalue("two_ranks")["half"]
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     ref = hf_logits(model.to(torch.bfloat16).float(), prompts, conts)
-    tp1 = run_tp(tmp_path, tmp_path / "pmx", 1, [{}], prompts, conts)[0]
-    options = [{}, {"fused_decode": False}, {"fused_decode": False, "seq_parallel": False}]
-    tp2, info = run_tp(tmp_path, tmp_path / "pmx2", 2, options, prompts, conts, with_info=True)
+    tp1 = run_tp(tmp_path, pmx, 1, [{}], prompts, conts)[0]
     assert [i["weight_dtype"] for i in info] == ["torch.bfloat16"] * 3
     assert [(i["fused_decode"], i["seq_parallel"]) for i in info] == [(True, True), (False, True), (False, False)]
     for got in tp2:
