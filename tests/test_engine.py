@@ -144,10 +144,11 @@ def run_tp_batch(tmp_path, n, jobs: list, launcher="mpirun") -> list:
     return [(torch.load(j["out"], weights_only=True), json.loads(Path(j["out"] + ".json").read_text())) for j in spec]
 
 
-def asked_for(request, test: str, n: int) -> list:
-    """The `name` parameters of this session's cases of `test` at n ranks (a fixture running them in one launch)."""
+def asked_for(request, test: str, n: int | None = None) -> list:
+    """The `name` parameters of this session's cases of `test` (at n ranks, where given: its `n` parameter), for a
+    fixture running them in one launch."""
     return [item.callspec.params["name"] for item in request.session.items
-            if item.originalname == test and item.callspec.params["n"] == n]
+            if item.originalname == test and (n is None or item.callspec.params["n"] == n)]
 
 
 ALL_CACHES = [{"cache_layout": l, "cache_mode": m, "fused_kvcache": f}
