@@ -132,41 +132,83 @@ def launch_worker(n: int, args: list, launcher: str = "mpirun", env=None, timeou
 
 
 def run_tp_batch(tmp_path, n, jobs: list, launcher="mpirun") -> list:
-    """run_tp(..., with_info=True) for each job (pmx, options, prompts, conts, spec_extra) on the same n ranks in one
-    launch (tests/tp_worker.py --batch): [(logits, info)] in the jobs' order."""
+    """run_tp(..., with_info=True) for each job (pmx, options, prompts, conts, spec_extra[, env]) on the same n ranks
+    in one launch (tests/tp_worker.py --batch; `env`: variables set in the ranks while that job runs, e.g.
+    {"PMX_SHM_COMM": "0"}): [(logits, info)] in the jobs' order."""
     tag = uuid.uuid4().hex[:8]
     spec = [{"ckpt": str(pmx), "out": str(tmp_path / f"logits-batch-{tag}-{i}.pt"), "options": options,
-             "spec": {"prompts": prompts, "conts": conts, **(extra or {})}}
-            for i, (pmx, options, prompts, conts, extra) in enumerate(jobs)]
+             "spec": {"prompts": prompts, "conts": conts, **(extra or {})}, "env": dict(env[0]) if env else {}}
+            for i, (pmx, options, prompts, conts, extra, *env) in enumerate(jobs)]
     (tmp_path / f"batch-{tag}.json").write_text(json.dumps(spec))
     launch_worker(n, ["--batch", str(tmp_path / f"batch-{tag}.json")], launcher, timeout=120 + 60 * len(jobs))
     return [(torch.load(j["out"], weights_only=True), json.loads(Path(j["out"] + ".json").read_text())) for j in spec]
 
 
-def asked_for(request, test: str, n: int) -> list:
-    """The `name` parameters of this session's cases of `test` at n ranks (a fixture running them in one launch)."""
+def asked_for(request, test: str, n: int | None = None) -> list:
+    """The `name` parameters of this session's cases of `test` (at n ranks, where given: its `n` parameter), for a
+    fixture running them in one launch."""
     return [item.callspec.params["name"] for item in request.session.items
-            if item.originalname == test and item.callspec.params["n"] == n]
+            if item.originalname == test and (n is None or item.callspec.params["n"] == n)]
 
 
 ALL_CACHES = [{"cache_layout": l, "cache_mode": m, "fused_kvcache": f}
               for l, m, f in itertools.product(range(4), (0, 1), (True, False))]
 
 
-@pytest.mark.parametrize("arch,n", [("llama_gqa_odd", 2), ("llama_gqa_odd", 4), ("qwen2", 2),
-                                    pytest.param("qwen2", 4, marks=pytest.mark.extended), pytest.param("llama_bias", 4, marks=pytest.mark.extended)])
-def test_tensor_parallel_matches_transformers(make_hf, tmp_path, arch, n):
-    """TP = n against transformers and TP = 1, for every cache layout, both cache modes, both attentions,
-    and the int8 cache."""
+def _tp_case(make_hf, base: Path, arch: str, n: int):
+    """(HF model, its PMX dir, split in n, the worker's option sets, whether they include the int8 cache) of a case
+    of test_tensor_parallel_matches_transformers."""
     src, model = make_hf(arch)
-    convert(str(src), str(tmp_path / "pmx"), progress=False)
-    reshard(str(tmp_path / "pmx"), str(tmp_path / f"pmx{n}"), n, progress=False)
-    prompts, conts = prompts_and_conts(model.config.vocab_size)
-    ref = hf_logits(model, prompts, conts)
-    tp1 = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx"), prompts, conts))
+    convert(str(src), str(base / "pmx"), progress=False)
+    reshard(str(base / "pmx"), str(base / f"pmx{n}"), n, progress=False)
     with_int8 = model.config.head_dim % 8 == 0 if hasattr(model.config, "head_dim") else True
     option_sets = ALL_CACHES + ([{"quantized_cache": True, "cache_layout": 1, "cache_mode": 1}] if with_int8 else [])
-    results = run_tp(tmp_path, tmp_path / f"pmx{n}", n, option_sets, prompts, conts)
+    return model, base / "pmx", base / f"pmx{n}", option_sets, with_int8
+
+
+HALF_TP_OPTIONS = [{}, {"fused_decode": False}, {"fused_decode": False, "seq_parallel": False}]
+
+
+def _half_case(make_hf, base: Path):
+    """(HF model, its bfloat16 PMX dir, split in 2) of test_half_precision_tensor_parallel_matches_one_rank."""
+    src, model = make_hf("llama_gqa_odd", **HALF_CPU_SHAPE)
+    convert(str(src), str(base / "pmx"), dtype="bfloat16", progress=False)
+    reshard(str(base / "pmx"), str(base / "pmx2"), 2, progress=False)
+    return model, base / "pmx", base / "pmx2"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory):
+    """This module's 2-rank mpirun runs of tests/tp_worker.py that this session asks for, in one launch (--batch):
+    test_tensor_parallel_matches_transformers's cases at n = 2, arch -> (the case as _tp_case gives it, logits, info),
+    and test_half_precision_tensor_parallel_matches_one_rank's, "half" -> (the case as _half_case gives it, logits,
+    info)."""
+    from conftest import hf_maker
+    base, cases, jobs = tmp_path_factory.mktemp("tp2"), {}, []
+    for item in request.session.items:
+        if item.originalname == "test_tensor_parallel_matches_transformers" and item.callspec.params["n"] == 2:
+            arch = item.callspec.params["arch"]
+            cases[arch] = case = _tp_case(hf_maker(base / arch), base / arch, arch, 2)
+            jobs.append((case[2], case[3], *prompts_and_conts(case[0].config.vocab_size), None))
+        elif item.originalname == "test_half_precision_tensor_parallel_matches_one_rank":
+            cases["half"] = case = _half_case(hf_maker(base / "half"), base / "half")
+            jobs.append((case[2], HALF_TP_OPTIONS, *prompts_and_conts(case[0].config.vocab_size), None))
+    return {key: (case, *res) for (key, case), res in zip(cases.items(), run_tp_batch(base, 2, jobs))}
+
+
+@pytest.mark.parametrize("arch,n", [("llama_gqa_odd", 2), ("llama_gqa_odd", 4), ("qwen2", 2),
+                                    pytest.param("qwen2", 4, marks=pytest.mark.extended), pytest.param("llama_bias", 4, marks=pytest.mark.extended)])
+def test_tensor_parallel_matches_transformers(make_hf, request, tmp_path, arch, n):
+    """TP = n against transformers and TP = 1, for every cache layout, both cache modes, both attentions,
+    and the int8 cache. (n = 2: every architecture in one launch.)"""
+    if n == 2:
+        (model, pmx, _, option_sets, with_int8), results, _ = request.getfixturevalue("two_ranks")[arch]
+    else:
+        model, pmx, split, option_sets, with_int8 = _tp_case(make_hf, tmp_path, arch, n)
+        results = run_tp(tmp_path, split, n, option_sets, *prompts_and_conts(model.config.vocab_size))
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    ref = hf_logits(model, prompts, conts)
+    tp1 = torch.stack(teacher_forced_logits(engine(pmx), prompts, conts))
     for options, got in zip(ALL_CACHES, results):
         assert rel_err(got, ref) < 1e-4, (options, rel_err(got, ref))
         assert rel_err(got, tp1) < 1e-4
@@ -176,7 +218,7 @@ def test_tensor_parallel_matches_transformers(make_hf, tmp_path, arch, n):
         assert torch.nn.functional.cosine_similarity(int8.flatten(1), ref.flatten(1)).min() >= 0.999
     else:
         with pytest.raises(PmxError, match="head_dim divisible by 8"):
-            engine(tmp_path / "pmx", quantized_cache=True)
+            engine(pmx, quantized_cache=True)
 
 
 HALF_CPU_SHAPE = dict(hidden_size=128, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -228,17 +270,13 @@ def test_matrix_dtype_is_the_checkpoints_only_where_the_cpu_kernels_read_it(monk
     assert session.pick_matrix_dtype("auto", "bfloat16", cpu) == torch.float32
 
 
-def test_half_precision_tensor_parallel_matches_one_rank(make_hf, tmp_path):
+def test_half_precision_tensor_parallel_matches_one_rank(request, tmp_path):
     """A bfloat16 checkpoint at TP = 2 (weights at their width on each rank, the one-call step and sequence
-    parallelism) against TP = 1 and transformers in float32."""
-    src, model = make_hf("llama_gqa_odd", **HALF_CPU_SHAPE)
-    convert(str(src), str(tmp_path / "pmx"), dtype="bfloat16", progress=False)
-    reshard(str(tmp_path / "pmx"), str(tmp_path / "pmx2"), 2, progress=False)
+    parallelism) against TP = 1 and transformers in float32. (TP = 2: in the module's one 2-rank launch.)"""
+    (model, pmx, _), tp2, info = request.getfixturevalue("two_ranks")["half"]
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     ref = hf_logits(model.to(torch.bfloat16).float(), prompts, conts)
-    tp1 = run_tp(tmp_path, tmp_path / "pmx", 1, [{}], prompts, conts)[0]
-    options = [{}, {"fused_decode": False}, {"fused_decode": False, "seq_parallel": False}]
-    tp2, info = run_tp(tmp_path, tmp_path / "pmx2", 2, options, prompts, conts, with_info=True)
+    tp1 = run_tp(tmp_path, pmx, 1, [{}], prompts, conts)[0]
     assert [i["weight_dtype"] for i in info] == ["torch.bfloat16"] * 3
     assert [(i["fused_decode"], i["seq_parallel"]) for i in info] == [(True, True), (False, True), (False, False)]
     for got in tp2:

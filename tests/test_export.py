@@ -67,25 +67,48 @@ def real(tmp_path_factory):
     return out
 
 
+TP2_FLAGS = ["--quantized_cache", "true", "--cache_mode", "1", "--cache_layout", "3"]
+
+
+@pytest.fixture(scope="module")
+def stories_tp2_export(real, tmp_path_factory):
+    """stories260k split in 2, exported by Export.py on 2 ranks (mpirun) with TP2_FLAGS (int8 cache, paged, layout 3):
+    one export read by the checker test at TP 2 and by the TP-2 benchmark.sh replay (nothing writes into it)."""
+    tmp = tmp_path_factory.mktemp("export_tp2")
+    rc, _, err, _ = export_job(tmp, 2, real["stories260k"] / "pmx_2", tmp / "onnx", *TP2_FLAGS)
+    assert rc == 0, err[-2000:]
+    return tmp / "onnx"
+
+
 @pytest.mark.parametrize("name", ["stories260k", pytest.param("tinystories-656k", marks=pytest.mark.extended)])
-def test_export_at_tp_1_2_4_passes_the_checker_with_ppl_pmx_ops_only(real, tmp_path, name):
+def test_export_at_tp_1_2_4_passes_the_checker_with_ppl_pmx_ops_only(real, tmp_path, request, name):
+    """Export.py on 2 and 4 ranks (mpirun), and the same export in this process at TP 1 (Export.py itself on one rank:
+    the TP-1 replay test below, and the README's block), int8 cache and layout 3: every slice passes onnx.checker,
+    with ppl.pmx's operators only. stories260k's TP-2 export is the one the TP-2 replay test reads."""
     for n in (1, 2, 4):
-        ckpt = real[name] / ("pmx" if n == 1 else f"pmx_{n}")
-        rc, out, err, _ = export_job(tmp_path, n, ckpt, tmp_path / f"onnx{n}", "--quantized_cache", "true",
-                                     "--cache_layout", "3")
-        assert rc == 0, err[-2000:]
-        params = check_slices(tmp_path / f"onnx{n}", n)
+        ckpt, out = real[name] / ("pmx" if n == 1 else f"pmx_{n}"), tmp_path / f"onnx{n}"
+        if n == 1:
+            export(str(ckpt), str(out), progress=False, config=EngineConfig(quantized_cache=True, cache_layout=3))
+        elif n == 2 and name == "stories260k":
+            out = request.getfixturevalue("stories_tp2_export")
+        else:
+            rc, _, err, _ = export_job(tmp_path, n, ckpt, out, "--quantized_cache", "true", "--cache_layout", "3")
+            assert rc == 0, err[-2000:]
+        params = check_slices(out, n)
         assert params["cache_quant_bit"] == 8 and params["cache_layout"] == 3
-        ops = {nd.op_type for nd in onnx.load(str(tmp_path / f"onnx{n}" / "model_slice_0" / "model.onnx")).graph.node}
+        ops = {nd.op_type for nd in onnx.load(str(out / "model_slice_0" / "model.onnx")).graph.node}
         assert {"ParallelEmbedding", "RMSNorm", "ColumnParallelLinear", "RowParallelLinear", "SwiGLU",
                 "RotaryPositionEmbedding", "MultiHeadCacheAttention", "Reshape"} <= ops
 
 
-def dump_and_replay(ckpt: Path, tmp_path, n: int, flags: list):
-    """Export `ckpt` on n ranks, dump steps 0-2 of a Demo.py run, replay steps 0 (prefill) and 1 (decode) with
-    benchmark.sh through the export: every rank's logits within 1e-5 relative of the dump, its cache checked."""
-    rc, _, err, _ = export_job(tmp_path, n, ckpt, tmp_path / "onnx", *flags)
-    assert rc == 0, err[-2000:]
+def dump_and_replay(ckpt: Path, tmp_path, n: int, flags: list, exported: Path | None = None):
+    """Export `ckpt` on n ranks (or take `exported`, its export with `flags`), dump steps 0-2 of a Demo.py run, replay
+    steps 0 (prefill) and 1 (decode) with benchmark.sh through the export: every rank's logits within 1e-5 relative
+    of the dump, its cache checked."""
+    if exported is None:
+        rc, _, err, _ = export_job(tmp_path, n, ckpt, tmp_path / "onnx", *flags)
+        assert rc == 0, err[-2000:]
+        exported = tmp_path / "onnx"
     demo = [PY, ROOT / "scripts" / "Demo.py", "--ckpt_dir", ckpt, "--prompt", "Once upon a time", "--max_gen_len", 6,
             "--dump_tensor_path", tmp_path / "dump", "--dump_steps", "0,1,2", "--progress", "false", *flags]
     cmd, env = launch_cmd("mpich", n, *demo) if n > 1 else (demo, {})
@@ -95,7 +118,7 @@ def dump_and_replay(ckpt: Path, tmp_path, n: int, flags: list):
     for step in (0, 1):  # prefill, decode
         bench = [ROOT / "scripts" / "benchmark.sh", step]
         cmd, env = launch_cmd("mpich", n, *bench) if n > 1 else (bench, {})
-        env.update(MODEL_PATH=str(tmp_path / "onnx"), TEST_DATA_DIR=str(tmp_path / "dump"),
+        env.update(MODEL_PATH=str(exported), TEST_DATA_DIR=str(tmp_path / "dump"),
                    OUTPUT_DIR=str(tmp_path / "replay"), MIN_PROFILING_SECONDS="0", WARMUP_ITERATIONS="1")
         rc, out, err, _ = run_job(cmd, tmp_path, env, timeout=180)
         assert rc == 0, out + err[-2000:]
@@ -108,14 +131,15 @@ def dump_and_replay(ckpt: Path, tmp_path, n: int, flags: list):
     return outs
 
 
-@pytest.mark.parametrize("n,flags", [(2, ["--quantized_cache", "true", "--cache_mode", "1", "--cache_layout", "3"]),
+@pytest.mark.parametrize("n,flags", [(2, TP2_FLAGS),  # (the export: stories_tp2_export's)
                                      # an explicit mask: a decode step's dump holds none (attn_mask [0]), the graph
                                      # declares it [rows, cols] and takes it as [0, 0]; (TP 4's export: the checker
                                      # test above)
                                      (1, ["--cache_layout", "2", "--auto_causal", "false", "--fused_kvcache", "false",
                                           "--fused_qkv", "false", "--fused_ffn_glu", "false"])])
-def test_benchmark_sh_replays_dumped_prefill_and_decode_in_onnxruntime(real, tmp_path, n, flags):
-    dump_and_replay(real["stories260k"] / ("pmx" if n == 1 else f"pmx_{n}"), tmp_path, n, flags)
+def test_benchmark_sh_replays_dumped_prefill_and_decode_in_onnxruntime(real, tmp_path, request, n, flags):
+    dump_and_replay(real["stories260k"] / ("pmx" if n == 1 else f"pmx_{n}"), tmp_path, n, flags,
+                    request.getfixturevalue("stories_tp2_export") if n == 2 else None)
 
 
 # --- every family and flag, in one process: onnxruntime's logits and cache against the engine's -----------------

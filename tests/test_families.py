@@ -208,8 +208,10 @@ def test_family_tensor_parallel(make_hf, request, tmp_path, name, n):
 
 
 # (Llama 3's and Qwen2's layers are these families' with fewer features: test_family_matches_transformers and the
-# real models run them; Qwen3's and Mistral's scripts: --extended)
-@pytest.mark.parametrize("name", [pytest.param("qwen3", marks=pytest.mark.extended), "mixtral",
+# real models run them; Qwen3's, Mixtral's and Mistral's scripts: --extended, the same scripts on other families, whose
+# conversion and TP = 2 the in-process tests and test_family_tensor_parallel's one launch check)
+@pytest.mark.parametrize("name", [pytest.param("qwen3", marks=pytest.mark.extended),
+                                  pytest.param("mixtral", marks=pytest.mark.extended),
                                   pytest.param("mistral_window", marks=pytest.mark.extended), "gemma3"])
 def test_scripts_end_to_end_match_transformers_greedy(make_hf, tmp_path, name):
     """ConvertWeightToPmx.py -> Split.py -> mpirun -np 2 Demo.py: the greedy tokens of transformers; Gemma 3's dumped

@@ -14,7 +14,7 @@ from runner.kernels import linear as linear_mod
 from runner.kernels.cpu_ext import cpu_ops
 from runner.pmx.convert import convert, reshard
 from runner.pmx.quant import QuantScheme
-from test_engine import engine, hf_logits, prompts_and_conts, rel_err, run_tp
+from test_engine import engine, hf_logits, prompts_and_conts, rel_err, run_tp_batch
 from test_quant_engine import model_tol
 from tp_worker import teacher_forced_logits
 
@@ -103,12 +103,13 @@ def test_one_call_decode_tensor_parallel(make_hf, tmp_path):
     reshard(str(tmp_path / "pmx"), str(tmp_path / "pmx2"), 2, progress=False)
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     tp1 = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", fused_decode=False), prompts, conts))
-    fused, torch_step = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"cache_layout": 1}, {"cache_layout": 1,
-                                                                                        "fused_decode": False}],
-                               prompts, conts)
+    split = tmp_path / "pmx2"
+    ((fused, torch_step), info), (no_shm, info_no_shm) = run_tp_batch(tmp_path, 2, [  # one launch, two sessions
+        (split, [{"cache_layout": 1}, {"cache_layout": 1, "fused_decode": False}], prompts, conts, None),
+        (split, [{"cache_layout": 1}], prompts, conts, None, {"PMX_SHM_COMM": "0"})])
+    assert [(i["shm"], i["fused_decode"]) for i in info + info_no_shm] == [(True, True), (True, False), (False, False)]
     assert rel_err(fused, tp1) < 1e-5 and rel_err(torch_step, tp1) < 1e-5
-    no_shm = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"cache_layout": 1}], prompts, conts, env={"PMX_SHM_COMM": "0"})[0]
-    assert rel_err(no_shm, tp1) < 1e-5
+    assert rel_err(no_shm[0], tp1) < 1e-5
 
 
 def test_which_engines_take_the_one_call_step(make_hf, tmp_path):

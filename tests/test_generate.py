@@ -61,10 +61,14 @@ def ids_of(stdout: str) -> list[list[int]]:
     return [eval(m) for m in re.findall(r"^ids: (\[.*\])$", stdout, re.M)]  # noqa: S307 (our own output)
 
 
+# The default run: each model at 2 ranks under mpirun, and stories260k in one process. The rest (--extended) are rank
+# counts and launchers through the same code: tinystories-656k in one process, torchrun (whose generation the default
+# run checks in test_engine, test_multihost, test_serve_features and the README's blocks), and 8 ranks.
 CASES = [("stories260k", "single", 1), ("stories260k", "mpirun", 2),
          pytest.param("stories260k", "torchrun", 4, marks=pytest.mark.extended),
          pytest.param("stories260k", "mpirun", 8, marks=pytest.mark.extended)] \
-    + [("tinystories-656k", "single", 1), ("tinystories-656k", "mpirun", 2), ("tinystories-656k", "torchrun", 2)]
+    + [pytest.param("tinystories-656k", "single", 1, marks=pytest.mark.extended), ("tinystories-656k", "mpirun", 2),
+       pytest.param("tinystories-656k", "torchrun", 2, marks=pytest.mark.extended)]
 
 
 @pytest.mark.parametrize("name,launcher,n", CASES)

@@ -29,9 +29,9 @@ from runner.pmx.quant import QuantScheme, quantize
 from runner.pmx.params import PmxParams
 from runner.pmx.shard import sharded_params
 from runner.pmx.store import SafetensorsReader
-from conftest import shared_model_path
+from conftest import hf_maker, shared_model_path
 from test_bad_input import run_cli
-from test_engine import core, engine, hf_logits, prompts_and_conts, rel_err, run_tp
+from test_engine import core, engine, hf_logits, prompts_and_conts, rel_err, run_tp, run_tp_batch
 from tp_worker import teacher_forced_logits
 
 STORY = Path(__file__).parent / "data" / "story.txt"
@@ -164,34 +164,72 @@ def test_engine_kernels_compiled_and_reference_agree(make_hf, tmp_path, scheme):
     assert rel_err(fast, hf_logits(model, prompts, conts)) > 1e-4  # really quantised
 
 
-@pytest.mark.parametrize("case", ["int8", "int4", "int4_padded"])
-def test_quantized_tensor_parallel(make_hf, tmp_path, case):
-    """TP = 2 (TP = 4 with int4 groups over a padded intermediate dim) under mpirun: as TP = 1, fast and reference
-    kernels alike."""
-    overrides, scheme, n = {
-        "int8": ({}, QuantScheme("int8", 0, True), 2),
-        "int4": ({}, QuantScheme("int4", 16, True), 2),
-        "int4_padded": ({"intermediate_size": 62}, QuantScheme("int4", 2), 4),
-    }[case]
+TP_CASES = {  # case: (HF overrides, scheme, ranks)
+    "int8": ({}, QuantScheme("int8", 0, True), 2),
+    "int4": ({}, QuantScheme("int4", 16, True), 2),
+    "int4_padded": ({"intermediate_size": 62}, QuantScheme("int4", 2), 4),
+}
+
+
+def _tp_case(make_hf, base: Path, case: str):
+    """(HF model, the quantised PMX dir, split in the case's ranks) of a test_quantized_tensor_parallel case."""
+    overrides, scheme, n = TP_CASES[case]
     src, model = make_hf("llama_mha", **overrides)
-    convert(str(src), str(tmp_path / "q"), progress=False, quant=scheme)
-    reshard(str(tmp_path / "q"), str(tmp_path / f"q{n}"), n, progress=False)
+    convert(str(src), str(base / "q"), progress=False, quant=scheme)
+    reshard(str(base / "q"), str(base / f"q{n}"), n, progress=False)
+    return model, base / "q", base / f"q{n}"
+
+
+def _moe_case(make_hf, base: Path):
+    """(HF model, the int8 Mixtral PMX dir, split in 2) of test_quantized_moe."""
+    src, model = make_hf("mixtral")
+    convert(str(src), str(base / "q"), progress=False, quant=QuantScheme("int8"))
+    reshard(str(base / "q"), str(base / "q2"), 2, progress=False)
+    return model, base / "q", base / "q2"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory):
+    """This module's 2-rank mpirun runs of tests/tp_worker.py that this session asks for, in one launch (--batch):
+    test_quantized_tensor_parallel's 2-rank cases, case -> (the case as _tp_case gives it, logits), and
+    test_quantized_moe's, "moe" -> (the case as _moe_case gives it, logits)."""
+    base, cases, jobs = tmp_path_factory.mktemp("qtp2"), {}, []
+    for item in request.session.items:
+        if item.originalname == "test_quantized_tensor_parallel" and TP_CASES[item.callspec.params["case"]][2] == 2:
+            name = item.callspec.params["case"]
+            cases[name] = case = _tp_case(hf_maker(base / name), base / name, name)
+            jobs.append((case[2], [{}, {"kernels": "reference"}], *prompts_and_conts(case[0].config.vocab_size), None))
+        elif item.originalname == "test_quantized_moe":
+            cases["moe"] = case = _moe_case(hf_maker(base / "moe"), base / "moe")
+            jobs.append((case[2], [{}], *prompts_and_conts(case[0].config.vocab_size), None))
+    return {key: (case, logits) for (key, case), (logits, _) in zip(cases.items(), run_tp_batch(base, 2, jobs))}
+
+
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_quantized_tensor_parallel(make_hf, request, tmp_path, case):
+    """TP = 2 (TP = 4 with int4 groups over a padded intermediate dim) under mpirun: as TP = 1, fast and reference
+    kernels alike. (TP = 2: in the module's one 2-rank launch.)"""
+    _, scheme, n = TP_CASES[case]
+    if n == 2:
+        (model, pmx, _), got = request.getfixturevalue("two_ranks")[case]
+    else:
+        model, pmx, split = _tp_case(make_hf, tmp_path, case)
+        got = run_tp(tmp_path, split, n, [{}, {"kernels": "reference"}], *prompts_and_conts(model.config.vocab_size))
     prompts, conts = prompts_and_conts(model.config.vocab_size)
-    tp1 = torch.stack(teacher_forced_logits(engine(tmp_path / "q"), prompts, conts))
-    got = run_tp(tmp_path, tmp_path / f"q{n}", n, [{}, {"kernels": "reference"}], prompts, conts)
+    tp1 = torch.stack(teacher_forced_logits(engine(pmx), prompts, conts))
+    assert len(got) == 2
     for g in got:
         assert rel_err(g, tp1) < model_tol(scheme.method)
 
 
-def test_quantized_moe(make_hf, tmp_path):
-    """Mixtral: the stacked experts quantised (router float), TP = 2 as TP = 1, close to the float model."""
-    src, model = make_hf("mixtral")
-    convert(str(src), str(tmp_path / "q"), progress=False, quant=QuantScheme("int8"))
-    reshard(str(tmp_path / "q"), str(tmp_path / "q2"), 2, progress=False)
+def test_quantized_moe(request):
+    """Mixtral: the stacked experts quantised (router float), TP = 2 as TP = 1, close to the float model. (TP = 2: in
+    the module's one 2-rank launch.)"""
+    (model, q, _), got = request.getfixturevalue("two_ranks")["moe"]
     prompts, conts = prompts_and_conts(model.config.vocab_size)
-    tp1 = torch.stack(teacher_forced_logits(engine(tmp_path / "q"), prompts, conts))
+    tp1 = torch.stack(teacher_forced_logits(engine(q), prompts, conts))
     assert snr_db(tp1, hf_logits(model, prompts, conts)) > 30
-    assert rel_err(run_tp(tmp_path, tmp_path / "q2", 2, [{}], prompts, conts)[0], tp1) < 1e-5
+    assert rel_err(got[0], tp1) < 1e-5
 
 
 def test_random_quantized_shard_runs():

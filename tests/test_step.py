@@ -17,7 +17,7 @@ from runner.kernels.cpu_ext import cpu_ops
 from runner.kernels.reference import PAGE_SIZE, Rotary
 from runner.parallel.comm import SingleComm
 from runner.pmx.convert import convert, reshard
-from test_engine import engine, hf_logits, prompts_and_conts, rel_err, run_tp
+from test_engine import engine, hf_logits, prompts_and_conts, rel_err, run_tp_batch
 from tp_worker import teacher_forced_logits
 
 
@@ -84,17 +84,18 @@ def test_compiled_engines_never_share_graphs(make_hf, tmp_path):
 
 def test_compiled_decode_step_tensor_parallel(make_hf, tmp_path):
     """TP=2 under mpirun: the shared-memory all-reduce / all-gather ops inside the compiled graph, and mpi4py's
-    (PMX_SHM_COMM=0); logits as TP=1's, and the same bits both ways (a + b on 2 ranks)."""
+    (PMX_SHM_COMM=0); logits as TP=1's, and the same bits both ways (a + b on 2 ranks). One launch: each way is a
+    session of its own (its communicator, its engine and compiled step), the second opened under PMX_SHM_COMM=0."""
     src, model = make_hf("llama_gqa_odd")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
     reshard(str(tmp_path / "pmx"), str(tmp_path / "pmx2"), 2, progress=False)
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     tp1 = torch.stack(teacher_forced_logits(engine(tmp_path / "pmx", compile="off"), prompts, conts))
-    got = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"compile": "on", "fused_decode": False, "cache_layout": 1}], prompts, conts)[0]
-    assert rel_err(got, tp1) < 1e-5
-    over_mpi = run_tp(tmp_path, tmp_path / "pmx2", 2, [{"compile": "on", "fused_decode": False, "cache_layout": 1}], prompts, conts,
-                      env={"PMX_SHM_COMM": "0"})[0]
-    assert torch.equal(over_mpi, got)
+    job = (tmp_path / "pmx2", [{"compile": "on", "fused_decode": False, "cache_layout": 1}], prompts, conts, None)
+    (got, info), (over_mpi, info_mpi) = run_tp_batch(tmp_path, 2, [job, (*job, {"PMX_SHM_COMM": "0"})])
+    assert [i["shm"] for i in info + info_mpi] == [True, False]
+    assert rel_err(got[0], tp1) < 1e-5
+    assert torch.equal(over_mpi[0], got[0])
 
 
 def test_compile_auto_is_off_for_small_models(make_hf, tmp_path):

@@ -6,13 +6,16 @@ TP=1. Usage: python tests/tp_worker.py CKPT OUT.pt '[{"cache_layout": 2, ...}, .
 (saves [option sets, steps, B, V] on the CPU, and in OUT.pt.json which steps each engine took: one-call decode,
 sequence parallelism, with its collectives counted and how many found the partial sums already in place; with
 "generate": n in PROMPTS_JSON, also each prompt's n greedy ids from the engine core, as "generated"); or
-python tests/tp_worker.py --batch JOBS.json [COMM_BACKEND]: several such runs, one after the other, in one launch.
+python tests/tp_worker.py --batch JOBS.json [COMM_BACKEND]: several such runs, one after the other, in one launch
+(each with a session of its own, opened under the job's "env" where it gives one: e.g. PMX_SHM_COMM=0, read when
+the session's communicator is made).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
 import torch
@@ -80,7 +83,7 @@ def main(ckpt: str, out: str, options: str, prompts: str, comm_backend: str = "a
         results.append(torch.stack(teacher_forced_logits(stepper, spec["prompts"], spec["conts"])))
         if shm is not None:
             del shm.reduce_norm
-        info.append({"fused_decode": any(isinstance(r, OneCallDecode) for r in stepper.runners),
+        info.append({"fused_decode": any(isinstance(r, OneCallDecode) for r in stepper.runners), "shm": shm is not None,
                      "seq_parallel": stepper.runners[-1].sp is not None,
                      "weight_dtype": str(stepper.model.weight_dtype), **calls})
         if spec.get("generate"):
@@ -94,11 +97,22 @@ def main(ckpt: str, out: str, options: str, prompts: str, comm_backend: str = "a
 
 
 def batch(jobs: str, comm_backend: str = "auto") -> None:
-    """Each job of the JSON list in the file `jobs` ({"ckpt", "out", "options", "spec"}: main's arguments) in turn on
-    these ranks: one launch for the same test over many models (its start-up, most of such a test's time, once)."""
+    """Each job of the JSON list in the file `jobs` ({"ckpt", "out", "options", "spec"}: main's arguments, and
+    optionally "env": variables set while the job runs, then restored) in turn on these ranks: one launch for the same
+    test over many models or settings (its start-up, most of such a test's time, once)."""
     with open(jobs) as f:
         for job in json.load(f):
-            main(job["ckpt"], job["out"], json.dumps(job["options"]), json.dumps(job["spec"]), comm_backend)
+            env = job.get("env") or {}
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                main(job["ckpt"], job["out"], json.dumps(job["options"]), json.dumps(job["spec"]), comm_backend)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
 
 
 if __name__ == "__main__":
