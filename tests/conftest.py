@@ -329,7 +329,8 @@ def pytest_sessionstart(session):
 def pytest_addoption(parser):
     parser.addoption("--extended", action="store_true",
                      help="also run the tests marked `extended`: the wider matrix (more families, rank counts and "
-                          "launchers through the same code) that the default run samples")
+                          "launchers through the same code) that the default run samples; and the soak (60 s) and "
+                          "the ahead-of-time compiles (sm_80 too, every pair of choices) at their full length")
 
 
 def pytest_collection_modifyitems(session, config, items):

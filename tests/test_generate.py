@@ -15,6 +15,7 @@ from runner.engine.core import EngineCore
 from runner.engine.sampler import NonFiniteLogits, Sampler, SamplingParams
 from runner.engine.tokenizer import Tokenizer
 from runner.pmx.convert import convert, reshard
+from jobs import run_cli_here
 from test_engine import core
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +96,8 @@ def test_comm_backend_flag(split_models):
                "--show_ids", "--comm_backend", "gloo")
     assert res.returncode == 0, res.stderr[-3000:]
     assert ids_of(res.stdout) == [REFERENCE["stories260k"]]
-    res = demo("single", 1, split_models[("stories260k", 1)], "--comm_backend", "ucc")
+    res = run_cli_here("generate", "--ckpt_dir", split_models[("stories260k", 1)], "--comm_backend", "ucc")  # (the
+    # flags are read before anything loads: Demo.py's generate in this process)
     assert res.returncode == 2 and "--comm_backend must be one of auto, mpi, torch, nccl, gloo, got 'ucc'" in res.stderr
 
 
@@ -195,7 +197,7 @@ def test_sampled_generation_same_on_all_ranks(split_models):
     flags = ("--prompt", "Once upon a time", "--max_gen_len", 30, "--temperature", 0.9, "--top_p", 0.9, "--seed", 7,
              "--show_ids")
     a = demo("mpirun", 2, split_models[("stories260k", 2)], *flags)
-    b = demo("single", 1, split_models[("stories260k", 1)], *flags)
+    b = run_cli_here("generate", "--ckpt_dir", split_models[("stories260k", 1)], *flags)  # (one rank: in this process)
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert ids_of(a.stdout) == ids_of(b.stdout) and ids_of(a.stdout)[0] != REFERENCE["stories260k"][:30]
 

@@ -127,8 +127,8 @@ def test_benchmark_sh_errors(stories, tmp_path):
     env = {"MODEL_PATH": str(stories / "pmx_2"), "TEST_DATA_DIR": str(tmp_path / "nothing")}
     res = run([ROOT / "scripts" / "benchmark.sh", "1"], env=env)
     assert res.returncode == 2 and "has no rank_0" in res.stderr
-    res = run([sys.executable, "-m", "runner", "replay", "--ckpt_dir", stories / "pmx", "--dump_dir",
-               stories / "dump1", "--step", 7, "--output_dir", tmp_path / "o"])
+    res = run_cli_here("replay", "--ckpt_dir", stories / "pmx", "--dump_dir", stories / "dump1", "--step", 7,
+                       "--output_dir", tmp_path / "o")  # (an error path of the command: in this process)
     assert res.returncode == 2 and "no tensors dumped for step 7" in res.stderr and "[0, 1, 39]" in res.stderr
 
 
@@ -235,9 +235,9 @@ def test_bench_script_with_a_checkpoint_and_a_tokens_file(stories, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     check_csv(res.stdout, [1, 4])
     (tmp_path / "bad").write_text("1 2 x\n")
-    res = run([sys.executable, "-m", "runner", "bench", stories / "pmx", "--tokens_file", tmp_path / "bad"])
+    res = run_cli_here("bench", stories / "pmx", "--tokens_file", tmp_path / "bad")  # (the error paths in this process)
     assert res.returncode == 2 and "bad:1: expected token ids" in res.stderr
-    res = run([sys.executable, "-m", "runner", "bench", stories / "pmx", "--batch_sizes", "1,0"])
+    res = run_cli_here("bench", stories / "pmx", "--batch_sizes", "1,0")
     assert res.returncode == 2 and "--batch_sizes must be positive integers" in res.stderr
 
 

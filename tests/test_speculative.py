@@ -165,11 +165,12 @@ def test_speculation_on_two_ranks_keeps_the_one_rank_text(stories, tmp_path, lau
     lookup: the greedy text of one rank without speculation."""
     import sys
 
-    from jobs import launch_cmd, run_job
-    demo = [sys.executable, "scripts/Demo.py", "--prompt", "Lily and Tom went to the park. They",
-            "--max_gen_len", 40, "--temperature", 0]
-    rc, want, err, _ = run_job([*demo, "--ckpt_dir", stories / "pmx"], tmp_path)
-    assert rc == 0, err
+    from jobs import launch_cmd, run_cli_here, run_job
+    flags = ["--prompt", "Lily and Tom went to the park. They", "--max_gen_len", 40, "--temperature", 0]
+    demo = [sys.executable, "scripts/Demo.py", *flags]
+    one = run_cli_here("generate", "--ckpt_dir", stories / "pmx", *flags)  # (Demo.py's generate, in this process)
+    assert one.returncode == 0, one.stderr
+    want = one.stdout
     noisy = noisy_copy(stories / "pmx", tmp_path / "noisy", 0.15)
     for flags in (("--speculative", "draft", "--speculative_model", noisy), ("--speculative", "ngram")):
         cmd, env = launch_cmd(launcher, 2, *demo, "--ckpt_dir", stories / "pmx_2", *flags)
