@@ -283,6 +283,24 @@ def test_packed_weights_sit_in_memory_advised_for_huge_pages():
 needs_ext = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels cannot be built here (no compiler)")
 
 
+@needs_ext
+def test_bfloat16_blocks_hold_their_channels_in_pairs():
+    """Inside each group of g channels (two vectors) a bfloat16 block holds channel i, then g/2 + i, for the kernels'
+    shift-and-mask widening; unpacking gives the weight back, and the kernels read it in that order (the linear tests
+    above, every tile)."""
+    from runner.kernels.cpu_ext import bf16_pair_channels
+    g = bf16_pair_channels()
+    assert g in (16, 32)
+    w = torch.arange(130, dtype=torch.float32)[:, None].expand(130, 3).bfloat16()  # channel n holds n (exact)
+    packed = pack_blocks(w)
+    assert packed.shape == (3, 3, 64) and packed.dtype == torch.bfloat16
+    want = [64 + gi * g + h * g // 2 + i for gi in range(64 // g) for i in range(g // 2) for h in (0, 1)]
+    assert packed[1, 2].tolist() == want
+    assert packed[2, 0, :4].tolist() == [128, 0, 129, 0]  # the padding rows' zeros take their places too
+    assert torch.equal(unpack_blocks(packed, 130), w)
+    assert torch.equal(unpack_blocks(pack_blocks(w.half()), 130), w.half())  # float16: plain order
+
+
 # (B, H, KV, D, N, window): MHA and GQA, head_dim with a tail past 16 lanes, one row, a sliding window inside and
 # outside the history; one sequence with a long history is cut into parts that run in parallel and are merged; short
 # heads and GQA of 4 query heads per KV head have their scores computed 16 positions at a time

@@ -139,12 +139,31 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def pack_blocks(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [N/64, K, 64]: blocks of 64 output channels, k-major inside a block (rows padded with 0), in
-    huge pages where large enough (:func:`huge_page_copy`)."""
+    huge pages where large enough (:func:`huge_page_copy`). bfloat16 channels go in pairs inside each group of
+    g = bf16_pair_channels() (channel i, then g/2 + i: the kernels widen such a pair of vectors with a shift and a
+    mask, cpu_gemm.cpp), so this needs the extension for bfloat16."""
     n, k = weight.shape
     nb = -(-n // CPU_BLOCK)
-    return huge_page_copy(pad_rows(weight, nb * CPU_BLOCK).view(nb, CPU_BLOCK, k).transpose(1, 2))
+    blocks = pad_rows(weight, nb * CPU_BLOCK).view(nb, CPU_BLOCK, k).transpose(1, 2)
+    if weight.dtype == torch.bfloat16:
+        g = bf16_pair_channels()
+        blocks = blocks.reshape(nb, k, CPU_BLOCK // g, 2, g // 2).transpose(3, 4).reshape(nb, k, CPU_BLOCK)
+    return huge_page_copy(blocks)
 
 
 def unpack_blocks(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of :func:`pack_blocks`: [N/64, K, 64] -> [N, K]."""
-    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n]
+    nb, k, _ = packed.shape
+    if packed.dtype == torch.bfloat16:
+        g = bf16_pair_channels()
+        packed = packed.reshape(nb, k, CPU_BLOCK // g, g // 2, 2).transpose(3, 4).reshape(nb, k, CPU_BLOCK)
+    return packed.transpose(1, 2).reshape(-1, k)[:n]
+
+
+def bf16_pair_channels() -> int:
+    """The channels of a group whose bfloat16 weights the kernels hold in pairs (2 vectors: 16 on AVX2, 32 on
+    AVX-512)."""
+    ops = cpu_ops()
+    if ops is None:
+        raise RuntimeError("bfloat16 blocks are packed for this project's CPU kernels, which could not be built here")
+    return int(ops.bf16_pair_channels())

@@ -46,16 +46,20 @@ enum class FloatWeight { f32, bf16, f16 };
 void float_linear_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
                        int64_t N, float* y);
 
+// bfloat16 blocks hold each group of bf16_pair_channels() channels (2 vectors: 16 on AVX2, 32 on AVX-512) in pairs,
+// channel i then channel g/2 + i (cpu_gemm.cpp; the packing code, runner/kernels/cpu_ext.py, asks for g).
+int64_t bf16_pair_channels();
+
 // out[m, 0..ncols) = x [M, K] . block for one float32 block [K, 64] (a quantised block dequantised into a buffer: the
 // prefill path of cpu_linear.cpp), with the float32 GEMM's tiles; out row stride ldo.
 void block_panel_f32(const float* x, int64_t M, int64_t K, const float* block, float* out, int64_t ldo,
                      int64_t ncols);
 
 // The packed weight of a linear layer: kind 32 float32 blocks [N/64, K, 64]; kind 16 bfloat16 or float16 blocks [N/64,
-// K, 64] (`half` says which); kind 8 int8 blocks [N/64, K, 64] with a float32 scale per channel [N] (group 0) or per
-// group of `group` input columns [K/G, N/64*64]; kind 4 int4 blocks in the layout int4_layout(group) gives, scales
-// [K/G, N/64*64]. Where int4 has offsets (w = nibble * scale + offset, GGUF's Q4_1) the scale tensor is
-// [2, K/G, N/64*64]: the scales, then the offsets. cpu_linear.cpp's packing code
+// K, 64] (`half` says which; bfloat16's channels in pairs, above); kind 8 int8 blocks [N/64, K, 64] with a float32
+// scale per channel [N] (group 0) or per group of `group` input columns [K/G, N/64*64]; kind 4 int4 blocks in the
+// layout int4_layout(group) gives, scales [K/G, N/64*64]. Where int4 has offsets (w = nibble * scale + offset, GGUF's
+// Q4_1) the scale tensor is [2, K/G, N/64*64]: the scales, then the offsets. cpu_linear.cpp's packing code
 // (runner/kernels/cpu_ext.py, quant_linear.py) writes them.
 struct PackedLinear {
   const void* w = nullptr;
