@@ -498,3 +498,32 @@ def test_smollm2_perplexity_equals_transformers(smol, tmp_path):
                 count += 1
     want = float(np.exp(nll / count))
     assert ours["tokens"] == count and abs(ours["perplexity"] / want - 1) < 1e-4, (ours, want)
+
+
+def test_the_reader_agrees_with_gguf_and_refuses_a_bad_file_by_name(tmp_path):
+    """This project's GGUF reader gives gguf's reader's metadata (every value type the files carry: strings, integers,
+    floats, arrays of numbers and of strings) and tensors (type, shape, offset, bytes); a file that is not GGUF,
+    is cut short in its metadata or in its tensors, is refused naming the file."""
+    import gguf
+    from runner.pmx.gguf import SMALL_ARRAY, GGUFCheckpoint
+    model = hf_model("llama_mha")
+    path = write_gguf(model, tmp_path / "m.gguf", qtype=lambda n, s: "Q8_0" if n.endswith("attn_q.weight") else "F16",
+                      pre="smollm", chat_template="{{ m }}")[0]
+    ours, theirs = GGUFCheckpoint([path]), gguf.GGUFReader(path)
+    assert ours.meta == {k: v.contents() for k, v in theirs.fields.items()
+                         if len(v.data) <= SMALL_ARRAY and not k.startswith("GGUF.")}
+    assert ours.token_count == len(theirs.fields["tokenizer.ggml.tokens"].data) == VOCAB
+    assert {type(v) for v in ours.meta.values()} >= {str, int, float, list}
+    assert len(ours.tensors) == len(theirs.tensors)
+    for t in theirs.tensors:
+        o = ours.tensors[t.name]
+        assert (o.type, o.shape, o.offset) == (t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
+                                               int(t.data_offset))
+        assert o.data.dtype == t.data.dtype and np.array_equal(o.data, t.data)
+    data = path.read_bytes()
+    last = max(t.offset + t.data.nbytes for t in ours.tensors.values())
+    for name, body, says in (("foreign.gguf", b"GGUX" + data[4:], "not GGUF"), ("meta.gguf", data[:2000], ""),
+                             ("tensors.gguf", data[:last - 1], "runs past the end of the file")):
+        (tmp_path / name).write_bytes(body)
+        with pytest.raises(PmxError, match=rf"{name}: not a readable GGUF file \(.*{re.escape(says)}"):
+            GGUFCheckpoint([tmp_path / name])

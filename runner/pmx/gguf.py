@@ -1,6 +1,8 @@
-"""GGUF files (llama.cpp's format) read for conversion to PMX, with the `gguf` package (the format's reference
-reader, maintained with llama.cpp): the file is memory-mapped and each tensor read as it is written, so memory follows
-the largest tensor, as for safetensors.
+"""GGUF files (llama.cpp's format) read for conversion to PMX: the header, metadata and tensor table parsed here
+(`read_gguf`: the `gguf` package's reader spent ~6 s on a 49k-token vocabulary's strings, which only transformers'
+tokenizer converter reads), the quantised types' sizes and dequantisers from `gguf` (the format's reference, maintained
+with llama.cpp); the file is memory-mapped and each tensor read as it is written, so memory follows the largest
+tensor, as for safetensors.
 
 What comes in and what is written (runner.pmx.convert.convert_gguf prints one line per type):
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -105,24 +108,23 @@ class GGUFCheckpoint:
         self.meta: dict = {}
         for i, f in enumerate(files):
             try:
-                reader = gguf.GGUFReader(f)
-            except Exception as e:  # noqa: BLE001 - the reader raises ValueError / struct / numpy errors on bad files
+                meta, lengths, tensors = read_gguf(f, gguf)
+            except PmxError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a short or corrupt file: struct / numpy / index / value errors
                 raise PmxError(f"{f}: not a readable GGUF file ({type(e).__name__}: {str(e)[:200]})") from None
-            fields = {k: v for k, v in reader.fields.items() if not k.startswith("GGUF.")}
             if len(files) > 1:
-                no, count = _scalar(fields.get("split.no")), _scalar(fields.get("split.count"))
+                no, count = meta.get("split.no"), meta.get("split.count")
                 if (no, count) != (i, len(files)):
                     raise PmxError(f"{f}: its split.no / split.count say part {no} of {count}, but its name says "
                                    f"part {i} of {len(files)} (counting from 0)")
             if i == 0:
-                self.meta = {k: v.contents() for k, v in fields.items() if len(v.data) <= SMALL_ARRAY}
-                tokens = fields.get("tokenizer.ggml.tokens")
-                self.token_count = 0 if tokens is None else len(tokens.data)
-            for t in reader.tensors:
+                self.meta = meta
+                self.token_count = lengths.get("tokenizer.ggml.tokens", 0)
+            for t in tensors:
                 if t.name in self.tensors:
                     raise PmxError(f"{f}: tensor {t.name!r} is also in {self.tensors[t.name].path}")
-                self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
-                                                  t.data, f, int(t.data_offset))
+                self.tensors[t.name] = t
         if len(files) > 1 and "split.tensors.count" in self.meta and \
                 int(self.meta["split.tensors.count"]) != len(self.tensors):
             raise PmxError(f"{self.path}: split.tensors.count says {self.meta['split.tensors.count']} tensors, the "
@@ -178,8 +180,93 @@ def _halves(blocks: np.ndarray, at: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(blocks[..., at: at + 2]).view(np.float16)[..., 0].astype(np.float32))
 
 
-def _scalar(field):
-    return None if field is None else field.contents()
+# GGUF's metadata value types: the scalars' struct formats (little-endian), 8 a string, 9 an array
+_VALUE = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
+          "I64": np.int64}  # tensor types read as numbers; every other type as bytes [.., rows, row bytes]
+
+
+def read_gguf(path: Path, gguf) -> tuple[dict, dict, list]:
+    """One GGUF file's metadata (key -> value; arrays of more than SMALL_ARRAY entries left out), the length of every
+    array (key -> entries) and its tensors, their data memory-mapped. `gguf`: the package (the types' names and
+    sizes)."""
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(mm)
+    magic, version = struct.unpack_from("<4sI", buf, 0)
+    if magic != b"GGUF":
+        raise ValueError(f"starts with {bytes(magic)!r}, not GGUF")
+    if version not in (2, 3):
+        raise ValueError(f"version {version} (big-endian, or not 2 / 3)")
+    n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+    at = 24
+
+    def unpack(fmt: str):
+        nonlocal at
+        v = struct.unpack_from("<" + fmt, buf, at)[0]
+        at += struct.calcsize("<" + fmt)
+        return v
+
+    def string(keep: bool = True) -> Optional[str]:
+        nonlocal at
+        n = unpack("Q")
+        at += n
+        if at > len(buf):
+            raise ValueError("a string runs past the end of the file")
+        return bytes(buf[at - n: at]).decode("utf-8", errors="replace") if keep else None
+
+    def value(kind: int, keep: bool = True):
+        """The value of type `kind` at `at` (None where not `keep`: skipped); an array's is (entries, values)."""
+        nonlocal at
+        if kind == _STRING:
+            return string(keep)
+        if kind == _ARRAY:
+            item, count = unpack("I"), unpack("Q")
+            if item in _VALUE:
+                fmt = "<" + _VALUE[item]
+                values = np.frombuffer(buf, dtype=fmt, count=count, offset=at).tolist() if keep else None
+                at += struct.calcsize(fmt) * count
+                return count, values
+            values = [value(item, keep) for _ in range(count)]  # strings (or arrays) one by one
+            return count, values if keep else None
+        if kind not in _VALUE:
+            raise ValueError(f"metadata value type {kind}")
+        return unpack(_VALUE[kind])
+
+    meta, lengths = {}, {}
+    for _ in range(n_kv):
+        key, kind = string(), unpack("I")
+        if kind == _ARRAY:
+            count = struct.unpack_from("<Q", buf, at + 4)[0]
+            lengths[key], values = value(kind, keep=count <= SMALL_ARRAY)
+            if count <= SMALL_ARRAY:
+                meta[key] = [v[1] if isinstance(v, tuple) else v for v in values]  # (nested arrays: their values)
+        else:
+            meta[key] = value(kind)
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = string(), unpack("I")
+        dims = [unpack("Q") for _ in range(n_dims)]
+        infos.append((name, dims, unpack("I"), unpack("Q")))
+    alignment = int(meta.get("general.alignment", 32))
+    start = -(-at // alignment) * alignment
+    tensors = []
+    for name, dims, type_id, offset in infos:
+        type_name = gguf.GGMLQuantizationType(type_id).name
+        shape = tuple(int(d) for d in reversed(dims))  # torch order
+        if type_name in _NUMPY:
+            dtype = np.dtype(_NUMPY[type_name])
+            rows, nbytes = shape, int(np.prod(shape)) * dtype.itemsize
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
+            dtype, rows = np.dtype(np.uint8), (*shape[:-1], shape[-1] // block * size)
+            nbytes = int(np.prod(rows))
+        first = start + offset
+        if first + nbytes > len(mm):
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        tensors.append(GGUFTensor(name, type_name, shape, mm[first: first + nbytes].view(dtype).reshape(rows), path,
+                                  first))
+    return meta, lengths, tensors
 
 
 # --- the tokenizer ------------------------------------------------------------------------------------------------
