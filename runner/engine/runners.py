@@ -64,20 +64,25 @@ class Compiled:
     name = "torch.compile"
 
     def __init__(self, model: Transformer, required: bool):
+        self.model, self.required, self.variants = model, required, set()
+        self.fn, self.failed = None, False  # made on the first step it takes (torch.compile loads dynamo: ~3 s)
+
+    def accepts(self, plan, cache) -> bool:
+        return not self.failed and plan.decode_only
+
+    def _compile(self):
         # Guards on the module tree (~1000 attributes, checked every call) are dropped: they never change after load.
         # Dynamo keys graphs by code object, so this engine compiles a code object of its own: another engine in the
         # process (other constants, same shapes) never reuses its graphs. cpp_wrapper: the graph's kernel calls are
         # made from C++.
         run = MethodType(FunctionType(Transformer.forward.__code__.replace(), Transformer.forward.__globals__,
-                                      "forward", Transformer.forward.__defaults__), model)
-        self.fn = torch.compile(run, fullgraph=True, options={
+                                      "forward", Transformer.forward.__defaults__), self.model)
+        return torch.compile(run, fullgraph=True, options={
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "cpp_wrapper": True})
-        self.model, self.required, self.variants = model, required, set()
-
-    def accepts(self, plan, cache) -> bool:
-        return self.fn is not None and plan.decode_only
 
     def __call__(self, tokens, plan, cache):
+        if self.fn is None:
+            self.fn = self._compile()
         d = plan.decode
         variant = (d.batch == 1, d.kv_slots is None, tuple(m is None for m in d.masks.values()),
                    d.cachestarts.dim() == 2 and d.cachestarts.shape[1] == 1)
@@ -95,7 +100,7 @@ class Compiled:
             print(f"rank {self.model.comm.rank}: warning: torch.compile of the decode step failed, running it "
                   f"eagerly ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr,
                   flush=True)
-            self.fn = None
+            self.failed = True
             return self.model(tokens, plan, cache)
 
 
