@@ -688,7 +688,8 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
               file=sys.stderr, flush=True)
     eng.close()
     ratios = [x / y for x, y in zip(ours, theirs)]
-    what = f"batch 1, {tokens} tokens a slice" if point == "decode_b1" else "prefill of 512 tokens, 2 a slice"
+    what = f"batch 1, {tokens} tokens a slice" if point == "decode_b1" else \
+        "prefill of 512 tokens, 2 a slice" if point == "prefill_512" else f"decode {point.removeprefix('decode_')}"
     print(f"shape {shape}, {what}, {pairs} pairs: {LABELS[pmx]} {statistics.median(ours):.1f} tok/s, {LABELS[peer]} "
           f"{statistics.median(theirs):.1f} tok/s (medians); ratio median {statistics.median(ratios):.3f}, geometric "
           f"mean {statistics.geometric_mean(ratios):.3f}")
