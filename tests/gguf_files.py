@@ -240,9 +240,9 @@ def llama3_factors(head_dim: int, theta: float, factor: float = 8.0, low: float 
 
 @contextmanager
 def one_parse_per_file() -> Iterator[None]:
-    """While it lasts, gguf.GGUFReader parses each file once: the converter and transformers' loader (for its config,
-    then for its weights) would otherwise each parse the same metadata, ~5 s apiece for SmolLM2's 49152 tokens and
-    merges on 2 cores. The readers are read-only views of the memory-mapped file, so sharing one changes nothing."""
+    """While it lasts, gguf.GGUFReader parses each file once: transformers' loader (for its config, then for its
+    weights) would otherwise parse the same metadata twice, ~5 s apiece for SmolLM2's 49152 tokens and merges on 2
+    cores (the converter has a parser of its own, runner.pmx.gguf.read_gguf). The readers are read-only views of the memory-mapped file, so sharing one changes nothing."""
     real, readers = gguf.GGUFReader, {}
 
     def reader(path, mode="r"):

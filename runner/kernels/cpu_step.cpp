@@ -16,8 +16,8 @@
 // Nothing is gathered: a task is one sequence (or one part of a long history, when there are fewer sequences than
 // threads, or a share of its KV heads where the history is too short to cut; or the rows of one sequence at
 // consecutive positions, as a verify step of speculative decoding has them, each history row read once for all of
-// them), which walks its rows in order, all its heads of a row at once (they are adjacent in the cache; each K/V row read once for the G = H / KV query heads of its group), with the rows a few
-// ahead prefetched; CHUNK_ROWS positions at a time, their scores into a buffer of H x N floats (rows padded to whole
+// them), which walks its rows in order, all its heads of a row at once (they are adjacent in the cache; each K/V row
+// read once for the G = H / KV query heads of its group), with the rows a few ahead prefetched; CHUNK_ROWS positions at a time, their scores into a buffer of H x N floats (rows padded to whole
 // vectors), the softmax statistics brought up to date (vectorised exp; the output so far rescaled where the maximum
 // grows), then the weighted sum of their value rows (each row's key and value read close together in time: 1.6-2x
 // faster than a pass over every key, then every value, on AVX2 at 128-4000 positions). Where a key is shared by

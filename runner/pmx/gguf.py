@@ -109,8 +109,6 @@ class GGUFCheckpoint:
         for i, f in enumerate(files):
             try:
                 meta, lengths, tensors = read_gguf(f, gguf)
-            except PmxError:
-                raise
             except Exception as e:  # noqa: BLE001 - a short or corrupt file: struct / numpy / index / value errors
                 raise PmxError(f"{f}: not a readable GGUF file ({type(e).__name__}: {str(e)[:200]})") from None
             if len(files) > 1:
@@ -252,13 +250,13 @@ def read_gguf(path: Path, gguf) -> tuple[dict, dict, list]:
     start = -(-at // alignment) * alignment
     tensors = []
     for name, dims, type_id, offset in infos:
-        type_name = gguf.GGMLQuantizationType(type_id).name
-        shape = tuple(int(d) for d in reversed(dims))  # torch order
+        qtype = gguf.GGMLQuantizationType(type_id)
+        type_name, shape = qtype.name, tuple(int(d) for d in reversed(dims))  # (shape: torch order)
         if type_name in _NUMPY:
             dtype = np.dtype(_NUMPY[type_name])
             rows, nbytes = shape, int(np.prod(shape)) * dtype.itemsize
         else:
-            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
             dtype, rows = np.dtype(np.uint8), (*shape[:-1], shape[-1] // block * size)
             nbytes = int(np.prod(rows))
         first = start + offset
