@@ -98,6 +98,25 @@ def test_compiled_decode_step_tensor_parallel(make_hf, tmp_path):
     assert torch.equal(over_mpi[0], got[0])
 
 
+def test_the_compiled_step_is_made_on_the_first_step_it_takes(make_hf, tmp_path):
+    """Where the one-call C++ step serves every decode step, the compiled runner stands behind it and never calls
+    torch.compile; with the one-call step off, the first decode step makes it (here the eager model stands in for
+    what torch.compile returns: the tests above compile)."""
+    if cpu_ops() is None:
+        pytest.skip("this project's CPU kernels cannot be built here (no compiler)")
+    src, model = make_hf("llama_gqa_odd")
+    convert(str(src), str(tmp_path / "pmx"), progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    prompts, conts = prompts[:1], [c[:2] for c in conts[:1]]
+    for fused, made in ((True, False), (False, True)):
+        stepper = engine(tmp_path / "pmx", compile="on", fused_decode=fused)
+        (compiled,) = [r for r in stepper.runners if isinstance(r, Compiled)]
+        compiled._compile = lambda: compiled.model
+        assert compiled.fn is None
+        teacher_forced_logits(stepper, prompts, conts)
+        assert (compiled.fn is compiled.model) == made
+
+
 def test_compile_auto_is_off_for_small_models(make_hf, tmp_path):
     src, _ = make_hf("llama_mha")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
