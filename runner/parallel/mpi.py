@@ -4,6 +4,7 @@ compiled step calls without a graph break (on MPI's COMM_WORLD, the one group an
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -91,6 +92,22 @@ class MpiComm(Communicator):
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         with self._dog.guard("broadcast"):
             self._comm.Bcast(self._np(t), root=src)
+        return t
+
+    # MPICH's blocking collectives poll without pause: a server's ranks 1..N-1, waiting in a broadcast for rank 0's next
+    # step, kept a core each at 100% while the server idled. wait_broadcast_ polls a nonblocking broadcast instead:
+    # without pause for WAIT_SPIN_S (steps follow each other closer than that), then between naps that double up to
+    # WAIT_NAP_MAX_S (the most a first request after an idle spell waits for the other ranks to notice it).
+    WAIT_SPIN_S, WAIT_NAP_MAX_S = 0.002, 0.002
+
+    def wait_broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        with self._dog.guard("broadcast"):
+            req = self._comm.Ibcast(self._np(t), root=src)
+            start, nap = time.monotonic(), 25e-6
+            while not req.Test():
+                if time.monotonic() - start > self.WAIT_SPIN_S:
+                    time.sleep(nap)
+                    nap = min(2 * nap, self.WAIT_NAP_MAX_S)
         return t
 
     def barrier(self) -> None:

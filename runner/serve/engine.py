@@ -42,7 +42,7 @@ class StepChannel:
     def _bcast(self, buf: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":  # NCCL moves device tensors only
             return self.comm.broadcast_(buf.to(self.device)).cpu()
-        return self.comm.broadcast_(buf)
+        return self.comm.wait_broadcast_(buf)  # (ranks 1..N-1 wait here while the server idles)
 
     def send(self, msg: dict) -> None:
         if self.comm.world_size == 1:
