@@ -25,6 +25,6 @@ step "installing torch 2.13.0 (its CPU build)" .venv/bin/python -m pip install -
 step "installing pmx-runner (editable) with its test, MPI, Triton, structured-output and GGUF extras, and MPICH" \
   .venv/bin/python -m pip install -q -e ".[test,mpi,triton,structured,gguf]" mpich
 step "checking the imports" \
-  .venv/bin/python -c "import torch, transformers, mpi4py, safetensors, sentencepiece, tokenizers, tiktoken, fire, triton, xgrammar, onnx, onnxruntime, onnxruntime_extensions, pydantic, prometheus_client, msgspec, httptools, uvloop, hypothesis, schemathesis, gguf, accelerate"
+  .venv/bin/python -c "import xdist, torch, transformers, mpi4py, safetensors, sentencepiece, tokenizers, tiktoken, fire, triton, xgrammar, onnx, onnxruntime, onnxruntime_extensions, pydantic, prometheus_client, msgspec, httptools, uvloop, hypothesis, schemathesis, gguf, accelerate"
 touch "$stamp"
 echo "install: ready in $((SECONDS - start)) s (.venv)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -10,7 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers share the cores (scripts/test.sh): OpenMP threads that wait for work sleep rather than spin, here and
+    # in the jobs the tests start (set before torch loads libgomp; a spinning team beside a busy one starves both)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # Triton kernels run under its interpreter on CPU (set before Triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -318,6 +325,11 @@ def leftovers(at_start: dict, grace_s: float = 5.0) -> list[str]:
         time.sleep(0.2)
 
 
+def suite_leftovers(at_start: dict) -> list[str]:
+    """leftovers() but pytest's own /tmp/pytest-of-USER (its temporary directories, kept by its design)."""
+    return [p for p in leftovers(at_start) if not Path(p).name.startswith("pytest-of-")]
+
+
 def pytest_sessionstart(session):
     # The jobs the tests start get SIGINT as a terminal's user would send it. A shell starts a background job (`cmd &`
     # in a script, as CI may run the suite) with SIGINT ignored, and every process started from it inherits that: a
@@ -330,6 +342,113 @@ def pytest_sessionstart(session):
     cpu_ops()  # built here on a fresh machine (and said so), not inside the first test whose job uses the kernels
 
 
+def _xdist_controller(config) -> bool:
+    """True in the process that hands tests to pytest-xdist's workers (and runs none itself)."""
+    return not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None) not in (None, 0)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Under pytest-xdist the leftovers check runs here, in the controller, once every worker has ended (a test of a
+    worker cannot see the other's end); it fails the run as test_leftovers.py does a serial one."""
+    if not _xdist_controller(session.config) or AT_START not in session.config.stash:
+        return
+    left = suite_leftovers(session.config.stash[AT_START])
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter:
+        reporter.write("\n")  # (after the progress line)
+    if left:
+        if reporter:
+            reporter.write_line(f"FAILED leftovers check: left behind by the test suite (nothing holds them): {left}",
+                                red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    elif reporter:
+        reporter.write_line("leftovers check (the suite left nothing in /dev/shm or /tmp): passed")
+
+
+# --- two workers (pytest-xdist, --dist loadgroup: scripts/test.sh) ----------------------------------------------------
+# Tests marked `alone` time what they check (a job ends within 5 s of a fault, a bad request is answered within a
+# second, the soak's flat memory): they run in one group, first, each while no other test runs (the lock below). A module whose
+# tests share a fixture of module scope (a server, converted models) is a group of its own, so that it is set up once;
+# every other test is a unit of its own. Long modules are handed out first, so that no worker is left with one at the
+# end.
+LONG_FIRST = ("test_readme.py", "test_export.py", "test_triton_aot.py", "test_seed_families.py", "test_gguf.py",
+              "test_multihost.py", "test_server.py", "test_families.py", "test_quant_engine.py")
+
+
+class _Room:
+    """The two locks of a worker (flock(2) on files in the run's temporary directory, released if a worker dies): a
+    test marked `alone` holds the room to itself, from the first of a run of such tests on this worker to the last;
+    every other test shares it. The turnstile lets a waiting `alone` test in before the other worker's next test."""
+
+    def __init__(self, directory: Path):
+        self.turnstile, self.room = (open(directory / f"alone.{name}", "a+") for name in ("turnstile", "room"))
+        self.alone = False  # this worker holds the room to itself
+
+    def enter(self, alone: bool):
+        if self.alone:
+            return
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        fcntl.flock(self.room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        self.alone = alone
+
+    def leave(self, keep: bool):
+        if keep:
+            return
+        fcntl.flock(self.room, fcntl.LOCK_UN)
+        if self.alone:
+            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        self.alone = False
+
+    def close(self):
+        self.turnstile.close()
+        self.room.close()
+
+
+ROOM = pytest.StashKey[_Room]()
+
+
+def _groups(items: list) -> dict:
+    """{item: xdist group or None (a unit of its own)}: `alone`, the module's file name, or None."""
+    shared = set()
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        for defs in (info.name2fixturedefs.values() if info else ()):
+            if any(d.scope in ("module", "package", "class") for d in defs):
+                shared.add(item.path.name)
+    return {item: "alone" if item.get_closest_marker("alone") else
+            item.path.name if item.path.name in shared else None for item in items}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "alone: times what it checks: under pytest-xdist, runs while no other test runs")
+    if hasattr(config, "workerinput") and config.option.basetemp:
+        shared = Path(config.option.basetemp).parent  # the run's temporary directory, its workers' basetemps in it
+        shared.mkdir(parents=True, exist_ok=True)
+        config.stash[ROOM] = _Room(shared)
+
+
+def pytest_unconfigure(config):
+    if ROOM in config.stash:
+        config.stash[ROOM].close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist: each test in the room (_Room), alone or shared as it is marked."""
+    room = item.config.stash.get(ROOM, None)
+    if room is None:
+        return (yield)
+    alone = item.get_closest_marker("alone") is not None
+    room.enter(alone)
+    try:
+        return (yield)
+    finally:
+        room.leave(keep=alone and nextitem is not None and nextitem.get_closest_marker("alone") is not None)
+
+
 def pytest_addoption(parser):
     parser.addoption("--extended", action="store_true",
                      help="also run the tests marked `extended`: the wider matrix (more families, rank counts and "
@@ -337,12 +456,25 @@ def pytest_addoption(parser):
                           "the ahead-of-time compiles (sm_80 too, every pair of choices) at their full length")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(session, config, items):
     """Tests marked `extended` are deselected unless --extended is given (the default run keeps at least one case of
-    every feature, within CI's 20 minutes on 2 cores); the leftovers check runs after every other test."""
+    every feature, within CI's 20 minutes on 2 cores); the leftovers check runs after every other test (under
+    pytest-xdist, in the controller: pytest_sessionfinish). On an xdist worker: the groups and order above."""
     if not config.getoption("--extended"):
         wider = [item for item in items if item.get_closest_marker("extended")]
         if wider:
             config.hook.pytest_deselected(items=wider)
             items[:] = [item for item in items if not item.get_closest_marker("extended")]
-    items.sort(key=lambda item: item.path.name == "test_leftovers.py")
+    if not hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.path.name == "test_leftovers.py")
+        return
+    last = [item for item in items if item.path.name == "test_leftovers.py"]
+    if last:
+        config.hook.pytest_deselected(items=last)
+    groups = _groups([item for item in items if item not in last])
+    for item, group in groups.items():
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    order = {name: i for i, name in enumerate(LONG_FIRST)}
+    items[:] = sorted(groups, key=lambda item: (groups[item] != "alone", order.get(item.path.name, len(order))))

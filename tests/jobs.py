@@ -131,8 +131,16 @@ class Job:
             time.sleep(0.05)
         return list(self.pids())
 
-    def cleanup(self) -> list[int]:
-        """Kills every process still carrying this job's marker; returns their pids (empty when none)."""
+    def cleanup(self, grace_s: float = 10.0) -> list[int]:
+        """Ends the job: SIGTERM to a launcher still running, as a user would stop it (scripts/mpirun.sh then removes
+        what MPICH left in /dev/shm and /tmp: a server fixture's teardown left it there), and after at most `grace_s`
+        SIGKILL to every process still carrying this job's marker; returns their pids (empty when none)."""
+        if self.proc.poll() is None and grace_s > 0:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
         left = list(self.pids())
         for pid in left:
             try:

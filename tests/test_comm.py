@@ -97,6 +97,7 @@ def test_shared_memory_without_room_for_the_reduce_norm_areas_keeps_the_collecti
     assert _shm_files() <= before
 
 
+@pytest.mark.alone
 @pytest.mark.skipif(cpu_ops() is None, reason="this project's CPU extension could not be built here")
 @pytest.mark.parametrize("peer", ["reaped", "zombie", "running"])
 def test_a_shared_memory_wait_on_a_rank_that_has_exited_ends_at_once(peer):

@@ -17,6 +17,8 @@ from safetensors.torch import save_file
 from conftest import ROOT
 from jobs import Job, has_open_mpi, launch_cmd, proc_stat, run_job
 
+# each test times how soon a job ends after a fault: under pytest-xdist, none runs beside another test (conftest)
+pytestmark = pytest.mark.alone
 DEMO = [sys.executable, ROOT / "scripts" / "Demo.py"]
 LONG = ["--batch", 128, "--max_gen_len", 500, "--context_chunking", "false"]  # > 5 s of generation on 2 cores
 END_WITHIN = 5.0  # seconds from a fault to the end of the whole job

@@ -194,6 +194,7 @@ def test_serving_on_two_hosts(stories, hostfile, tmp_path):
         job.cleanup()
 
 
+@pytest.mark.alone
 def test_a_rank_killed_on_one_host_ends_the_job(stories, hostfile, tmp_path):
     with Job(mpich(hostfile, *DEMO, "--ckpt_dir", stories / "pmx_2", *LONG), tmp_path) as job:
         victim = job.rank_pid(1)
@@ -204,6 +205,7 @@ def test_a_rank_killed_on_one_host_ends_the_job(stories, hostfile, tmp_path):
         assert ended_within(job, END_WITHIN, t0) != 0
 
 
+@pytest.mark.alone
 def test_an_exception_on_one_host_ends_the_job_with_its_message(stories, hostfile, tmp_path):
     """MPICH's launcher does not end the other hosts' ranks after a plain exit: the failing rank kills itself."""
     dump = tmp_path / "dump"
@@ -216,6 +218,7 @@ def test_an_exception_on_one_host_ends_the_job_with_its_message(stories, hostfil
                                           f"{dump / 'rank_1'} exists and is not a directory"], job.stderr
 
 
+@pytest.mark.alone
 def test_torchrun_a_rank_killed_on_one_node_ends_both(stories, hostfile, tmp_path):
     with TorchrunNodes(tmp_path, ROOT / "scripts" / "Demo.py", "--ckpt_dir", stories / "pmx_2", *LONG) as nodes:
         a, b = nodes.jobs

@@ -74,9 +74,9 @@ def test_install_says_what_it_does(tmp_path):
 
 
 def test_test_sh_shows_progress_and_the_slowest_tests(tmp_path):
-    """scripts/test.sh names each test file with its progress and ends with the slowest tests (pyproject's
-    addopts), rather than 17 minutes of dots. Run from a copy whose install.sh is a stand-in (the real one is
-    test_install_says_what_it_does's), over this checkout's tests and environment."""
+    """scripts/test.sh names each test with its file and progress (on two pytest-xdist workers: the worker too) and
+    ends with the slowest tests (pyproject's addopts), rather than 15 minutes of dots. Run from a copy whose install.sh
+    is a stand-in (the real one is test_install_says_what_it_does's), over this checkout's tests and environment."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     (repo / "scripts" / "test.sh").write_bytes((SCRIPTS / "test.sh").read_bytes())
@@ -88,5 +88,6 @@ def test_test_sh_shows_progress_and_the_slowest_tests(tmp_path):
                           "rank_from_the_environment", "-p", "no:cacheprovider"], capture_output=True, text=True,
                          timeout=300, cwd=repo)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert re.search(r"^tests/test_launch\.py \.+ +\[100%\]$", res.stdout, re.M), res.stdout
+    assert re.search(r"^\[gw[01]\] \[100%\] PASSED tests/test_launch\.py::\S*rank_from_the_environment", res.stdout,
+                     re.M), res.stdout
     assert "slowest 25 durations" in res.stdout, res.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import socket
@@ -15,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from jobs import Job, launch_cmd
+from jobs import Job, launch_cmd, proc_stat
 from runner.pmx.convert import reshard
 from runner.serve.params import SamplingParams
 from test_serve import REFERENCE_TEXT, one_thread, stories  # noqa: F401 (fixtures)
@@ -266,6 +267,7 @@ def json_error(raw: bytes) -> tuple[int, dict]:
     return int(head.split()[1]), json.loads(body)["error"]
 
 
+@pytest.mark.alone
 def test_every_reproduction_is_a_json_4xx_within_a_second(server):
     """The requests that once answered 500 in plain text (or hung): a 4xx in OpenAI's shape, naming the field, within
     a second each; the 50 MB body a 413 from its Content-Length, before it is read. The server serves on."""
@@ -326,6 +328,7 @@ def test_the_server_outlives_every_admitted_sampling_value(server):
     assert r.choices[0].text == REFERENCE_TEXT
 
 
+@pytest.mark.alone
 def test_slow_and_vanishing_clients(server):
     """A client that trickles its headers, or its body, is answered 408 and dropped after --header_timeout /
     --body_timeout (1 s here); one that leaves mid-body or mid-stream is one log line, no traceback; past
@@ -395,6 +398,25 @@ def test_tp2_reference_text_and_no_chat_template(tp2_server):
         c.chat.completions.create(model=tp2_server.model, messages=[{"role": "user", "content": "hi"}])
 
 
+def test_tp2_an_idle_server_keeps_no_core_busy(tp2_server):
+    """Between requests the ranks wait for rank 0's next step without spinning (MPICH's blocking broadcast polled a
+    core at 100% on every rank but 0 for as long as the server idled): the job's processes, 2 s idle, take under a
+    tenth of a core; then a request is served as before."""
+    def cpu_seconds() -> float:  # user + system time of every live process of the job
+        ticks = sum(int(f[11]) + int(f[12]) for f in map(proc_stat, tp2_server.job.pids()) if len(f) > 12)
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    tp2_server.client.completions.create(model=tp2_server.model, prompt="Once", max_tokens=2)
+    time.sleep(1.5)  # (the heartbeats and the last step's statistics settle)
+    before, t0 = cpu_seconds(), time.monotonic()
+    time.sleep(2.0)
+    used = (cpu_seconds() - before) / (time.monotonic() - t0)
+    assert used < 0.1, f"{used:.2f} cores busy while idle"
+    r = tp2_server.client.completions.create(model=tp2_server.model, prompt="Once upon a time", max_tokens=40,
+                                             temperature=0)
+    assert r.choices[0].text == REFERENCE_TEXT
+
+
 def test_tp2_preemption_every_request_completes_correctly(tp2_server, offline):
     """4 sequences of ~145 tokens (2 pages each) at once in a 2-page cache: they are preempted and recomputed,
     and each still ends with the greedy tokens of the offline API. The 4 prompts come in one request, so they are
@@ -436,6 +458,7 @@ def test_tp2_port_in_use_fails_cleanly(tp2_server, tmp_path):
         assert f"error: cannot serve on 127.0.0.1:{port}" in job.stderr and not job.lingering()
 
 
+@pytest.mark.alone
 def test_tp2_sigterm_drains_then_cancels_and_every_rank_exits(tp2_server):
     """SIGTERM with 6 long streams running or queued: the server drains for --drain_timeout, cancels the rest
     (their streams end with an error event), and every rank exits 0. The drain is 0.1 s: the 1500 tokens, with

@@ -15,7 +15,11 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from jobs import ROOT, Job
+
+pytestmark = pytest.mark.alone  # flat memory, answers within 30 s: not beside another test under pytest-xdist (conftest)
 
 DEFAULT_S, EXTENDED_S = 25, 60
 
