@@ -368,10 +368,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 # --- two workers (pytest-xdist, --dist loadgroup: scripts/test.sh) ----------------------------------------------------
 # Tests marked `alone` time what they check (a job ends within 5 s of a fault, a bad request is answered within a
-# second, the soak's flat memory): they run in one group, first, each while no other test runs (the lock below). A module whose
-# tests share a fixture of module scope (a server, converted models) is a group of its own, so that it is set up once;
-# every other test is a unit of its own. Long modules are handed out first, so that no worker is left with one at the
-# end.
+# second, the soak's flat memory): they run in one group, first, each while no other test runs (the lock below). A
+# module whose tests share a fixture of module scope (a server, converted models) is a group of its own, so that it is
+# set up once; every other test is a unit of its own. Long modules are handed out first, so that no worker is left
+# with one at the end.
 LONG_FIRST = ("test_readme.py", "test_export.py", "test_triton_aot.py", "test_seed_families.py", "test_gguf.py",
               "test_multihost.py", "test_server.py", "test_families.py", "test_quant_engine.py")
 
