@@ -371,7 +371,9 @@ def pytest_sessionfinish(session, exitstatus):
 # second, the soak's flat memory): they run in one group, first, each while no other test runs (the lock below). A
 # module whose tests share a fixture of module scope (a server, converted models) is a group of its own, so that it is
 # set up once; every other test is a unit of its own. Long modules are handed out first, so that no worker is left
-# with one at the end.
+# with one at the end. The workers compute the groups as they collect and leave them in the run's temporary directory
+# for the controller's scheduler (pytest_xdist_make_scheduler): xdist's own loadgroup reads `xdist_group` marks
+# through a nodeid suffix that pytest 9.2 no longer takes, and would have handed out every test on its own.
 LONG_FIRST = ("test_readme.py", "test_export.py", "test_triton_aot.py", "test_seed_families.py", "test_gguf.py",
               "test_multihost.py", "test_server.py", "test_families.py", "test_quant_engine.py")
 
@@ -408,10 +410,11 @@ class _Room:
 
 
 ROOM = pytest.StashKey[_Room]()
+GROUPS_FILE = "xdist-groups.json"  # {nodeid: group} of the tests that are not a unit of their own
 
 
 def _groups(items: list) -> dict:
-    """{item: xdist group or None (a unit of its own)}: `alone`, the module's file name, or None."""
+    """{item: its group under pytest-xdist, or None (a unit of its own)}: `alone`, the module's file name, or None."""
     shared = set()
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
@@ -473,8 +476,30 @@ def pytest_collection_modifyitems(session, config, items):
     if last:
         config.hook.pytest_deselected(items=last)
     groups = _groups([item for item in items if item not in last])
-    for item, group in groups.items():
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
     order = {name: i for i, name in enumerate(LONG_FIRST)}
     items[:] = sorted(groups, key=lambda item: (groups[item] != "alone", order.get(item.path.name, len(order))))
+    if config.option.basetemp:  # (every worker writes the same)
+        path = Path(config.option.basetemp).parent / GROUPS_FILE
+        part = path.with_name(f"{path.name}.{os.getpid()}")
+        part.write_text(json.dumps({item.nodeid: group for item, group in groups.items() if group is not None}))
+        part.replace(path)
+
+
+@pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist, where it is installed)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup by the groups above: pytest-xdist's scheduler by scope, each test's scope its group (or
+    itself), read from the workers' file once they have collected."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+    path = config._tmp_path_factory.getbasetemp() / GROUPS_FILE  # the workers' basetemps are in it (xdist's making)
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                self.groups = json.loads(path.read_text()) if path.is_file() else {}
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
