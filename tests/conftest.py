@@ -375,7 +375,8 @@ def pytest_sessionfinish(session, exitstatus):
 # for the controller's scheduler (pytest_xdist_make_scheduler): xdist's own loadgroup reads `xdist_group` marks
 # through a nodeid suffix that pytest 9.2 no longer takes, and would have handed out every test on its own.
 LONG_FIRST = ("test_readme.py", "test_export.py", "test_triton_aot.py", "test_seed_families.py", "test_gguf.py",
-              "test_multihost.py", "test_server.py", "test_families.py", "test_quant_engine.py")
+              "test_multihost.py", "test_server.py", "test_families.py", "test_quant_engine.py",
+              "test_triton_kernels.py")  # (its engine tests, 20-25 s on one core each, had been the run's last)
 
 
 class _Room:
