@@ -426,10 +426,17 @@ def _groups(items: list) -> dict:
             item.path.name if item.path.name in shared else None for item in items}
 
 
+def _run_dir(config) -> Path | None:
+    """On an xdist worker, the run's temporary directory (its workers' basetemps are in it); else None."""
+    if hasattr(config, "workerinput") and config.option.basetemp:
+        return Path(config.option.basetemp).parent
+    return None
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "alone: times what it checks: under pytest-xdist, runs while no other test runs")
-    if hasattr(config, "workerinput") and config.option.basetemp:
-        shared = Path(config.option.basetemp).parent  # the run's temporary directory, its workers' basetemps in it
+    shared = _run_dir(config)
+    if shared is not None:
         shared.mkdir(parents=True, exist_ok=True)
         config.stash[ROOM] = _Room(shared)
 
@@ -460,7 +467,6 @@ def pytest_addoption(parser):
                           "the ahead-of-time compiles (sm_80 too, every pair of choices) at their full length")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(session, config, items):
     """Tests marked `extended` are deselected unless --extended is given (the default run keeps at least one case of
     every feature, within CI's 20 minutes on 2 cores); the leftovers check runs after every other test (under
@@ -479,8 +485,8 @@ def pytest_collection_modifyitems(session, config, items):
     groups = _groups([item for item in items if item not in last])
     order = {name: i for i, name in enumerate(LONG_FIRST)}
     items[:] = sorted(groups, key=lambda item: (groups[item] != "alone", order.get(item.path.name, len(order))))
-    if config.option.basetemp:  # (every worker writes the same)
-        path = Path(config.option.basetemp).parent / GROUPS_FILE
+    if _run_dir(config) is not None:  # (every worker writes the same)
+        path = _run_dir(config) / GROUPS_FILE
         part = path.with_name(f"{path.name}.{os.getpid()}")
         part.write_text(json.dumps({item.nodeid: group for item, group in groups.items() if group is not None}))
         part.replace(path)

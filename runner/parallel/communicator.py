@@ -37,6 +37,7 @@ class Communicator(ABC):
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
     @abstractmethod
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor: ...
+
     def wait_broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """broadcast_ where the ranks may wait long for `src` (a server's ranks between requests), every rank calling
         this one (not broadcast_) for it: it waits without keeping a core busy where the transport would spin."""

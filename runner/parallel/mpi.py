@@ -96,10 +96,9 @@ class MpiComm(Communicator):
 
     # MPICH's blocking collectives poll without pause: a server's ranks 1..N-1, waiting in a broadcast for rank 0's next
     # step, kept a core each at 100% while the server idled. wait_broadcast_ polls a nonblocking broadcast instead:
-    # without pause for WAIT_SPIN_S (steps follow each other closer than that: a 2 ms spin let rank 0's front-end work
-    # between batch-1 steps reach the naps, ~3% of the inter-token time), then between naps that double up to
-    # WAIT_NAP_MAX_S (the most a first request after an idle spell waits for the other ranks to notice it). Idle, that
-    # is the spin after each heartbeat (1 s): 2% of a core.
+    # without pause for WAIT_SPIN_S (longer than the gap between a busy server's steps, so that no step waits on a nap),
+    # then between naps that double up to WAIT_NAP_MAX_S (the most a first request after an idle spell waits for the
+    # other ranks to notice it). Idle, that is the spin after each heartbeat (1 s): 2% of a core.
     WAIT_SPIN_S, WAIT_NAP_MAX_S = 0.02, 0.002
 
     def wait_broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
