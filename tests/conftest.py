@@ -21,6 +21,9 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # Triton kernels run under its interpreter on CPU (set before Triton loads)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import fast_interpreter  # noqa: E402
+    fast_interpreter.install()
 # torch.compile's cache beside the other build caches in ~/.cache rather than in /tmp (see leftovers())
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "pmx-runner" / "torchinductor"))
 # and no precompiled header, which inductor keeps in /tmp/torchinductor_USER whatever the cache directory: building it
@@ -374,9 +377,10 @@ def pytest_sessionfinish(session, exitstatus):
 # with one at the end. The workers compute the groups as they collect and leave them in the run's temporary directory
 # for the controller's scheduler (pytest_xdist_make_scheduler): xdist's own loadgroup reads `xdist_group` marks
 # through a nodeid suffix that pytest 9.2 no longer takes, and would have handed out every test on its own.
-LONG_FIRST = ("test_readme.py", "test_export.py", "test_triton_aot.py", "test_seed_families.py", "test_gguf.py",
-              "test_multihost.py", "test_server.py", "test_families.py", "test_quant_engine.py",
-              "test_triton_kernels.py")  # (its engine tests, 20-25 s on one core each, had been the run's last)
+LONG_FIRST = ("test_readme.py", "test_export.py", "test_triton_aot.py", "test_step.py", "test_seed_families.py",
+              "test_gguf.py", "test_multihost.py", "test_server.py", "test_families.py", "test_quant_engine.py",
+              "test_triton_kernels.py", "test_serve_features.py", "test_engine.py")  # (test_step's compiles, ~15 s
+# a graph on a fresh machine, and the Triton engine tests, 20-25 s on one core each, had each been the run's last)
 
 
 class _Room:

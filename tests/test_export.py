@@ -101,10 +101,10 @@ def test_export_at_tp_1_2_4_passes_the_checker_with_ppl_pmx_ops_only(real, tmp_p
                 "RotaryPositionEmbedding", "MultiHeadCacheAttention", "Reshape"} <= ops
 
 
-def dump_and_replay(ckpt: Path, tmp_path, n: int, flags: list, exported: Path | None = None):
+def dump_and_replay(ckpt: Path, tmp_path, n: int, flags: list, exported: Path | None = None, steps=(0, 1)):
     """Export `ckpt` on n ranks (or take `exported`, its export with `flags`), dump steps 0-2 of a Demo.py run, replay
-    steps 0 (prefill) and 1 (decode) with benchmark.sh through the export: every rank's logits within 1e-5 relative
-    of the dump, its cache checked."""
+    `steps` (0: the prefill, 1: a decode step) with benchmark.sh through the export: every rank's logits within 1e-5
+    relative of the dump, its cache checked."""
     if exported is None:
         rc, _, err, _ = export_job(tmp_path, n, ckpt, tmp_path / "onnx", *flags)
         assert rc == 0, err[-2000:]
@@ -115,7 +115,7 @@ def dump_and_replay(ckpt: Path, tmp_path, n: int, flags: list, exported: Path | 
     rc, _, err, _ = run_job(cmd, tmp_path, env, timeout=180)
     assert rc == 0, err[-2000:]
     outs = []
-    for step in (0, 1):  # prefill, decode
+    for step in steps:
         bench = [ROOT / "scripts" / "benchmark.sh", step]
         cmd, env = launch_cmd("mpich", n, *bench) if n > 1 else (bench, {})
         env.update(MODEL_PATH=str(exported), TEST_DATA_DIR=str(tmp_path / "dump"),
@@ -314,11 +314,12 @@ def test_families_export_and_run_as_the_engine(families, tmp_path, name, opts, q
 
 def test_alibi_family_at_tp2_int8_replays_through_benchmark_sh(families, tmp_path):
     """Baichuan-13B (ALiBi, 6 heads: 3 a rank, slopes of a head count that is not a power of two) with int8 weights and
-    its int8 embedding, split in 2: each rank's heads take their own slopes (alibi_head_offset), and the dumped prefill
-    and decode steps replay in onnxruntime within 1e-5 through mpirun -np 2 benchmark.sh."""
+    its int8 embedding, split in 2: each rank's heads take their own slopes (alibi_head_offset), and the dumped decode
+    step replays in onnxruntime within 1e-5 through mpirun -np 2 benchmark.sh (its prefill: in one process, in
+    test_families_export_and_run_as_the_engine's mixed steps)."""
     quantize_model(str(families("baichuan_13b")), str(tmp_path / "q"), QuantScheme("int8", 0), progress=False)
     reshard(str(tmp_path / "q"), str(tmp_path / "q2"), 2, progress=False)
-    dump_and_replay(tmp_path / "q2", tmp_path, 2, ["--quantized_cache", "true", "--cache_layout", "3"])
+    dump_and_replay(tmp_path / "q2", tmp_path, 2, ["--quantized_cache", "true", "--cache_layout", "3"], steps=(1,))
     for r in (0, 1):
         attn = next(nd for nd in onnx.load(str(tmp_path / "onnx" / f"model_slice_{r}" / "model.onnx")).graph.node
                     if nd.op_type == "MultiHeadCacheAttention")
@@ -375,9 +376,9 @@ def test_moe_select_and_reduce_follow_ppl_pmx_docs():
 def test_moe_exports_ppl_pmx_moe_ops_and_replays_at_tp_1_and_2(make_hf, tmp_path):
     """Mixtral (4 experts, top 2, 2 layers): each layer's MLP is ppl.pmx's router Linear, MoeSelect,
     MoeColumnParallelLinear (fused gate/up `wu`, or w1 and w3), SwiGLU / SiLU, MoeRowParallelLinear and MoeReduce with
-    ppl.pmx's attributes. TP=1: onnxruntime's mixed step within 1e-5 of the engine's (logits and cache). Split in 2:
-    the dumped prefill and decode replay through mpirun -np 2 benchmark.sh within 1e-5. Quantised experts are
-    refused."""
+    ppl.pmx's attributes. TP=1: onnxruntime's mixed step (prefill and decode rows) within 1e-5 of the engine's (logits
+    and cache). Split in 2: the dumped decode step replays through mpirun -np 2 benchmark.sh within 1e-5. Quantised
+    experts are refused."""
     from runner.pmx.random_model import _tokenizer_json
     src, _ = make_hf("mixtral", vocab_size=300)
     (src / "tokenizer.json").write_text(_tokenizer_json(300))
@@ -413,7 +414,7 @@ def test_moe_exports_ppl_pmx_moe_ops_and_replays_at_tp_1_and_2(make_hf, tmp_path
         assert rel(got, want) <= 1e-5, rel(got, want)
         assert_caches_agree(feeds, ours)
     reshard(str(pmx), str(tmp_path / "pmx_2"), 2, progress=False)
-    dump_and_replay(tmp_path / "pmx_2", tmp_path, 2, ["--quantized_cache", "true", "--cache_layout", "3"])
+    dump_and_replay(tmp_path / "pmx_2", tmp_path, 2, ["--quantized_cache", "true", "--cache_layout", "3"], steps=(1,))
     w2 = next(t for t in onnx.load(str(tmp_path / "onnx" / "model_slice_1" / "model.onnx")).graph.initializer
               if t.name == "layers.1.feed_forward.wu.weight")
     assert list(w2.dims) == [E, F, D]   # each expert's F/2 gate rows and F/2 up rows on each rank
@@ -490,16 +491,18 @@ def test_compare_per_layer_names_the_perturbed_layer_and_op(tmp_path, capsys):
                                                      "residual", "ffn")}
 
 
-def test_per_layer_tp1_against_tp2_and_the_onnx_replay(real, tmp_path, capsys):
+def test_per_layer_tp1_against_tp2_and_the_onnx_replay(real, stories_tp2_export, tmp_path, capsys):
     """Per-layer dumps of TP 1 (Demo.py's generate, in this process) and TP 2 (Demo.py under mpirun) agree layer by
-    layer, shards gathered; the TP-2 export's onnxruntime replay of the dumped step agrees with TP 2's, per layer."""
+    layer, shards gathered; the TP-2 export's onnxruntime replay of the dumped step agrees with TP 2's, per layer
+    (TP2_FLAGS throughout: the int8 paged cache the module's TP-2 export takes)."""
     from runner.engine.compare import compare
     from runner.engine.demo import generate
     n, ckpt = 2, real["stories260k"] / "pmx_2"
     demo = [PY, ROOT / "scripts" / "Demo.py", "--prompt", "Once upon a time", "--max_gen_len", 3, "--dump_layers",
-            "true", "--dump_steps", "1", "--progress", "false"]
+            "true", "--dump_steps", "1", "--progress", "false", *TP2_FLAGS]
     generate(str(real["stories260k"] / "pmx"), prompt="Once upon a time", max_gen_len=3, dump_layers=True,
-             dump_steps="1", progress=False, dump_tensor_path=str(tmp_path / "d1"))
+             dump_steps="1", progress=False, dump_tensor_path=str(tmp_path / "d1"),
+             config=EngineConfig(quantized_cache=True, cache_mode=1, cache_layout=3))
     cmd, env = launch_cmd("mpich", n, *demo, "--ckpt_dir", ckpt, "--dump_tensor_path", tmp_path / "d2")
     rc, _, err, _ = run_job(cmd, tmp_path, env)
     assert rc == 0, err[-2000:]
@@ -507,9 +510,7 @@ def test_per_layer_tp1_against_tp2_and_the_onnx_replay(real, tmp_path, capsys):
     assert compare(str(tmp_path / "d1"), str(tmp_path / "d2"), per_layer=True) == 0   # shards gathered
     out = capsys.readouterr().out
     assert "all   1     layer4_ffn" in out and "every layer and op passes" in out
-    rc, _, err, _ = export_job(tmp_path, n, ckpt, tmp_path / "onnx")
-    assert rc == 0, err[-2000:]
-    cmd, env = launch_cmd("mpich", n, PY, "-m", "runner", "onnx_replay", "--export_path", tmp_path / "onnx",
+    cmd, env = launch_cmd("mpich", n, PY, "-m", "runner", "onnx_replay", "--export_path", stories_tp2_export,
                           "--dump_dir", tmp_path / "d2", "--step", 1, "--output_dir", tmp_path / "r2",
                           "--min_profiling_seconds", 0, "--dump_layers", "true")
     rc, out, err, _ = run_job(cmd, tmp_path, env)

@@ -193,7 +193,8 @@ def test_speculation_and_prefix_caching_keep_the_reference(srv):
 @pytest.mark.parametrize("launcher", ["mpich", "torchrun"])
 def test_every_feature_on_two_ranks(stories, tmp_path, launcher):
     """The same requests under mpirun -np 2 and torchrun: structured output, tool calls, speculation and prefix
-    caching run in lockstep on both ranks; greedy text is the one-process reference."""
+    caching run in lockstep on both ranks; greedy text is the one-process reference; SIGTERM stops the server (and,
+    under torchrun, the agent without its traceback) within 30 s."""
     reshard(str(stories["pmx"]), str(tmp_path / "pmx2"), 2, progress=False)
     server = start(tmp_path, launcher, 2, tmp_path / "pmx2", *FLAGS)
     try:
@@ -205,7 +206,11 @@ def test_every_feature_on_two_ranks(stories, tmp_path, launcher):
         server.client.completions.create(model=server.model, prompt=LONG_PROMPT, max_tokens=4, temperature=0)
         server.client.completions.create(model=server.model, prompt=LONG_PROMPT, max_tokens=4, temperature=0)
         assert server.metric("prefix_cache_hits_total") >= 2
-        server.stop(launcher_rc=(0, 1) if launcher == "torchrun" else (0,))
+        assert server.stop(launcher_rc=(0, 1) if launcher == "torchrun" else (0,)) < 30
+        if launcher == "torchrun":  # (torchrun ends with status 1 when signalled, by design) scripts/torchrun.sh's one
+            tail = server.job.stderr[server.job.stderr.index("server stopped"):].splitlines()  # line, not the agent's
+            assert tail[-1] == "torchrun: stopped by SIGTERM; its workers were stopped with it"  # 25-line traceback
+            assert "Traceback" not in server.job.stderr, server.job.stderr
     finally:
         server.job.cleanup()
 

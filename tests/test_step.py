@@ -39,8 +39,9 @@ def compiles(stepper: Stepper) -> bool:
 ])
 def test_compiled_decode_step_matches_eager_and_transformers(make_hf, tmp_path, monkeypatch, arch, options, linear):
     """Decode steps run under torch.compile(fullgraph=True) (a graph break would raise), with masked histories of
-    different lengths (3 prompts) and the single-sequence graph; logits as eager's and transformers'. `pmx`: every
-    linear on this project's CPU kernel (the default for real models; these test models are under its size)."""
+    different lengths (3 prompts), and (the first case) the single-sequence graph; logits as eager's and
+    transformers'. `pmx`: every linear on this project's CPU kernel (the default for real models; these test models
+    are under its size). (Each graph is a cold compile of ~15 s on a fresh machine: the cases share no graph.)"""
     if linear == "pmx":
         if cpu_ops() is None:
             pytest.skip("this project's CPU kernels cannot be built here (no compiler)")
@@ -54,9 +55,11 @@ def test_compiled_decode_step_matches_eager_and_transformers(make_hf, tmp_path, 
     assert {m.kernel for m in compiled_engine.model.modules() if isinstance(m, linear_mod.Linear)} == {linear}
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     got = torch.stack(teacher_forced_logits(compiled_engine, prompts, conts))
-    single = torch.stack(teacher_forced_logits(compiled_engine, prompts[:1], conts[:1]))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before >= 2  # B > 1 with a mask, and B = 1
-    assert rel_err(got, eager) < 1e-5 and rel_err(single, eager[:, :1]) < 1e-5
+    assert rel_err(got, eager) < 1e-5
+    if arch == "llama_gqa_odd":
+        single = torch.stack(teacher_forced_logits(compiled_engine, prompts[:1], conts[:1]))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before >= 2  # B > 1 with a mask, and B = 1
+        assert rel_err(single, eager[:, :1]) < 1e-5
     if not options.get("quantized_cache"):
         assert rel_err(got, hf_logits(model, prompts, conts)) < 1e-4
 
@@ -64,10 +67,11 @@ def test_compiled_decode_step_matches_eager_and_transformers(make_hf, tmp_path, 
 def test_compiled_engines_never_share_graphs(make_hf, tmp_path):
     """The compiled step keeps no guards on the module tree (they cost 0.5 ms a step), so each engine has a code
     object of its own: a second engine with the same shapes but another constant (norm eps) in the same process
-    compiles its own graph and gets its own logits, not the first one's."""
+    compiles its own graph and gets its own logits, not the first one's. (One sequence: one graph an engine.)"""
     src, model = make_hf("llama_gqa_odd")
     convert(str(src), str(tmp_path / "pmx"), progress=False)
     prompts, conts = prompts_and_conts(model.config.vocab_size)
+    prompts, conts = prompts[:1], conts[:1]
     params, w = load_shard(tmp_path / "pmx", 0, torch.device("cpu"), torch.float32)
     logits = {}
     def stepper(p, **options):
