@@ -100,7 +100,7 @@ def test_compiled_decode_step_tensor_parallel(make_hf, tmp_path, request):
     job = (tmp_path / "pmx2", [{"compile": "on", "fused_decode": False, "cache_layout": 1}], prompts, conts, None)
     both = request.config.getoption("--extended")
     runs = run_tp_batch(tmp_path, 2, [job, (*job, {"PMX_SHM_COMM": "0"})] if both else [job])
-    (got, info) = runs[0]
+    got, info = runs[0]
     assert [i["shm"] for i in info] == [True]
     assert rel_err(got[0], tp1) < 1e-5
     if both:
