@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what is needed (idempotent) and runs the test suite (~18.5 min on 2 cores, caches empty), then the slowest
+# Installs what is needed (idempotent) and runs the test suite (~17.5 min on 2 cores, caches empty), then the slowest
 # tests (pyproject.toml's addopts). Arguments go to pytest (e.g. -k aot, -x; --extended adds the tests marked `extended`, the
 # wider matrix the default run samples: tests/conftest.py). With 2 cores or more the tests run on two pytest-xdist
 # workers (the suite alone keeps ~1.2 cores busy: tests/conftest.py says how they are grouped); -n 0 runs them in this
