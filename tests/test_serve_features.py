@@ -207,9 +207,10 @@ def test_every_feature_on_two_ranks(stories, tmp_path, launcher):
         server.client.completions.create(model=server.model, prompt=LONG_PROMPT, max_tokens=4, temperature=0)
         assert server.metric("prefix_cache_hits_total") >= 2
         assert server.stop(launcher_rc=(0, 1) if launcher == "torchrun" else (0,)) < 30
-        if launcher == "torchrun":  # (torchrun ends with status 1 when signalled, by design) scripts/torchrun.sh's one
-            tail = server.job.stderr[server.job.stderr.index("server stopped"):].splitlines()  # line, not the agent's
-            assert tail[-1] == "torchrun: stopped by SIGTERM; its workers were stopped with it"  # 25-line traceback
+        if launcher == "torchrun":  # (it ends with status 1 when signalled, by design): scripts/torchrun.sh's one
+            # line, not the agent's 25-line traceback
+            tail = server.job.stderr[server.job.stderr.index("server stopped"):].splitlines()
+            assert tail[-1] == "torchrun: stopped by SIGTERM; its workers were stopped with it"
             assert "Traceback" not in server.job.stderr, server.job.stderr
     finally:
         server.job.cleanup()
