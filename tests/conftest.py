@@ -340,7 +340,10 @@ def pytest_sessionstart(session):
     # child at exec.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    session.config.stash[AT_START] = _entries()
+    # A suite run inside another one (test_scripts runs scripts/test.sh) leaves the check to the outer run: the jobs of
+    # the outer run's other tests come and go in the same /tmp and /dev/shm meanwhile
+    if os.environ.get("PMX_TEST_LEFTOVERS_CHECK") != "0":
+        session.config.stash[AT_START] = _entries()
     from runner.kernels.cpu_ext import cpu_ops
     cpu_ops()  # built here on a fresh machine (and said so), not inside the first test whose job uses the kernels
 

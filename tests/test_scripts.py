@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import os
 import re
 import subprocess
 import sys
@@ -88,7 +89,8 @@ def test_test_sh_shows_progress_and_the_slowest_tests(tmp_path):
     (repo / ".venv").symlink_to(Path(sys.executable).parents[1])
     res = subprocess.run(["bash", str(repo / "scripts" / "test.sh"), "tests/test_launch.py", "-k",
                           "rank_from_the_environment", "-p", "no:cacheprovider"], capture_output=True, text=True,
-                         timeout=300, cwd=repo)
+                         timeout=300, cwd=repo, env={**os.environ, "PMX_TEST_LEFTOVERS_CHECK": "0"})
+    # (the outer run checks for leftovers: a torchrun job of its other worker had been counted as this run's)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert re.search(r"^\[gw[01]\] \[100%\] PASSED tests/test_launch\.py::\S*rank_from_the_environment", res.stdout,
                      re.M), res.stdout
