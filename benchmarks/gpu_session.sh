@@ -19,10 +19,10 @@
 #
 # Stages (seconds: the limit of each; the budget is printed at the start and the time taken at the end):
 #   env     20  versions, nvidia-smi, the stages' modules that do not import
-#   decode 190  benchmarks/gpu_generate.py: Llama-2-7B shape float16 decode at batch 1 / 16 / 64 with
+#   decode 140  benchmarks/gpu_generate.py: Llama-2-7B shape float16 decode at batch 1 / 16 / 64 with
 #               roofline_fraction, the decode fusions one by one, int8 / int4 (and GGUF's int8g32 / int4g32o) batch-1
 #               ratios to float16, bfloat16, a 2048-token prefill against the dense float16 peak, transformers
-#   serve   80  benchmarks/serve_bench.py sweep: the server on CUDA (random 7B weights, CUDA graphs, paged cache,
+#   serve  130  benchmarks/serve_bench.py sweep: the server on CUDA (random 7B weights, CUDA graphs, paged cache,
 #               continuous batching) at 1 / 16 / 64 concurrent requests beside transformers (hf)
 #   gloo    55  two ranks on one GPU over --comm_backend gloo: TP=1's greedy ids (tinystories-656k), and the 7B
 #               shape's batch-1 decode at TP=1 and TP=2
@@ -80,7 +80,7 @@ stages=("$@")
 if [[ ${#stages[@]} -eq 0 || ${stages[0]} == all || ${stages[0]} == rehearse ]]; then
   stages=(env decode serve gloo tests)   # the figures first; the tests find the Triton cache warm
 fi
-declare -A LIMIT=([env]=20 [decode]=190 [serve]=80 [gloo]=55 [tests]=120 [report]=10)
+declare -A LIMIT=([env]=20 [decode]=140 [serve]=130 [gloo]=55 [tests]=120 [report]=10)
 if [[ $mode == rehearsal ]]; then  # the CPU's stand-ins are slower than the GPU's figures (2 shared cores here)
   for s in "${!LIMIT[@]}"; do LIMIT[$s]=$((LIMIT[$s] * ${PMX_REHEARSAL_SCALE:-5})); done
 fi

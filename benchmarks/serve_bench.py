@@ -390,17 +390,19 @@ def part_sweep(setup: dict, systems: list, levels: list, rounds: int, input_len:
     # prompts of their own for every round and level (each system gets the same ones): a server never sees a prompt
     # twice, so neither llama-server's slot prompt cache nor prefix caching skips a prefill it has seen before (the
     # shared-prefix part measures those)
-    warm = fresh(12)
+    warm = {c: fresh(max(c, 4)) for c in levels}  # a few requests at each level: its batch sizes seen once (CUDA
+    # graphs are captured, Triton kernels compiled for a batch size on first use: seconds that are not serving)
     prompts = {(r, c): fresh(max(8, 2 * c)) for r in range(rounds) for c in levels}
     runs = []
     with servers(specs, setup) as up:
         names = list(up)
-        for name in names:  # warm-up: a few requests of each size
-            asyncio.run(closed_loop(up[name].url, warm, 16, 8))
+        for name in names:  # warm-up: a few requests at each level
+            for c in levels:
+                asyncio.run(closed_loop(up[name].url, warm[c], 16, c))
         hf = None
         if "hf" in systems:  # (loaded while the servers idle: it shares their device)
             hf = HFStatic(setup)
-            hf.run(warm[:2], 4, 2)
+            hf.run(warm[min(levels)][:2], 4, 2)
             names.append("hf")
         for r in range(rounds):
             for j, c in enumerate(levels):

@@ -88,7 +88,7 @@ def test_padded_decode_step_matches_the_step(make_hf, tmp_path):
     before, kv_step = kv.clone(), kv.clone()
     want = eng.run(*eng.plan(step), eng.cache(kv_step, None))
     tokens, plan = DecodeInputs(eng.spec, bucket_of).write(step.tokens, step.start, step.caches)
-    got = eng.model(torch.tensor([11, 12, 13, 0]), plan, cache)
+    got = eng.model(torch.tensor([11, 12, 13, 0], device=tokens.device), plan, cache)  # (the bucket's 4 rows)
     assert got.shape[0] == 4 and torch.isfinite(got).all()
     torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kv, kv_step, rtol=1e-6, atol=1e-6)

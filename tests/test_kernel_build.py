@@ -58,6 +58,27 @@ def test_first_build_is_announced_once_and_cached_for_any_clone(tmp_path):
     assert rc == 0 and out.strip().startswith(str(cache / "pmx_cpu-")) and out.strip() != str(built), out + err
 
 
+
+def test_the_library_takes_the_shared_cpp_runtime_and_refuses_with_numbers():
+    """The built library loads libstdc++ as the process's one shared copy (cpu_ext.link_flags: a toolchain that linked
+    GCC's archive into it left two C++ runtimes in the process, and every refusal whose message holds a number
+    crashed it), and such a refusal is a RuntimeError naming the value."""
+    assert cpu_ops() is not None
+    readelf = shutil.which("readelf")
+    assert readelf is not None, "no readelf (binutils): the kernels' linker comes from the same package"
+    dynamic = subprocess.run([readelf, "-d", "-W", str(build_dir() / "pmx_cpu.so")], capture_output=True, text=True,
+                             check=True).stdout
+    assert "[libstdc++.so.6]" in dynamic, dynamic
+    symbols = subprocess.run([readelf, "--dyn-syms", "-W", str(build_dir() / "pmx_cpu.so")], capture_output=True,
+                             text=True, check=True).stdout
+    assert "_ZNKSt7codecvt" not in symbols  # (libstdc++'s own code, found in the library when the archive was linked)
+    import torch
+    from runner.kernels.linear import Linear
+    from runner.kernels.quant_linear import CPU_KERNEL_MAX_ROWS, packed_args
+    args = packed_args(Linear(torch.randn(130, 96), kernel="pmx"))
+    with pytest.raises(RuntimeError, match=r"x must be contiguous float32 \[M, 96\]"):
+        torch.ops.pmx_cpu.linear_into_(torch.randn(1, 95), *args, 130, CPU_KERNEL_MAX_ROWS, torch.empty(1, 130))
+
 # The instruction sets whose branches of the kernels this machine's own build (-march=native) may never compile: an
 # AVX-512 server's (AVX-512 F/BW/DQ/VL, VNNI, BF16: a Xeon since Sapphire Rapids, a Zen 4 or 5 takes those paths) and
 # a CPU's without AVX2 (the portable loops; arm64 takes them too).

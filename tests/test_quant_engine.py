@@ -272,16 +272,18 @@ def test_quantised_embedding_rows_are_the_dequantised_rows(method, group, offset
 
 
 def test_the_triton_set_gathers_the_embedding_with_its_kernel(make_hf, tmp_path):
-    """--kernels triton: the model's embedding lookups run the Triton gather (here under the interpreter)."""
+    """--kernels triton: the model's embedding lookups run the Triton gather (on CUDA where there is one, else under
+    the interpreter)."""
     pytest.importorskip("runner.kernels.triton_quant", reason="triton is not installed")
     src, model = make_hf("llama_mha")
     convert(str(src), str(tmp_path / "q"), progress=False, quant=QuantScheme("int4", 16))
     from runner.kernels import triton_quant
-    eng = engine(tmp_path / "q", kernels="triton", compile="off")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    eng = engine(tmp_path / "q", dev, kernels="triton", compile="off")
     assert eng.model.tok_embeddings.quant_rows is triton_quant.quant_embedding
     ids = torch.tensor([1, 5, 9])
     ref = engine(tmp_path / "q", kernels="reference").model.tok_embeddings
-    assert torch.equal(eng.model.tok_embeddings(ids), ref(ids))
+    assert torch.equal(eng.model.tok_embeddings(ids.to(dev)).cpu(), ref(ids))
 
 
 def test_quantised_embedding_size_and_files_written_before_it(make_hf, tmp_path):

@@ -20,6 +20,7 @@ import math
 import mmap
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,22 @@ STALE_LOCK_S = 900  # a build lock this old was left by a killed build (a build 
 
 
 
+@functools.lru_cache(maxsize=None)
+def link_flags() -> tuple[str, ...]:
+    """LDFLAGS, and the C++ runtime the compiler links (libstdc++.so.6) named by its full path, so that the library
+    takes its C++ runtime from the one shared copy the process has. A toolchain that would link libstdc++.a into it
+    (as one on an Ubuntu 24.04 CUDA image did: GCC 13's archive in a process running GCC 14's shared runtime) leaves
+    two copies of the runtime in the process, whose streams crossed: every error message with a number in it (any
+    refusal of a bad shape) crashed the process. A compiler without a libstdc++ (clang on libc++) links as it does."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        path = subprocess.run([cxx, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True,
+                              timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        path = ""
+    return LDFLAGS + ((os.path.realpath(path),) if os.path.isabs(path) and os.path.isfile(path) else ())
+
+
 def build_dir() -> Path:
     """Where this version of the extension is built for this machine: a hash of the C++ files' contents, the flags,
     torch's and Python's versions and the CPU (its model and feature flags: -march=native)."""
@@ -52,7 +69,7 @@ def build_dir() -> Path:
                       if ln.startswith(("model name", "flags", "Features", "CPU part")))
     except OSError:
         pass
-    h.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2], platform.machine(),
+    h.update(repr((CFLAGS, link_flags(), torch.__version__, sys.version_info[:2], platform.machine(),
                    sorted(set(cpu.splitlines())))).encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or \
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
@@ -78,7 +95,7 @@ def _load_or_build(directory: Path) -> None:
         note(f"{lock} is {time.time() - lock.stat().st_mtime:.0f} s old, left by a build that was killed; removing it")
         lock.unlink(missing_ok=True)
     load(name="pmx_cpu", sources=[str(Path(__file__).with_name(f)) for f in SOURCES], extra_cflags=list(CFLAGS),
-         extra_ldflags=list(LDFLAGS), is_python_module=False, build_directory=str(directory), verbose=False)
+         extra_ldflags=list(link_flags()), is_python_module=False, build_directory=str(directory), verbose=False)
     (directory / BUILT).write_text(f"{time.perf_counter() - t0:.1f} s\n")
     if loud:
         note(f"built the C++ CPU kernels in {time.perf_counter() - t0:.0f} s")

@@ -138,5 +138,6 @@ def quant_embedding(ids: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     if flat.numel():
         launch(_quant_embedding_kernel, (flat.numel(), triton.cdiv(d, block)), flat, qweight.contiguous(), scale,
                scale if offset is None else offset.contiguous(), y, d, max(group_size, 1), INT4=int4,
-               GROUPED=group_size > 0, OFFSET=offset is not None, BLOCK=block, num_warps=4)
+               GROUPED=group_size > 0, OFFSET=offset is not None, BLOCK=block, num_warps=4,
+               enable_fp_fusion=False)  # q * s + o rounded twice, as the spec: an FMA (CUDA's default) rounds once
     return y.view(*ids.shape, d)
