@@ -60,6 +60,25 @@ def _first_line(e: BaseException) -> str:
 
 
 # --- env -------------------------------------------------------------------------------------------------------------
+CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16",
+                "amx_int8")  # the ones the C++ kernels' branches (-march=native) or their peers' tell apart
+
+
+def host_cpu() -> dict:
+    """The host's processor: its model and which of CPU_FEATURES it has (the C++ CPU kernels build for it)."""
+    name, flags = platform.processor(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name in ("", platform.processor()):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return {"model": name, "features": [f for f in CPU_FEATURES if f in flags]}
+
+
 def env(json_path: str) -> None:
     """The machine and the versions every figure is reported with; the stages' modules that do not import."""
     import torch
@@ -76,6 +95,7 @@ def env(json_path: str) -> None:
         except Exception as e:  # noqa: BLE001 - a missing or broken package is what this reports
             missing[name] = _first_line(e)
     out["modules"], out["missing"] = versions, missing
+    out["host_cpu"] = host_cpu()
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         out["gpu"] = {"name": p.name, "sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 2**30, 1),
@@ -243,7 +263,8 @@ def _serve_rows(serve: Optional[dict]) -> list[dict]:
 
 def report(work: str, out_dir: str) -> None:
     """OUT/gpu-session-<gpu>-<date>.json (every stage's figures) and .md (the tables) from the stages' files in
-    `work`: env.json, junit.xml, decode.json, serve.json, gloo.json, stages.tsv (name, exit status, seconds, limit)."""
+    `work`: env.json, junit.xml, decode.json, serve.json, gloo.json, cpu.json, stages.tsv (name, exit status, seconds,
+    limit)."""
     w = Path(work)
     env_ = _load(w / "env.json") or {}
     stages = []
@@ -252,11 +273,13 @@ def report(work: str, out_dir: str) -> None:
             name, rc, secs, limit = line.split("\t")
             stages.append({"stage": name, "exit": int(rc), "seconds": float(secs), "limit_s": float(limit)})
     decode, serve, gloo_ = _load(w / "decode.json"), _load(w / "serve.json"), _load(w / "gloo.json")
+    cpu = _load(w / "cpu.json")
     gpu = (env_.get("gpu") or {}).get("name", "unknown")
     result = {"date": time.strftime("%Y-%m-%d"), "env": env_, "stages": stages, "tests": _junit(w / "junit.xml"),
               "decode": decode, "serve": {"rows": _serve_rows(serve), "hf": (serve or {}).get("sweep", {}).get("hf"),
                                           "skipped": (serve or {}).get("skipped")} if serve else None,
-              "gloo": gloo_}
+              "gloo": gloo_, "cpu": {k: cpu.get(k) for k in ("shape", "threads", "read_gbps", "median", "cpu", "skipped")}
+                                    if cpu else None}
     if decode:
         result["roofline_fraction"] = decode.get("roofline_fraction")
         result["targets"] = decode.get("targets")
@@ -276,7 +299,9 @@ def render(r: dict) -> str:
              f"{gpu.get('name')} ({gpu.get('sms')} SMs, {gpu.get('memory_gib')} GiB), driver {gpu.get('driver')}, "
              f"CUDA {env_.get('cuda')}, torch {env_.get('torch')}, triton {(env_.get('modules') or {}).get('triton')}, "
              f"transformers {(env_.get('modules') or {}).get('transformers')}, Python {env_.get('python')}, "
-             f"{env_.get('cores')} cores. `bash benchmarks/gpu_session.sh` (stages below).", "",
+             f"{env_.get('cores')} cores ({(env_.get('host_cpu') or {}).get('model')}: "
+             f"{' '.join((env_.get('host_cpu') or {}).get('features') or []) or '-'}). "
+             f"`bash benchmarks/gpu_session.sh` (stages below).", "",
              "| stage | exit | seconds | limit |", "|---|---|---|---|"]
     lines += [f"| {s['stage']} | {s['exit']} | {s['seconds']:.0f} | {s['limit_s']:.0f} |" for s in r["stages"]]
     spent, budget = sum(s["seconds"] for s in r["stages"]), sum(s["limit_s"] for s in r["stages"])
@@ -314,6 +339,22 @@ def render(r: dict) -> str:
         if b:
             lines.append(f"{b.get('shape')} shape, batch-1 decode: TP=1 {json.dumps(b.get('tp1'))}; TP=2 gloo "
                          f"{json.dumps(b.get('tp2_gloo'))}.")
+    else:
+        lines.append("no figures (the stage failed or did not run: see its log)")
+    lines += ["", "## The host CPU (benchmarks/cpu_peers.py: the CPU engine on the GPU machine's processor)", ""]
+    c = r.get("cpu") or {}
+    if c.get("median"):
+        reads = c.get("read_gbps") or []
+        read = sorted(reads)[len(reads) // 2] if reads else None
+        shape = c.get("shape") or {}
+        lines += [f"{(c.get('cpu') or {}).get('processor')}, {c.get('threads')} threads; shape {shape.get('name')} "
+                  f"(random weights); the box read {read if read is None else f'{read:.1f}'} GB/s "
+                  f"({c.get('threads')} threads). Tokens/s, medians of the rounds:", "",
+                  "| system | decode b=1 | decode b=16 | prefill 512 |", "|---|---|---|---|"]
+        lines += [f"| {name} | " + " | ".join(f"{m.get(k, float('nan')):.1f}" for k in
+                                            ("decode_b1", "decode_b16", "prefill_512")) + " |"
+                  for name, m in c["median"].items()]
+        lines += [f"skipped {name}: {why}" for name, why in (c.get("skipped") or {}).items()]
     else:
         lines.append("no figures (the stage failed or did not run: see its log)")
     return "\n".join(lines) + "\n"

@@ -9,7 +9,7 @@
 #                                              .gpu_shared/models (both ignored by git, carried by the call)
 #   bash benchmarks/gpu_session.sh rehearse    here: every stage on the CPU (4 to 7 min on 2 shared cores)
 #   bash benchmarks/gpu_session.sh [all]       on the GPU machine (rehearses when no CUDA device is found)
-#   bash benchmarks/gpu_session.sh STAGE...    some of: env decode serve gloo tests (then report)
+#   bash benchmarks/gpu_session.sh STAGE...    some of: env decode serve gloo cpu tests (then report)
 #
 # The device tool's call, from a checkout holding this script after `prepare` (the machine has no registry):
 #   run(command="bash benchmarks/gpu_session.sh", carry=[".whl", ".gpu_shared"], timeout_s=540)
@@ -18,16 +18,18 @@
 # GPU tests' junit XML, each stage's own JSON): copy the first two into benchmarks/results/.
 #
 # Stages (seconds: the limit of each; the budget is printed at the start and the time taken at the end):
-#   env     20  versions, nvidia-smi, the stages' modules that do not import
-#   decode 140  benchmarks/gpu_generate.py: Llama-2-7B shape float16 decode at batch 1 / 16 / 64 with
+#   env     20  versions, nvidia-smi, the host's processor, the stages' modules that do not import
+#   decode 110  benchmarks/gpu_generate.py: Llama-2-7B shape float16 decode at batch 1 / 16 / 64 with
 #               roofline_fraction, the decode fusions one by one, int8 / int4 (and GGUF's int8g32 / int4g32o) batch-1
 #               ratios to float16, bfloat16, a 2048-token prefill against the dense float16 peak, transformers
-#   serve  130  benchmarks/serve_bench.py sweep: the server on CUDA (random 7B weights, CUDA graphs, paged cache,
+#   serve  120  benchmarks/serve_bench.py sweep: the server on CUDA (random 7B weights, CUDA graphs, paged cache,
 #               continuous batching) at 1 / 16 / 64 concurrent requests beside transformers (hf)
-#   gloo    55  two ranks on one GPU over --comm_backend gloo: TP=1's greedy ids (tinystories-656k), and the 7B
+#   gloo    50  two ranks on one GPU over --comm_backend gloo: TP=1's greedy ids (tinystories-656k), and the 7B
 #               shape's batch-1 decode at TP=1 and TP=2
-#   tests  120  the GPU test set on pytest-xdist workers (PMX_GPU_TEST_WORKERS, default 12), last: the figures come
-#               first, and the tests find the Triton cache the benchmarks filled
+#   cpu     60  benchmarks/cpu_peers.py on the host's processor (2 threads, base shape, fp32 and bf16 weights): the CPU
+#               engine on an AVX-512 server's branches of its kernels (AVX512-BF16 / AMX where it has them)
+#   tests  110  the GPU test set and the C++ CPU kernels' tests on pytest-xdist workers (PMX_GPU_TEST_WORKERS, default
+#               12), last: the figures come first, and the tests find the Triton cache the benchmarks filled
 #   report  10  the JSON and the Markdown under $OUT
 # Environment: OUT (default out/gpu-session), PYTHON (default python3, or .venv/bin/python where there is one),
 # PMX_GPU_TESTS / PMX_GPU_TESTS_K (the test files / -k expression), PMX_GPU_TEST_WORKERS.
@@ -78,9 +80,9 @@ if [[ ${1:-all} == rehearse ]] || ! $PY -c 'import sys, torch; sys.exit(0 if tor
 fi
 stages=("$@")
 if [[ ${#stages[@]} -eq 0 || ${stages[0]} == all || ${stages[0]} == rehearse ]]; then
-  stages=(env decode serve gloo tests)   # the figures first; the tests find the Triton cache warm
+  stages=(env decode serve gloo cpu tests)   # the figures first; the tests find the Triton cache warm
 fi
-declare -A LIMIT=([env]=20 [decode]=140 [serve]=130 [gloo]=55 [tests]=120 [report]=10)
+declare -A LIMIT=([env]=20 [decode]=110 [serve]=120 [gloo]=50 [cpu]=60 [tests]=110 [report]=10)
 if [[ $mode == rehearsal ]]; then  # the CPU's stand-ins are slower than the GPU's figures (2 shared cores here)
   for s in "${!LIMIT[@]}"; do LIMIT[$s]=$((LIMIT[$s] * ${PMX_REHEARSAL_SCALE:-5})); done
 fi
@@ -89,7 +91,7 @@ trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$OUT"
 budget=${LIMIT[report]}
 for s in "${stages[@]}"; do
-  [[ -n ${LIMIT[$s]:-} ]] || { echo "gpu_session.sh: unknown stage $s (env tests decode serve gloo)"; exit 2; }
+  [[ -n ${LIMIT[$s]:-} ]] || { echo "gpu_session.sh: unknown stage $s (env decode serve gloo cpu tests)"; exit 2; }
   budget=$((budget + LIMIT[$s]))
 done
 echo "gpu_session.sh: $mode of stages ${stages[*]} report; budget $budget s; $($PY --version 2>&1); work $WORK"
@@ -111,7 +113,8 @@ run_stage() {  # run_stage NAME CMD...: the command under the stage's limit, its
 # the GPU test set: every test that runs on CUDA when it is there (the multi-rank launches written for the CPU are
 # left out: with --device auto they would ask NCCL for two ranks on the one GPU, which is refused)
 TESTS=${PMX_GPU_TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_gpu_tp.py \
-tests/test_gpu_generate.py tests/test_quant_engine.py}
+tests/test_gpu_generate.py tests/test_quant_engine.py tests/test_kernels.py tests/test_fused_decode.py \
+tests/test_torch_ops.py}  # (the last three: the C++ CPU kernels, on the host's processor)
 TESTS_K=${PMX_GPU_TESTS_K:-not tensor_parallel and not dump_and_replay and not quantized_moe}
 tests_stage() {
   local xdist=() timeouts=()
@@ -158,9 +161,12 @@ for s in "${stages[@]}"; do
       if [[ $mode == gpu ]]; then dev=cuda shape=7b; else dev=cpu shape=tiny; fi
       run_stage gloo $PY benchmarks/gpu_session.py gloo --model $model --device $dev --bench_shape $shape \
         --json_path "$WORK/gloo.json" ;;
+    cpu)  # the CPU engine on the host's processor (a GPU machine's is an AVX-512 server's: its kernels' branches)
+      run_stage cpu $PY benchmarks/cpu_peers.py --shape base --rounds 2 --systems pmx1,pmx1-bf16 --threads 2 \
+        --decode_tokens 32 --workdir "$WORK/cpu_work" --json_path "$WORK/cpu.json" ;;
   esac
 done
 run_stage report $PY benchmarks/gpu_session.py report --work "$WORK" --out_dir "$OUT"
-tar czf "$OUT/logs.tar.gz" -C "$WORK" --exclude serve_model --exclude serve_work .
+tar czf "$OUT/logs.tar.gz" -C "$WORK" --exclude serve_model --exclude serve_work --exclude cpu_work .
 echo "gpu_session.sh: $mode done in $(( $(date +%s) - T0 )) s of $budget s budgeted; under $OUT:" $(ls "$OUT")
 tail -n +1 "$WORK/report.log" | sed -n '/^# GPU session/,$p'
