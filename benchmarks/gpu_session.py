@@ -247,14 +247,18 @@ def _junit(path: Path) -> Optional[dict]:
 
 
 def _serve_rows(serve: Optional[dict]) -> list[dict]:
-    """Median figures per (system, concurrency) of serve_bench's sweep."""
+    """Median figures per (system, concurrency) of serve_bench's sweep, or of what a sweep cut short had measured
+    (its `sweep_partial` runs: the stage's limit ends it, and the figures it has are kept)."""
     import statistics
-    if not serve or "sweep" not in serve:
+    if not serve or ("sweep" not in serve and not serve.get("sweep_partial")):
         return []
+    runs = serve["sweep"]["runs"] if "sweep" in serve else serve["sweep_partial"]
+    levels = serve["sweep"]["levels"] if "sweep" in serve else sorted({x["concurrency"] for x in runs})
+    systems = serve["sweep"]["systems"] if "sweep" in serve else list(dict.fromkeys(x["system"] for x in runs))
     rows = []
-    for c in serve["sweep"]["levels"]:
-        for s in serve["sweep"]["systems"]:
-            xs = [x for x in serve["sweep"]["runs"] if x["system"] == s and x["concurrency"] == c]
+    for c in levels:
+        for s in systems:
+            xs = [x for x in runs if x["system"] == s and x["concurrency"] == c]
             if xs:
                 rows.append({"system": s, "concurrency": c, **{k: statistics.median(x[k] for x in xs) for k in (
                     "out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}})
@@ -292,6 +296,12 @@ def report(work: str, out_dir: str) -> None:
     print(f"report: {out / stem}.json and .md")
 
 
+def _host_cpu(env_: dict) -> str:
+    """' (model: features)' of the host's processor where env recorded it."""
+    cpu = env_.get("host_cpu")
+    return f" ({cpu.get('model')}: {' '.join(cpu.get('features') or []) or '-'})" if cpu else ""
+
+
 def render(r: dict) -> str:
     from gpu_generate import render_markdown
     env_, gpu = r["env"], (r["env"].get("gpu") or {})
@@ -299,9 +309,7 @@ def render(r: dict) -> str:
              f"{gpu.get('name')} ({gpu.get('sms')} SMs, {gpu.get('memory_gib')} GiB), driver {gpu.get('driver')}, "
              f"CUDA {env_.get('cuda')}, torch {env_.get('torch')}, triton {(env_.get('modules') or {}).get('triton')}, "
              f"transformers {(env_.get('modules') or {}).get('transformers')}, Python {env_.get('python')}, "
-             f"{env_.get('cores')} cores ({(env_.get('host_cpu') or {}).get('model')}: "
-             f"{' '.join((env_.get('host_cpu') or {}).get('features') or []) or '-'}). "
-             f"`bash benchmarks/gpu_session.sh` (stages below).", "",
+             f"{env_.get('cores')} cores{_host_cpu(env_)}. `bash benchmarks/gpu_session.sh` (stages below).", "",
              "| stage | exit | seconds | limit |", "|---|---|---|---|"]
     lines += [f"| {s['stage']} | {s['exit']} | {s['seconds']:.0f} | {s['limit_s']:.0f} |" for s in r["stages"]]
     spent, budget = sum(s["seconds"] for s in r["stages"]), sum(s["limit_s"] for s in r["stages"])
