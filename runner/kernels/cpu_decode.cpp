@@ -73,32 +73,31 @@ struct Layer : torch::CustomClassHolder {
         rotary_dim(rotary_dim_), rope(rope_), eps(static_cast<float>(eps_)), scale(static_cast<float>(scale_)),
         softcap(static_cast<float>(softcap_)), gelu(gelu_) {
     const int64_t D = attention_norm.numel(), hd = head_dim;
-    const auto need = [&](bool ok, const char* field, const std::string& want) {
-      TORCH_CHECK(ok, "decoder layer ", index, ": ", field, " must be ", want);
+    const auto need = [&](bool ok, const char* field, const auto&... want) {  // (the message made only on failure)
+      TORCH_CHECK(ok, "decoder layer ", index, ": ", field, " must be ", want...);
     };
     const auto vec = [](const at::Tensor& t, int64_t n) {
       return t.defined() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1 && t.numel() == n;
     };
-    need(kv_heads > 0 && heads % kv_heads == 0, "heads", c10::str("a multiple of kv_heads ", kv_heads, ", not ",
-                                                                  heads));
-    need(hd > 0 && hd % 2 == 0 && window >= 0, "head_dim, window", c10::str("even, >= 0, not ", hd, ", ", window));
+    need(kv_heads > 0 && heads % kv_heads == 0, "heads", "a multiple of kv_heads ", kv_heads, ", not ", heads);
+    need(hd > 0 && hd % 2 == 0 && window >= 0, "head_dim, window", "even, >= 0, not ", hd, ", ", window);
     need(D > 0 && vec(attention_norm, D) && vec(ffn_norm, D), "attention_norm, ffn_norm", "float32 [hidden]");
     need(q_norm.defined() == k_norm.defined() && (!q_norm.defined() || (vec(q_norm, hd) && vec(k_norm, hd))),
-         "q_norm and k_norm", c10::str("both absent or contiguous float32 [", hd, "]"));
+         "q_norm and k_norm", "both absent or contiguous float32 [", hd, "]");
     need(rotary_dim >= 0 && rotary_dim <= hd && rotary_dim % 2 == 0, "rotary_dim",
-         c10::str("even, in [0, ", hd, "], not ", rotary_dim));
-    need(!alibi.defined() || vec(alibi, heads), "alibi", c10::str("absent or contiguous float32 [", heads, "]"));
+         "even, in [0, ", hd, "], not ", rotary_dim);
+    need(!alibi.defined() || vec(alibi, heads), "alibi", "absent or contiguous float32 [", heads, "]");
     need(post_attention_norm.defined() == post_ffn_norm.defined() &&
              (!post_ffn_norm.defined() || (vec(post_attention_norm, D) && vec(post_ffn_norm, D))),
          "post_attention_norm and post_ffn_norm", "both absent or contiguous float32 [hidden]");
     need(scale > 0 && softcap >= 0 && rope >= 0, "scale, softcap, rope",
-         c10::str("> 0, >= 0, >= 0, not ", scale, ", ", softcap, ", ", rope));
+         "> 0, >= 0, >= 0, not ", scale, ", ", softcap, ", ", rope);
     const std::tuple<const Linear*, const char*, int64_t, int64_t, bool> lins[] = {
         {qkv.get(), "qkv", (heads + 2 * kv_heads) * hd, D, false}, {wo.get(), "wo", D, heads * hd, true},
         {gate_up.get(), "gate_up", 2 * ffn, D, false}, {w2.get(), "w2", D, ffn, true}};
     for (const auto& [l, field, n, k, row] : lins)  // [outputs x inputs]; row-parallel: bias after the all-reduce
-      need(l->p.n == n && l->p.k == k && l->reduced == row, field, c10::str(row ? "row" : "column", "-parallel [", n,
-           " x ", k, "], not ", l->reduced ? "row" : "column", "-parallel [", l->p.n, " x ", l->p.k, "]"));
+      need(l->p.n == n && l->p.k == k && l->reduced == row, field, row ? "row" : "column", "-parallel [", n,
+           " x ", k, "], not ", l->reduced ? "row" : "column", "-parallel [", l->p.n, " x ", l->p.k, "]");
   }
 };
 
