@@ -66,17 +66,16 @@ CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "av
 
 def host_cpu() -> dict:
     """The host's processor: its model and which of CPU_FEATURES it has (the C++ CPU kernels build for it)."""
-    name, flags = platform.processor(), set()
+    fields = {}  # the first processor's
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name in ("", platform.processor()):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return {"model": name, "features": [f for f in CPU_FEATURES if f in flags]}
+    flags = set(fields.get("flags", "").split())
+    return {"model": fields.get("model name") or platform.processor(),
+            "features": [f for f in CPU_FEATURES if f in flags]}
 
 
 def env(json_path: str) -> None:
@@ -282,8 +281,9 @@ def report(work: str, out_dir: str) -> None:
     result = {"date": time.strftime("%Y-%m-%d"), "env": env_, "stages": stages, "tests": _junit(w / "junit.xml"),
               "decode": decode, "serve": {"rows": _serve_rows(serve), "hf": (serve or {}).get("sweep", {}).get("hf"),
                                           "skipped": (serve or {}).get("skipped")} if serve else None,
-              "gloo": gloo_, "cpu": {k: cpu.get(k) for k in ("shape", "threads", "read_gbps", "median", "cpu", "skipped")}
-                                    if cpu else None}
+              "gloo": gloo_,
+              "cpu": None if not cpu else {k: cpu.get(k) for k in ("shape", "threads", "read_gbps", "median", "cpu",
+                                                                  "skipped")}}
     if decode:
         result["roofline_fraction"] = decode.get("roofline_fraction")
         result["targets"] = decode.get("targets")

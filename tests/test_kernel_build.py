@@ -67,7 +67,6 @@ def test_first_build_is_announced_once_and_cached_for_any_clone(tmp_path):
     assert rc == 0 and out.strip().startswith(str(cache / "pmx_cpu-")) and out.strip() != str(built), out + err
 
 
-
 def test_the_library_takes_the_shared_cpp_runtime_and_refuses_with_numbers():
     """The built library loads libstdc++ as the process's one shared copy (cpu_ext.link_flags: a toolchain that linked
     GCC's archive into it left two C++ runtimes in the process, and every refusal whose message holds a number
@@ -87,6 +86,7 @@ def test_the_library_takes_the_shared_cpp_runtime_and_refuses_with_numbers():
     args = packed_args(Linear(torch.randn(130, 96), kernel="pmx"))
     with pytest.raises(RuntimeError, match=r"x must be contiguous float32 \[M, 96\]"):
         torch.ops.pmx_cpu.linear_into_(torch.randn(1, 95), *args, 130, CPU_KERNEL_MAX_ROWS, torch.empty(1, 130))
+
 
 # The instruction sets whose branches of the kernels this machine's own build (-march=native) may never compile: an
 # AVX-512 server's (AVX-512 F/BW/DQ/VL, VNNI, BF16: a Xeon since Sapphire Rapids, a Zen 4 or 5 takes those paths) and
