@@ -230,13 +230,19 @@ def test_half_precision_checkpoint_keeps_its_width_on_cpu(make_hf, tmp_path, dty
     """--dtype auto on CPU keeps a bfloat16 / float16 checkpoint's linear weights and embedding at their width, packed
     for this project's kernels, with norms, activations and the KV cache in float32: the logits match transformers
     computing in float32 on the same weights, on the eager step and the one-call C++ decode step alike; --dtype float32
-    upcasts every weight, to the same logits up to float32 summation order."""
+    upcasts every weight, to the same logits up to float32 summation order. Where the CPU has AVX512-BF16, bfloat16
+    weights multiply their input rounded to bfloat16 (vdpbf16ps, exact to that rounding: test_kernels): the logits
+    then stay within the rounding's own spread of the float32 ones (~2e-3 of the largest here; transformers with
+    every linear's input rounded the same way is as far, its own float32 differences flipping some roundings)."""
     from runner.engine.session import open_session
+    from runner.kernels.cpu_ext import bf16_k_pairs
     from runner.kernels.linear import Linear
     src, model = make_hf("llama_gqa_odd", **HALF_CPU_SHAPE)
     convert(str(src), str(tmp_path / "pmx"), dtype=str(dtype).removeprefix("torch."), progress=False)
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     ref = hf_logits(model.to(dtype).float(), prompts, conts)  # (the checkpoint's values, float32 arithmetic)
+    rounded = dtype == torch.bfloat16 and bf16_k_pairs()
+    tolerance = {"auto": 5e-3 if rounded else 1e-4, "float32": 1e-4}
     got = {}
     for flag, fused in (("auto", True), ("auto", False), ("float32", True)):
         sess = open_session(str(tmp_path / "pmx"), EngineConfig(dtype=flag, fused_decode=fused))
@@ -248,9 +254,9 @@ def test_half_precision_checkpoint_keeps_its_width_on_cpu(make_hf, tmp_path, dty
         assert m.tok_embeddings.weight.dtype == want and m.norm.weight.dtype == torch.float32
         assert ("one-call C++ decode" in sess.stepper.describe()) == fused
         got[flag, fused] = torch.stack(teacher_forced_logits(sess.stepper, prompts, conts))
-        assert rel_err(got[flag, fused], ref) < 1e-4, (flag, fused, rel_err(got[flag, fused], ref))
+        assert rel_err(got[flag, fused], ref) < tolerance[flag], (flag, fused, rel_err(got[flag, fused], ref))
         sess.close()
-    assert rel_err(got["auto", True], got["float32", True]) < 1e-5
+    assert rel_err(got["auto", True], got["float32", True]) < (5e-3 if rounded else 1e-5)
 
 
 def test_matrix_dtype_is_the_checkpoints_only_where_the_cpu_kernels_read_it(monkeypatch):
@@ -272,15 +278,19 @@ def test_matrix_dtype_is_the_checkpoints_only_where_the_cpu_kernels_read_it(monk
 
 def test_half_precision_tensor_parallel_matches_one_rank(request, tmp_path):
     """A bfloat16 checkpoint at TP = 2 (weights at their width on each rank, the one-call step and sequence
-    parallelism) against TP = 1 and transformers in float32. (TP = 2: in the module's one 2-rank launch.)"""
+    parallelism) against TP = 1 and transformers in float32. (TP = 2: in the module's one 2-rank launch.) Where the CPU
+    has AVX512-BF16 the linears multiply their input rounded to bfloat16, and the rounding's spread (~2e-3: see
+    test_half_precision_checkpoint_keeps_its_width_on_cpu) is the tolerance of both."""
+    from runner.kernels.cpu_ext import bf16_k_pairs
     (model, pmx, _), tp2, info = request.getfixturevalue("two_ranks")["half"]
     prompts, conts = prompts_and_conts(model.config.vocab_size)
     ref = hf_logits(model.to(torch.bfloat16).float(), prompts, conts)
     tp1 = run_tp(tmp_path, pmx, 1, [{}], prompts, conts)[0]
     assert [i["weight_dtype"] for i in info] == ["torch.bfloat16"] * 3
     assert [(i["fused_decode"], i["seq_parallel"]) for i in info] == [(True, True), (False, True), (False, False)]
+    rounded = bf16_k_pairs()
     for got in tp2:
-        assert rel_err(got, tp1) < 1e-5 and rel_err(got, ref) < 1e-4
+        assert rel_err(got, tp1) < (5e-3 if rounded else 1e-5) and rel_err(got, ref) < (5e-3 if rounded else 1e-4)
 
 
 def test_tensor_parallel_under_torchrun(make_hf, tmp_path):

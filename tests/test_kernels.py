@@ -10,7 +10,7 @@ import torch
 
 from model_zoo.decoder import unpermute_rotary
 from runner.kernels import reference as ref
-from runner.kernels.cpu_ext import cpu_ops, pack_blocks, unpack_blocks
+from runner.kernels.cpu_ext import bf16_k_pairs, cpu_ops, pack_blocks, unpack_blocks
 from runner.kernels.linear import Linear
 from runner.parallel.comm import SingleComm
 from runner.parallel.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
@@ -193,7 +193,9 @@ def test_linear_prepacked_matches_f_linear(shape, bias, kernel, dtype):
     assert lin.packed.dtype == dtype and torch.equal(lin.dense_weight(), w)
     y = lin(x)
     assert y.shape == (*lead, n_out) and y.dtype == torch.float32
-    ref = torch.nn.functional.linear(x, w.float(), b)
+    # where the CPU has AVX512-BF16, bfloat16 weights take x rounded to bfloat16 (vdpbf16ps; cpu_gemm.cpp)
+    rounded = dtype == torch.bfloat16 and kernel == "pmx" and bf16_k_pairs()
+    ref = torch.nn.functional.linear(x.bfloat16().float() if rounded else x, w.float(), b)
     assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()  # fp32 summation order only
     assert torch.equal(Linear(w.float(), b, prepack=False)(x), torch.nn.functional.linear(x, w.float(), b))
 
@@ -284,20 +286,30 @@ needs_ext = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels cannot
 
 
 @needs_ext
-def test_bfloat16_blocks_hold_their_channels_in_pairs():
-    """Inside each group of g channels (two vectors) a bfloat16 block holds channel i, then g/2 + i, for the kernels'
-    shift-and-mask widening; unpacking gives the weight back, and the kernels read it in that order (the linear tests
-    above, every tile)."""
+def test_bfloat16_blocks_take_the_layout_of_the_machines_kernels():
+    """Where the CPU has AVX512-BF16 a bfloat16 block holds its k-rows in pairs (a 32-bit word (w[2p, c], w[2p+1, c])
+    a channel, an odd K's last row plainly) for vdpbf16ps; elsewhere, inside each group of g channels (two vectors),
+    channel i then g/2 + i, for the kernels' shift-and-mask widening. Unpacking gives the weight back, and the kernels
+    read it in that order (the linear tests above, every tile)."""
     from runner.kernels.cpu_ext import bf16_pair_channels
-    g = bf16_pair_channels()
-    assert g in (16, 32)
-    w = torch.arange(130, dtype=torch.float32)[:, None].expand(130, 3).bfloat16()  # channel n holds n (exact)
+    n = torch.arange(130, dtype=torch.float32)[:, None]
+    w = (n + 1000 * torch.arange(3, dtype=torch.float32)).bfloat16()  # [130, 3]: channel n, row k holds n + 1000 k
     packed = pack_blocks(w)
     assert packed.shape == (3, 3, 64) and packed.dtype == torch.bfloat16
-    want = [64 + gi * g + h * g // 2 + i for gi in range(64 // g) for i in range(g // 2) for h in (0, 1)]
-    assert packed[1, 2].tolist() == want
-    assert packed[2, 0, :4].tolist() == [128, 0, 129, 0]  # the padding rows' zeros take their places too
+    if bf16_k_pairs():
+        # rows 0 and 1 of block 1 as pairs, channel by channel; the odd K's row 2 plainly
+        assert packed[1, :2].flatten().float().tolist() == w[64:128, :2].flatten().float().tolist()
+        assert packed[1, 2].float().tolist() == w[64:128, 2].float().tolist()
+        assert packed[2, :2].flatten().float().tolist()[:6] == w[128:130, :2].flatten().float().tolist() + [0, 0]
+    else:
+        g = bf16_pair_channels()
+        assert g in (16, 32)
+        want = [64 + gi * g + h * g // 2 + i for gi in range(64 // g) for i in range(g // 2) for h in (0, 1)]
+        assert packed[1, 0].float().tolist() == want
+        assert packed[2, 0, :4].tolist() == [128, 0, 129, 0]  # the padding rows' zeros take their places too
     assert torch.equal(unpack_blocks(packed, 130), w)
+    even = w[:, :2].contiguous()
+    assert torch.equal(unpack_blocks(pack_blocks(even), 130), even)
     assert torch.equal(unpack_blocks(pack_blocks(w.half()), 130), w.half())  # float16: plain order
 
 

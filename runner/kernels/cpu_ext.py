@@ -156,13 +156,19 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def pack_blocks(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [N/64, K, 64]: blocks of 64 output channels, k-major inside a block (rows padded with 0), in
-    huge pages where large enough (:func:`huge_page_copy`). bfloat16 channels go in pairs inside each group of
-    g = bf16_pair_channels() (channel i, then g/2 + i: the kernels widen such a pair of vectors with a shift and a
-    mask, cpu_gemm.cpp), so this needs the extension for bfloat16."""
+    huge pages where large enough (:func:`huge_page_copy`). bfloat16 blocks take the layout of the machine's kernels
+    (cpu_gemm.cpp), so this needs the extension for bfloat16: where the CPU has AVX512-BF16 (:func:`bf16_k_pairs`),
+    the k-rows in pairs (row pair p holds (w[2p, c], w[2p + 1, c]) for each channel c; an odd K's last row plainly),
+    for its dot-product instruction; elsewhere the channels in pairs inside each group of g = bf16_pair_channels()
+    (channel i, then g/2 + i), which the kernels widen with a shift and a mask."""
     n, k = weight.shape
     nb = -(-n // CPU_BLOCK)
     blocks = pad_rows(weight, nb * CPU_BLOCK).view(nb, CPU_BLOCK, k).transpose(1, 2)
-    if weight.dtype == torch.bfloat16:
+    if weight.dtype == torch.bfloat16 and bf16_k_pairs():
+        even = k - k % 2
+        paired = blocks[:, :even].reshape(nb, even // 2, 2, CPU_BLOCK).transpose(2, 3).reshape(nb, even, CPU_BLOCK)
+        blocks = torch.cat([paired, blocks[:, even:]], dim=1)
+    elif weight.dtype == torch.bfloat16:
         g = bf16_pair_channels()
         blocks = blocks.reshape(nb, k, CPU_BLOCK // g, 2, g // 2).transpose(3, 4).reshape(nb, k, CPU_BLOCK)
     return huge_page_copy(blocks)
@@ -171,7 +177,11 @@ def pack_blocks(weight: torch.Tensor) -> torch.Tensor:
 def unpack_blocks(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of :func:`pack_blocks`: [N/64, K, 64] -> [N, K]."""
     nb, k, _ = packed.shape
-    if packed.dtype == torch.bfloat16:
+    if packed.dtype == torch.bfloat16 and bf16_k_pairs():
+        even = k - k % 2
+        rows = packed[:, :even].reshape(nb, even // 2, CPU_BLOCK, 2).transpose(2, 3).reshape(nb, even, CPU_BLOCK)
+        packed = torch.cat([rows, packed[:, even:]], dim=1)
+    elif packed.dtype == torch.bfloat16:
         g = bf16_pair_channels()
         packed = packed.reshape(nb, k, CPU_BLOCK // g, g // 2, 2).transpose(3, 4).reshape(nb, k, CPU_BLOCK)
     return packed.transpose(1, 2).reshape(-1, k)[:n]
@@ -184,3 +194,11 @@ def bf16_pair_channels() -> int:
     if ops is None:
         raise RuntimeError("bfloat16 blocks are packed for this project's CPU kernels, which could not be built here")
     return int(ops.bf16_pair_channels())
+
+
+def bf16_k_pairs() -> bool:
+    """Whether the kernels take bfloat16 blocks with their k-rows in pairs (the CPU has AVX512-BF16: cpu_gemm.cpp)."""
+    ops = cpu_ops()
+    if ops is None:
+        raise RuntimeError("bfloat16 blocks are packed for this project's CPU kernels, which could not be built here")
+    return bool(ops.bf16_k_pairs())

@@ -50,6 +50,10 @@ void float_linear_into(const float* x, int64_t M, int64_t K, const void* w, Floa
 // channel i then channel g/2 + i (cpu_gemm.cpp; the packing code, runner/kernels/cpu_ext.py, asks for g).
 int64_t bf16_pair_channels();
 
+// Where the CPU has AVX512-BF16: bfloat16 blocks hold their k-rows in pairs instead (a 32-bit word (w[2p][c],
+// w[2p + 1][c]) a channel, an odd K's last row plainly; cpu_gemm.cpp), for vdpbf16ps.
+bool bf16_k_pairs();
+
 // out[m, 0..ncols) = x [M, K] . block for one float32 block [K, 64] (a quantised block dequantised into a buffer: the
 // prefill path of cpu_linear.cpp), with the float32 GEMM's tiles; out row stride ldo.
 void block_panel_f32(const float* x, int64_t M, int64_t K, const float* block, float* out, int64_t ldo,

@@ -786,6 +786,7 @@ TORCH_LIBRARY(pmx_cpu, m) {
   m.def("linear_dequant(Tensor x, Tensor w, Tensor scale, int method, int group_size, int n) -> Tensor");
   m.def("int4_layout(int group_size) -> int", &pmx_cpu::int4_layout);
   m.def("bf16_pair_channels() -> int", &pmx_cpu::bf16_pair_channels);
+  m.def("bf16_k_pairs() -> bool", &pmx_cpu::bf16_k_pairs);
   m.def("linear_into_(Tensor x, Tensor w, Tensor scale, int kind, int group, int n, int dequant_above, "
         "Tensor(a!) out) -> ()");
 }
