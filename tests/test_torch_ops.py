@@ -120,6 +120,33 @@ def test_kv_store_and_load_every_layout(layout, quant):
         assert g.shape == (2, 3, KV, D) and torch.equal(g, w)
 
 
+# (B, H, KV, S, D, causal, softcap): MHA and GQA, a prompt of one key block and several (blocks of 64 keys on AVX-512,
+# 32 on AVX2) with rows left over from the tiles, head dims off the vector width (72, 80, 40) and past four vectors
+# (128), a soft cap, no causal mask
+@needs_cpu_ops
+@pytest.mark.parametrize("case", [(1, 8, 2, 200, 64, True, 0.0), (2, 4, 4, 37, 72, True, 0.0),
+                                  (1, 6, 3, 70, 128, True, 0.0), (3, 4, 1, 65, 80, False, 0.0),
+                                  (1, 4, 2, 100, 40, True, 50.0), (2, 2, 1, 2, 16, True, 0.0)])
+def test_prefill_attention_in_cpp_matches_reference(case, monkeypatch):
+    """A fresh prompt's attention (no mask; causal or not) runs this project's flash attention in C++ on float32 CPU
+    tensors, on the strided views the fused qkv GEMM leaves, and equals the reference's softmax(q k^T) v."""
+    B, H, KV, S, D, causal, softcap = case
+    qkv = torch.randn(B, S, H + 2 * KV, D)  # (rows of the fused qkv output: every view strided)
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([H, KV, KV], dim=2))
+    want = ref.attend(q, k, v, None, causal, softcap)
+
+    def elsewhere(*args, **kwargs):
+        raise AssertionError("attend took torch's or the reference's attention")
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", elsewhere)
+    monkeypatch.setattr(ref, "attend", elsewhere)
+    got = torch_ops.attend(q, k, v, None, causal, softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.shape == (B, H, S, D)
+    with pytest.raises(RuntimeError, match="H a multiple of KV"):
+        torch.ops.pmx_cpu.prefill_attention(q.transpose(1, 2), k.transpose(1, 2)[:, :, :0], v.transpose(1, 2)[:, :, :0],
+                                            1.0, causal, 0.0)
+
+
 @pytest.mark.parametrize("H,KV,S,N", [(4, 4, 1, 9), (6, 2, 5, 5), (8, 1, 3, 11), (4, 2, 1, 1)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_attend_matches_reference(H, KV, S, N, masked):

@@ -763,9 +763,182 @@ void geglu_into(const float* gp, int64_t gs, const float* upp, int64_t us, int64
 
 }  // namespace pmx_cpu
 
+// Prefill attention (float32, flash-style): out [B, S, H, D] = softmax(scale q k^T, soft-capped where softcap > 0;
+// causal: query i sees keys j <= i + N - S) v, for q [B, S, H, D] and k, v [B, N, KV, D] (H a multiple of KV; the
+// leading dims strided, D contiguous), without the score matrix: each unit (a sequence, a head, QU query rows) walks
+// key blocks of PA_KB in tiles of PA_R rows, its scores in registers (the keys of a block transposed once for every
+// head and unit that reads them), the softmax statistics brought up to date online, then P v into the output rows.
+// Units are handed out longest first (a causal unit's work grows with its rows' position).
+namespace {
+
+constexpr int64_t PA_KB = 4 * VN;        // keys a block: 4 vectors of scores a row
+constexpr int PA_R = VN == 16 ? 6 : 3;   // query rows a tile: 6 x 4 accumulators (AVX-512), 3 x 4 (AVX2)
+constexpr int64_t PA_QU = 4 * PA_R;      // query rows a unit
+
+struct PrefillArgs {
+  const float *q, *k, *v;
+  int64_t qs[3], ks[3], vs[3];  // strides of B, S|N, heads
+  int64_t B, S, N, H, KV, D;
+  float scale, softcap;
+  bool causal;
+  const float* kt;  // keys transposed: [B][KV][N / PA_KB blocks][D][PA_KB]
+  float* out;       // [B, S, H, D] contiguous
+};
+
+// Rows [i0, i0 + R) of head h of sequence b.
+template <int R>
+void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
+  const int64_t D = a.D, g = h / (a.H / a.KV), nkb = (a.N + PA_KB - 1) / PA_KB, off = a.N - a.S;
+  alignas(64) float qsc[R][256], o[R][256], s[R][PA_KB];  // (D <= 256: checked by the op)
+  float m[R], l[R];
+  for (int r = 0; r < R; ++r) {
+    const float* qr = a.q + b * a.qs[0] + (i0 + r) * a.qs[1] + h * a.qs[2];
+    for (int64_t d = 0; d < D; ++d) {
+      qsc[r][d] = qr[d] * a.scale;
+      o[r][d] = 0;
+    }
+    m[r] = -INFINITY;
+    l[r] = 0;
+  }
+  const int64_t last = a.causal ? std::min(a.N - 1, i0 + R - 1 + off) : a.N - 1;  // the last key any row sees
+  for (int64_t kb = 0; kb <= last / PA_KB; ++kb) {
+    const float* kt = a.kt + ((b * a.KV + g) * nkb + kb) * D * PA_KB;
+    vnf acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = vnf{};
+    for (int64_t d = 0; d < D; ++d) {
+      const float* kd = kt + d * PA_KB;
+      const vnf k0 = loadv<vnf>(kd), k1 = loadv<vnf>(kd + VN), k2 = loadv<vnf>(kd + 2 * VN), k3 = loadv<vnf>(kd + 3 * VN);
+      for (int r = 0; r < R; ++r) {
+        const float x = qsc[r][d];
+        acc[r][0] += x * k0;
+        acc[r][1] += x * k1;
+        acc[r][2] += x * k2;
+        acc[r][3] += x * k3;
+      }
+    }
+    const int64_t j0 = kb * PA_KB, nk = std::min(PA_KB, a.N - j0);
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < 4; ++j) storev(s[r] + j * VN, acc[r][j]);
+      if (a.softcap > 0) pmx_cpu::soft_cap_into(s[r], nk, a.softcap);
+      const int64_t seen = a.causal ? std::min(nk, i0 + r + off - j0 + 1) : nk;  // keys j0 .. j0 + seen of this row
+      for (int64_t j = std::max<int64_t>(seen, 0); j < PA_KB; ++j) s[r][j] = -INFINITY;
+      if (seen <= 0) {  // (nothing seen in this block: a row before the block, causal)
+        std::fill(s[r], s[r] + PA_KB, 0.0f);
+        continue;
+      }
+      vnf mv = loadv<vnf>(s[r]);  // (the hidden keys are -inf)
+      for (int j = 1; j < 4; ++j) {
+        const vnf x = loadv<vnf>(s[r] + j * VN);
+        mv = x > mv ? x : mv;
+      }
+      float mx = mv[0];
+      for (int j = 1; j < VN; ++j) mx = std::max(mx, mv[j]);
+      if (mx > m[r]) {
+        const float c = m[r] == -INFINITY ? 0.0f : std::exp(m[r] - mx);
+        l[r] *= c;
+        for (int64_t d = 0; d < D; ++d) o[r][d] *= c;
+        m[r] = mx;
+      }
+      l[r] += exp_sum(s[r], PA_KB, m[r]);  // (the hidden keys' -inf give 0)
+    }
+    // o[r] += sum_j s[r][j] v_j, 4 vectors of the head's dims at a time
+    const float* vb = a.v + b * a.vs[0] + j0 * a.vs[1] + g * a.vs[2];
+    int64_t d0 = 0;
+    for (; d0 + 4 * VN <= D; d0 += 4 * VN) {
+      vnf y[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) y[r][j] = loadv<vnf>(o[r] + d0 + j * VN);
+      for (int64_t j = 0; j < nk; ++j) {
+        const float* vr = vb + j * a.vs[1] + d0;
+        const vnf v0 = loadv<vnf>(vr), v1 = loadv<vnf>(vr + VN), v2 = loadv<vnf>(vr + 2 * VN), v3 = loadv<vnf>(vr + 3 * VN);
+        for (int r = 0; r < R; ++r) {
+          const float p = s[r][j];
+          y[r][0] += p * v0;
+          y[r][1] += p * v1;
+          y[r][2] += p * v2;
+          y[r][3] += p * v3;
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) storev(o[r] + d0 + j * VN, y[r][j]);
+    }
+    for (; d0 < D; d0 += VN) {  // the rest of the dims, a vector (or part of one) at a time
+      const int64_t w = std::min<int64_t>(VN, D - d0);
+      for (int64_t j = 0; j < nk; ++j) {
+        const float* vr = vb + j * a.vs[1] + d0;
+        for (int r = 0; r < R; ++r)
+          for (int64_t e = 0; e < w; ++e) o[r][d0 + e] += s[r][j] * vr[e];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* out = a.out + ((b * a.S + i0 + r) * a.H + h) * D;
+    const float inv = 1.0f / l[r];
+    for (int64_t d = 0; d < D; ++d) out[d] = o[r][d] * inv;
+  }
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                             bool causal, double softcap) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "prefill_attention: q [B, S, H, D], k and v [B, N, KV, D], float32");
+  const int64_t B = q.size(0), S = q.size(1), H = q.size(2), D = q.size(3), N = k.size(1), KV = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && KV > 0 && H % KV == 0 && D <= 256 &&
+                  N >= S && N > 0,
+              "prefill_attention: k and v must be [B, N >= S, KV, D] with H a multiple of KV and D <= 256; got q ",
+              q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "prefill_attention: D must be contiguous");
+  const int64_t nkb = (N + PA_KB - 1) / PA_KB;
+  std::vector<float> kt(B * KV * nkb * D * PA_KB);
+  const float* kp = k.data_ptr<float>();
+  at::parallel_for(0, B * KV * nkb, 1, [&](int64_t u0, int64_t u1) {  // keys transposed, a block at a time
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / (KV * nkb), g = u / nkb % KV, kb = u % nkb;
+      float* t = kt.data() + u * D * PA_KB;
+      for (int64_t j = 0; j < PA_KB; ++j) {
+        const int64_t n = kb * PA_KB + j;
+        const float* kr = kp + b * k.stride(0) + n * k.stride(1) + g * k.stride(2);
+        for (int64_t d = 0; d < D; ++d) t[d * PA_KB + j] = n < N ? kr[d] : 0.0f;
+      }
+    }
+  });
+  at::Tensor out = at::empty({B, S, H, D}, q.options());
+  const PrefillArgs a{q.data_ptr<float>(), kp, v.data_ptr<float>(),
+                      {q.stride(0), q.stride(1), q.stride(2)}, {k.stride(0), k.stride(1), k.stride(2)},
+                      {v.stride(0), v.stride(1), v.stride(2)}, B, S, N, H, KV, D, static_cast<float>(scale),
+                      static_cast<float>(softcap), causal, kt.data(), out.data_ptr<float>()};
+  const int64_t units_per_head = (S + PA_QU - 1) / PA_QU, units = B * H * units_per_head;
+  pmx_cpu::for_blocks(units, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      // the last rows first: the longest units (causal) go out first, the short ones even the threads out at the end
+      const int64_t qb = units_per_head - 1 - u / (B * H), bh = u % (B * H), b = bh / H, h = bh % H;
+      for (int64_t i0 = qb * PA_QU; i0 < std::min(S, (qb + 1) * PA_QU); i0 += PA_R) {
+        const int64_t r = std::min<int64_t>(PA_R, S - i0);
+        if (r == PA_R) {
+          prefill_tile<PA_R>(a, b, h, i0);
+          continue;
+        }
+        switch (r) {
+          case 1: prefill_tile<1>(a, b, h, i0); break;
+          case 2: prefill_tile<2>(a, b, h, i0); break;
+          case 3: prefill_tile<3>(a, b, h, i0); break;
+          case 4: prefill_tile<4>(a, b, h, i0); break;
+          default: prefill_tile<5>(a, b, h, i0);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor cache, Tensor? kv_scale, int layout, int layer, Tensor rows, Tensor kvlens, "
         "int window, float scale, int page_size=0, Tensor? alibi=None, float softcap=0.0) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, float softcap) -> Tensor");
   m.def("skip_rms_norm(Tensor x, Tensor? skip, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("geglu(Tensor gate, Tensor up) -> Tensor");
@@ -776,6 +949,7 @@ TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
 
 TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("prefill_attention", &prefill_attention);
   m.impl("skip_rms_norm", &skip_rms_norm);
   m.impl("swiglu", &swiglu);
   m.impl("geglu", &geglu);
