@@ -3,7 +3,8 @@
 // k-major inside a block ([N/64, K, 64], rows padded with zeros). Half-precision weights are widened to float32 in
 // registers as they are loaded (bfloat16: its 16 bits are the high half of a float32; float16: F16C's vcvtph2ps) and
 // every product is accumulated in float32, so a half-precision weight gives the float32 GEMM's result on its values
-// while a decode step reads half the bytes.
+// while a decode step reads half the bytes. Where the CPU has AVX512-BF16, bfloat16 weights go through its
+// dot-product instruction instead, on x rounded to bfloat16 (namespace dot, below).
 //
 // The register tile is MR rows of x by NV vectors of channels, sized to the vector registers the machine has:
 // AVX-512 (32 of 16 floats): 6 rows x 64 channels (24 accumulators); AVX2 (16 of 8 floats): 6 rows x 16 channels (12
@@ -318,7 +319,14 @@ inline void tile(const uint32_t* xp, int64_t ldx, const Bf16* w, int64_t K, int6
   for (int m = 0; m < R; ++m)
     for (int j = 0; j < NVB; ++j) a[m][j] = _mm512_setzero_ps();
   Spread sp = PF == kSpread ? *spread : Spread{};
-  for (int64_t p = p0; p < p1; ++p) {
+  const auto step = [&](int64_t p, const __m512i (&wv)[NVB]) {
+    for (int m = 0; m < R; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * ldx + p]));
+      for (int j = 0; j < NVB; ++j) a[m][j] = _mm512_dpbf16_ps(a[m][j], (__m512bh)wv[j], xb);
+    }
+  };
+  const int64_t pairs_end = std::min(p1, K / 2);  // (an odd K's last row after them)
+  for (int64_t p = p0; p < pairs_end; ++p) {
     const Bf16* wp = w + 2 * p * NB;
     if (PF == kAhead) prefetch_bytes<2 * NB * (int64_t)sizeof(Bf16)>(reinterpret_cast<const char*>(wp) + PF_BYTES);
     if (PF == kSpread && --sp.left == 0) {
@@ -326,14 +334,14 @@ inline void tile(const uint32_t* xp, int64_t ldx, const Bf16* w, int64_t K, int6
       for (int i = 0; i < 4 && sp.p < sp.end; ++i, sp.p += 64) _mm_prefetch(sp.p, _MM_HINT_T0);
     }
     __m512i wv[NVB];
-    if (2 * p + 1 < K)
-      for (int j = 0; j < NVB; ++j) wv[j] = _mm512_loadu_si512(wp + 32 * j);
-    else  // an odd K's last row, stored plainly: (w, 0) pairs
-      for (int j = 0; j < NVB; ++j) wv[j] = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(wp + 16 * j)));
-    for (int m = 0; m < R; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * ldx + p]));
-      for (int j = 0; j < NVB; ++j) a[m][j] = _mm512_dpbf16_ps(a[m][j], (__m512bh)wv[j], xb);
-    }
+    for (int j = 0; j < NVB; ++j) wv[j] = _mm512_loadu_si512(wp + 32 * j);
+    step(p, wv);
+  }
+  if (pairs_end < p1) {  // an odd K's last row, stored plainly: (w, 0) pairs
+    const Bf16* wp = w + 2 * pairs_end * NB;
+    __m512i wv[NVB];
+    for (int j = 0; j < NVB; ++j) wv[j] = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(wp + 16 * j)));
+    step(pairs_end, wv);
   }
   if (PF == kSpread) *spread = sp;
   for (int m = 0; m < R; ++m) {

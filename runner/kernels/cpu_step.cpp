@@ -185,6 +185,26 @@ inline void transpose16(v16f (&t)[16]) {  // t[i][j] <- t[j][i]
   swap_level<1>(t);
 }
 
+// The largest and the sum of a vector's lanes, halving.
+inline float hmax(v16f a) {
+  const v8f h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7), g = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8f m = h > g ? h : g;
+  float r = m[0];
+  for (int i = 1; i < 8; ++i) r = std::max(r, m[i]);
+  return r;
+}
+inline float hmax(v8f m) {
+  float r = m[0];
+  for (int i = 1; i < 8; ++i) r = std::max(r, m[i]);
+  return r;
+}
+inline float hadd(v16f a) { return hsum(a, v8f{}); }
+inline float hadd(v8f h) {
+  const auto q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  const auto d = __builtin_shufflevector(q, q, 0, 1) + __builtin_shufflevector(q, q, 2, 3);
+  return d[0] + d[1];
+}
+
 // s[0..n) -> exp(s - mx) in place (mx at least every s[i]); returns the sum of the exponentials.
 inline float exp_sum(float* s, int64_t n, float mx) {
   vnf sum = vnf{};
@@ -818,29 +838,39 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
       }
     }
     const int64_t j0 = kb * PA_KB, nk = std::min(PA_KB, a.N - j0);
-    for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < 4; ++j) storev(s[r] + j * VN, acc[r][j]);
-      if (a.softcap > 0) pmx_cpu::soft_cap_into(s[r], nk, a.softcap);
-      const int64_t seen = a.causal ? std::min(nk, i0 + r + off - j0 + 1) : nk;  // keys j0 .. j0 + seen of this row
-      for (int64_t j = std::max<int64_t>(seen, 0); j < PA_KB; ++j) s[r][j] = -INFINITY;
+    vnf lane;  // 0 .. VN-1
+    for (int j = 0; j < VN; ++j) lane[j] = static_cast<float>(j);
+    for (int r = 0; r < R; ++r) {  // the row's softmax statistics, its scores in registers
+      if (a.softcap > 0) {
+        for (int j = 0; j < 4; ++j) storev(s[r] + j * VN, acc[r][j]);
+        pmx_cpu::soft_cap_into(s[r], nk, a.softcap);
+        for (int j = 0; j < 4; ++j) acc[r][j] = loadv<vnf>(s[r] + j * VN);
+      }
+      // keys j0 .. j0 + seen of this block seen by the row (causal), the rest -inf
+      const int64_t seen = a.causal ? std::min(nk, i0 + r + off - j0 + 1) : nk;
       if (seen <= 0) {  // (nothing seen in this block: a row before the block, causal)
         std::fill(s[r], s[r] + PA_KB, 0.0f);
         continue;
       }
-      vnf mv = loadv<vnf>(s[r]);  // (the hidden keys are -inf)
-      for (int j = 1; j < 4; ++j) {
-        const vnf x = loadv<vnf>(s[r] + j * VN);
-        mv = x > mv ? x : mv;
-      }
-      float mx = mv[0];
-      for (int j = 1; j < VN; ++j) mx = std::max(mx, mv[j]);
+      if (seen < PA_KB)
+        for (int j = 0; j < 4; ++j) acc[r][j] = lane + static_cast<float>(j * VN) < static_cast<float>(seen)
+                                                    ? acc[r][j] : vnf{} - INFINITY;
+      vnf mv = acc[r][0];
+      for (int j = 1; j < 4; ++j) mv = acc[r][j] > mv ? acc[r][j] : mv;
+      const float mx = hmax(mv);
       if (mx > m[r]) {
         const float c = m[r] == -INFINITY ? 0.0f : std::exp(m[r] - mx);
         l[r] *= c;
         for (int64_t d = 0; d < D; ++d) o[r][d] *= c;
         m[r] = mx;
       }
-      l[r] += exp_sum(s[r], PA_KB, m[r]);  // (the hidden keys' -inf give 0)
+      vnf sum = vnf{};
+      for (int j = 0; j < 4; ++j) {  // (the hidden keys' -inf give 0)
+        const vnf e = exp_neg(acc[r][j] - m[r]);
+        storev(s[r] + j * VN, e);
+        sum += e;
+      }
+      l[r] += hadd(sum);
     }
     // o[r] += sum_j s[r][j] v_j, 4 vectors of the head's dims at a time
     const float* vb = a.v + b * a.vs[0] + j0 * a.vs[1] + g * a.vs[2];
