@@ -42,6 +42,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -823,21 +824,28 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
   const int64_t last = a.causal ? std::min(a.N - 1, i0 + R - 1 + off) : a.N - 1;  // the last key any row sees
   for (int64_t kb = 0; kb <= last / PA_KB; ++kb) {
     const float* kt = a.kt + ((b * a.KV + g) * nkb + kb) * D * PA_KB;
+    const int64_t j0 = kb * PA_KB, nk = std::min(PA_KB, a.N - j0);
+    const int64_t used = std::min(nk, last - j0 + 1);  // keys of the block any row sees (the diagonal's: fewer)
     vnf acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = vnf{};
-    for (int64_t d = 0; d < D; ++d) {
-      const float* kd = kt + d * PA_KB;
-      const vnf k0 = loadv<vnf>(kd), k1 = loadv<vnf>(kd + VN), k2 = loadv<vnf>(kd + 2 * VN), k3 = loadv<vnf>(kd + 3 * VN);
-      for (int r = 0; r < R; ++r) {
-        const float x = qsc[r][d];
-        acc[r][0] += x * k0;
-        acc[r][1] += x * k1;
-        acc[r][2] += x * k2;
-        acc[r][3] += x * k3;
+    const auto scores = [&](auto nv) {  // the first nv vectors of keys' scores
+      for (int64_t d = 0; d < D; ++d) {
+        const float* kd = kt + d * PA_KB;
+        vnf kv[nv];
+        for (int j = 0; j < nv; ++j) kv[j] = loadv<vnf>(kd + j * VN);
+        for (int r = 0; r < R; ++r) {
+          const float x = qsc[r][d];
+          for (int j = 0; j < nv; ++j) acc[r][j] += x * kv[j];
+        }
       }
+    };
+    switch ((used + VN - 1) / VN) {
+      case 1: scores(std::integral_constant<int, 1>{}); break;
+      case 2: scores(std::integral_constant<int, 2>{}); break;
+      case 3: scores(std::integral_constant<int, 3>{}); break;
+      default: scores(std::integral_constant<int, 4>{});
     }
-    const int64_t j0 = kb * PA_KB, nk = std::min(PA_KB, a.N - j0);
     vnf lane;  // 0 .. VN-1
     for (int j = 0; j < VN; ++j) lane[j] = static_cast<float>(j);
     for (int r = 0; r < R; ++r) {  // the row's softmax statistics, its scores in registers
@@ -879,7 +887,7 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
       vnf y[R][4];
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < 4; ++j) y[r][j] = loadv<vnf>(o[r] + d0 + j * VN);
-      for (int64_t j = 0; j < nk; ++j) {
+      for (int64_t j = 0; j < used; ++j) {
         const float* vr = vb + j * a.vs[1] + d0;
         const vnf v0 = loadv<vnf>(vr), v1 = loadv<vnf>(vr + VN), v2 = loadv<vnf>(vr + 2 * VN), v3 = loadv<vnf>(vr + 3 * VN);
         for (int r = 0; r < R; ++r) {
@@ -895,7 +903,7 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
     }
     for (; d0 < D; d0 += VN) {  // the rest of the dims, a vector (or part of one) at a time
       const int64_t w = std::min<int64_t>(VN, D - d0);
-      for (int64_t j = 0; j < nk; ++j) {
+      for (int64_t j = 0; j < used; ++j) {
         const float* vr = vb + j * a.vs[1] + d0;
         for (int r = 0; r < R; ++r)
           for (int64_t e = 0; e < w; ++e) o[r][d0 + e] += s[r][j] * vr[e];
