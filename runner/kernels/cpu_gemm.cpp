@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -407,11 +408,11 @@ inline void block(const uint32_t* xp, int64_t M, int64_t K, const Bf16* wb, floa
 #if PMX_BF16_DOT
 void linear_dot(const float* x, int64_t M, int64_t K, const Bf16* w, int64_t blocks, int64_t N, float* y) {
   const int64_t kh = (K + 1) / 2;
-  std::vector<uint32_t> xp(M * kh);
-  dot::x_pairs(x, M, K, xp.data());
+  const std::unique_ptr<uint32_t[]> xp(new uint32_t[M * kh]);  // (not zeroed: x_pairs writes every word)
+  dot::x_pairs(x, M, K, xp.get());
   pmx_cpu::for_blocks(blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      dot::block(xp.data(), M, K, w + b * K * NB, y + b * NB, N,
+      dot::block(xp.get(), M, K, w + b * K * NB, y + b * NB, N,
                  std::min(NB, N - b * NB));
   });
 }

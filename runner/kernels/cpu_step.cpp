@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -929,12 +930,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
               q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "prefill_attention: D must be contiguous");
   const int64_t nkb = (N + PA_KB - 1) / PA_KB;
-  std::vector<float> kt(B * KV * nkb * D * PA_KB);
+  const std::unique_ptr<float[]> kt(new float[B * KV * nkb * D * PA_KB]);  // (every element written below)
   const float* kp = k.data_ptr<float>();
   at::parallel_for(0, B * KV * nkb, 1, [&](int64_t u0, int64_t u1) {  // keys transposed, a block at a time
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / (KV * nkb), g = u / nkb % KV, kb = u % nkb;
-      float* t = kt.data() + u * D * PA_KB;
+      float* t = kt.get() + u * D * PA_KB;
       for (int64_t j = 0; j < PA_KB; ++j) {
         const int64_t n = kb * PA_KB + j;
         const float* kr = kp + b * k.stride(0) + n * k.stride(1) + g * k.stride(2);
@@ -946,7 +947,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const PrefillArgs a{q.data_ptr<float>(), kp, v.data_ptr<float>(),
                       {q.stride(0), q.stride(1), q.stride(2)}, {k.stride(0), k.stride(1), k.stride(2)},
                       {v.stride(0), v.stride(1), v.stride(2)}, B, S, N, H, KV, D, static_cast<float>(scale),
-                      static_cast<float>(softcap), causal, kt.data(), out.data_ptr<float>()};
+                      static_cast<float>(softcap), causal, kt.get(), out.data_ptr<float>()};
   const int64_t units_per_head = (S + PA_QU - 1) / PA_QU, units = B * H * units_per_head;
   pmx_cpu::for_blocks(units, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
