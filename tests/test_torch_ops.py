@@ -129,7 +129,8 @@ def test_kv_store_and_load_every_layout(layout, quant):
                                   (1, 4, 2, 100, 40, True, 50.0), (2, 2, 1, 2, 16, True, 0.0)])
 def test_prefill_attention_in_cpp_matches_reference(case, monkeypatch):
     """A fresh prompt's attention (no mask; causal or not) runs this project's flash attention in C++ on float32 CPU
-    tensors, on the strided views the fused qkv GEMM leaves, and equals the reference's softmax(q k^T) v."""
+    tensors, on the strided views the fused qkv GEMM leaves, and equals the reference's softmax(q k^T) v; with its
+    products in bfloat16 (attend's `bf16`, where the CPU has AVX512-BF16) within that rounding's spread of it."""
     B, H, KV, S, D, causal, softcap = case
     qkv = torch.randn(B, S, H + 2 * KV, D)  # (rows of the fused qkv output: every view strided)
     q, k, v = (t.transpose(1, 2) for t in qkv.split([H, KV, KV], dim=2))
@@ -142,6 +143,14 @@ def test_prefill_attention_in_cpp_matches_reference(case, monkeypatch):
     got = torch_ops.attend(q, k, v, None, causal, softcap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert got.shape == (B, H, S, D)
+    # bfloat16 products where the CPU has AVX512-BF16 and head_dim is a multiple of 16: within the rounding's spread
+    # of float32 (and not float32's result); elsewhere the float32 kernel's own result
+    half = torch_ops.attend(q, k, v, None, causal, softcap, bf16=True)
+    if torch.ops.pmx_cpu.prefill_attention_bf16() and D % 16 == 0:
+        err = float((half - want).abs().max() / want.abs().max())
+        assert 1e-5 < err < 1e-2, err
+    else:
+        assert torch.equal(half, got)
     with pytest.raises(RuntimeError, match="H a multiple of KV"):
         torch.ops.pmx_cpu.prefill_attention(q.transpose(1, 2), k.transpose(1, 2)[:, :, :0], v.transpose(1, 2)[:, :, :0],
                                             1.0, causal, 0.0)

@@ -119,7 +119,7 @@ def cpu_ops():
     torch.library.register_fake("pmx_cpu::decode_attention")(lambda q, cache, kv_scale, layout, layer, rows, kvlens,
                                                              window, scale, page_size=0, alibi=None, softcap=0.0:
                                                              torch.empty_like(q))
-    torch.library.register_fake("pmx_cpu::prefill_attention")(lambda q, k, v, scale, causal, softcap:
+    torch.library.register_fake("pmx_cpu::prefill_attention")(lambda q, k, v, scale, causal, softcap, bf16=False:
                                                               q.new_empty(q.shape))
     torch.library.register_fake("pmx_cpu::shm_all_reduce_")(lambda t, ws, rank, world, timeout: None)
     torch.library.register_fake("pmx_cpu::shm_all_gather")(lambda t, ws, rank, world, timeout:

@@ -30,6 +30,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -805,13 +806,22 @@ struct PrefillArgs {
   bool causal;
   const float* kt;  // keys transposed: [B][KV][N / PA_KB blocks][D][PA_KB]
   float* out;       // [B, S, H, D] contiguous
+  // bfloat16 products (PA_BF16): keys [B][KV][blocks][D / 2][PA_KB] and values [B][KV][blocks][PA_KB / 2][D] as
+  // 32-bit words of bfloat16 pairs (dims 2i, 2i + 1 of a key; keys 2i, 2i + 1 of a value dim)
+  const uint32_t *kp2 = nullptr, *vp2 = nullptr;
 };
 
-// Rows [i0, i0 + R) of head h of sequence b.
-template <int R>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(PMX_NO_BF16_DOT)
+#define PA_BF16 1
+#endif
+
+// Rows [i0, i0 + R) of head h of sequence b; BF: q k and p v as bfloat16 products (vdpbf16ps: q, k, the
+// probabilities and v rounded to bfloat16, the sums float32; D a multiple of 16).
+template <int R, bool BF = false>
 void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
   const int64_t D = a.D, g = h / (a.H / a.KV), nkb = (a.N + PA_KB - 1) / PA_KB, off = a.N - a.S;
   alignas(64) float qsc[R][256], o[R][256], s[R][PA_KB];  // (D <= 256: checked by the op)
+  alignas(64) uint32_t qp[BF ? R : 1][128], pp[BF ? R : 1][PA_KB / 2];  // (BF: q's and p's bfloat16 pairs)
   float m[R], l[R];
   for (int r = 0; r < R; ++r) {
     const float* qr = a.q + b * a.qs[0] + (i0 + r) * a.qs[1] + h * a.qs[2];
@@ -819,8 +829,15 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
       qsc[r][d] = qr[d] * a.scale;
       o[r][d] = 0;
     }
+    std::fill(qsc[r] + D, qsc[r] + std::min<int64_t>(256, D + 16), 0.0f);  // (BF: pairs of 32 at a time)
     m[r] = -INFINITY;
     l[r] = 0;
+#if PA_BF16
+    if constexpr (BF)
+      for (int64_t d = 0; d < D; d += 32)
+        _mm512_storeu_si512(qp[r] + d / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qsc[r] + d + 16),
+                                                                     _mm512_loadu_ps(qsc[r] + d)));
+#endif
   }
   const int64_t last = a.causal ? std::min(a.N - 1, i0 + R - 1 + off) : a.N - 1;  // the last key any row sees
   for (int64_t kb = 0; kb <= last / PA_KB; ++kb) {
@@ -831,6 +848,20 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = vnf{};
     const auto scores = [&](auto nv) {  // the first nv vectors of keys' scores
+#if PA_BF16
+      if constexpr (BF) {
+        const uint32_t* kd = a.kp2 + ((b * a.KV + g) * nkb + kb) * (D / 2) * PA_KB;
+        for (int64_t d = 0; d < D / 2; ++d, kd += PA_KB) {
+          __m512i kv[nv];
+          for (int j = 0; j < nv; ++j) kv[j] = _mm512_loadu_si512(kd + j * VN);
+          for (int r = 0; r < R; ++r) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r][d]));
+            for (int j = 0; j < nv; ++j) acc[r][j] = (vnf)_mm512_dpbf16_ps((__m512)acc[r][j], (__m512bh)kv[j], x);
+          }
+        }
+        return;
+      }
+#endif
       for (int64_t d = 0; d < D; ++d) {
         const float* kd = kt + d * PA_KB;
         vnf kv[nv];
@@ -859,6 +890,7 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
       const int64_t seen = a.causal ? std::min(nk, i0 + r + off - j0 + 1) : nk;
       if (seen <= 0) {  // (nothing seen in this block: a row before the block, causal)
         std::fill(s[r], s[r] + PA_KB, 0.0f);
+        if constexpr (BF) std::fill(pp[r], pp[r] + PA_KB / 2, 0u);
         continue;
       }
       if (seen < PA_KB)
@@ -880,7 +912,42 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
         sum += e;
       }
       l[r] += hadd(sum);
+#if PA_BF16
+      if constexpr (BF)  // p in bfloat16 pairs of keys
+        for (int j = 0; j < 4; j += 2)
+          _mm512_storeu_si512(pp[r] + j * VN / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s[r] + (j + 1) * VN),
+                                                                              _mm512_loadu_ps(s[r] + j * VN)));
+#endif
     }
+#if PA_BF16
+    if constexpr (BF) {  // o[r] += sum over key pairs of (p, p') . (v, v'), 4 vectors of the head's dims at a time
+      const uint32_t* vb = a.vp2 + ((b * a.KV + g) * nkb + kb) * (PA_KB / 2) * D;
+      const auto dims = [&](int64_t d0, auto nd) {  // nd vectors of dims from d0
+        vnf y[R][nd];
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < nd; ++j) y[r][j] = loadv<vnf>(o[r] + d0 + j * VN);
+        for (int64_t jp = 0; jp < (used + 1) / 2; ++jp) {
+          __m512i vv[nd];
+          for (int j = 0; j < nd; ++j) vv[j] = _mm512_loadu_si512(vb + jp * D + d0 + j * VN);
+          for (int r = 0; r < R; ++r) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r][jp]));
+            for (int j = 0; j < nd; ++j) y[r][j] = (vnf)_mm512_dpbf16_ps((__m512)y[r][j], (__m512bh)vv[j], x);
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < nd; ++j) storev(o[r] + d0 + j * VN, y[r][j]);
+      };
+      int64_t d0 = 0;
+      for (; d0 + 4 * VN <= D; d0 += 4 * VN) dims(d0, std::integral_constant<int, 4>{});
+      switch ((D - d0) / VN) {
+        case 1: dims(d0, std::integral_constant<int, 1>{}); break;
+        case 2: dims(d0, std::integral_constant<int, 2>{}); break;
+        case 3: dims(d0, std::integral_constant<int, 3>{}); break;
+        default: break;
+      }
+      continue;
+    }
+#endif
     // o[r] += sum_j s[r][j] v_j, 4 vectors of the head's dims at a time
     const float* vb = a.v + b * a.vs[0] + j0 * a.vs[1] + g * a.vs[2];
     int64_t d0 = 0;
@@ -918,8 +985,17 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
   }
 }
 
+// Whether prefill_attention takes bf16 = true here (AVX512-BF16).
+bool prefill_attention_bf16() {
+#if PA_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                             bool causal, double softcap) {
+                             bool causal, double softcap, bool bf16) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat &&
                   k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "prefill_attention: q [B, S, H, D], k and v [B, N, KV, D], float32");
@@ -929,6 +1005,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "prefill_attention: k and v must be [B, N >= S, KV, D] with H a multiple of KV and D <= 256; got q ",
               q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "prefill_attention: D must be contiguous");
+  TORCH_CHECK(!bf16 || (prefill_attention_bf16() && D % 16 == 0 && D <= 240),
+              "prefill_attention: bfloat16 products need AVX512-BF16 and a head_dim a multiple of 16 up to 240, not ",
+              D);
   const int64_t nkb = (N + PA_KB - 1) / PA_KB;
   const std::unique_ptr<float[]> kt(new float[B * KV * nkb * D * PA_KB]);  // (every element written below)
   const float* kp = k.data_ptr<float>();
@@ -943,11 +1022,44 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
       }
     }
   });
+  // bfloat16 pairs of the keys' dims and of the values' keys, a block at a time
+  const std::unique_ptr<uint32_t[]> kp2(new uint32_t[bf16 ? B * KV * nkb * D * PA_KB : 0]);
+  const std::unique_ptr<uint32_t[]> vp2(new uint32_t[bf16 ? B * KV * nkb * D * PA_KB : 0]);
+#if PA_BF16
+  if (bf16) {
+    const float* vp = v.data_ptr<float>();
+    at::parallel_for(0, B * KV * nkb, 1, [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t b = u / (KV * nkb), g = u / nkb % KV, kb = u % nkb;
+        uint32_t* kt2 = kp2.get() + u * (D / 2) * PA_KB;
+        uint32_t* vt2 = vp2.get() + u * (PA_KB / 2) * D;
+        const auto row = [&](const float* base, const at::Tensor& t, int64_t n, int64_t d) {  // 16 dims of row n
+          return n < N ? _mm512_loadu_ps(base + b * t.stride(0) + n * t.stride(1) + g * t.stride(2) + d)
+                       : _mm512_setzero_ps();
+        };
+        for (int64_t j = 0; j < PA_KB; ++j)  // key j's dims (d, d + 1) in pairs, to column j of its block
+          for (int64_t d = 0; d < D; d += 32) {
+            alignas(64) uint32_t w[16];
+            _mm512_store_si512(w, (__m512i)_mm512_cvtne2ps_pbh(
+                                      D - d > 16 ? row(kp, k, kb * PA_KB + j, d + 16) : _mm512_setzero_ps(),
+                                      row(kp, k, kb * PA_KB + j, d)));
+            for (int64_t i = 0; i < std::min<int64_t>(16, (D - d) / 2); ++i) kt2[(d / 2 + i) * PA_KB + j] = w[i];
+          }
+        for (int64_t j = 0; j < PA_KB; j += 2)  // value dims of keys j (low halves) and j + 1 (high)
+          for (int64_t d = 0; d < D; d += 16) {
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(row(vp, v, kb * PA_KB + j, d)));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(row(vp, v, kb * PA_KB + j + 1, d)));
+            _mm512_storeu_si512(vt2 + j / 2 * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+          }
+      }
+    });
+  }
+#endif
   at::Tensor out = at::empty({B, S, H, D}, q.options());
   const PrefillArgs a{q.data_ptr<float>(), kp, v.data_ptr<float>(),
                       {q.stride(0), q.stride(1), q.stride(2)}, {k.stride(0), k.stride(1), k.stride(2)},
                       {v.stride(0), v.stride(1), v.stride(2)}, B, S, N, H, KV, D, static_cast<float>(scale),
-                      static_cast<float>(softcap), causal, kt.get(), out.data_ptr<float>()};
+                      static_cast<float>(softcap), causal, kt.get(), out.data_ptr<float>(), kp2.get(), vp2.get()};
   const int64_t units_per_head = (S + PA_QU - 1) / PA_QU, units = B * H * units_per_head;
   pmx_cpu::for_blocks(units, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
@@ -955,6 +1067,17 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
       const int64_t qb = units_per_head - 1 - u / (B * H), bh = u % (B * H), b = bh / H, h = bh % H;
       for (int64_t i0 = qb * PA_QU; i0 < std::min(S, (qb + 1) * PA_QU); i0 += PA_R) {
         const int64_t r = std::min<int64_t>(PA_R, S - i0);
+#if PA_BF16
+        if (bf16) {
+          if (r == PA_R) prefill_tile<PA_R, true>(a, b, h, i0);
+          else if (r == 1) prefill_tile<1, true>(a, b, h, i0);
+          else if (r == 2) prefill_tile<2, true>(a, b, h, i0);
+          else if (r == 3) prefill_tile<3, true>(a, b, h, i0);
+          else if (r == 4) prefill_tile<4, true>(a, b, h, i0);
+          else prefill_tile<5, true>(a, b, h, i0);
+          continue;
+        }
+#endif
         if (r == PA_R) {
           prefill_tile<PA_R>(a, b, h, i0);
           continue;
@@ -977,7 +1100,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor cache, Tensor? kv_scale, int layout, int layer, Tensor rows, Tensor kvlens, "
         "int window, float scale, int page_size=0, Tensor? alibi=None, float softcap=0.0) -> Tensor");
-  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, float softcap) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, float softcap, bool bf16=False) "
+        "-> Tensor");
+  m.def("prefill_attention_bf16() -> bool", &prefill_attention_bf16);
   m.def("skip_rms_norm(Tensor x, Tensor? skip, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("geglu(Tensor gate, Tensor up) -> Tensor");
