@@ -313,6 +313,23 @@ def test_bfloat16_blocks_take_the_layout_of_the_machines_kernels():
     assert torch.equal(unpack_blocks(pack_blocks(w.half()), 130), w.half())  # float16: plain order
 
 
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7, 70])
+def test_linear_takes_swiglu_of_a_gate_up_input_at_any_rows(dtype, rows):
+    """This project's kernel takes the down projection's input as the fused gate | up output, x = silu(g) * u computed
+    as it loads (on bfloat16 weights with AVX512-BF16: in cache, as x is rounded for the dot products): the same
+    result as the SwiGLU op followed by the linear, and the small-rows path's refusal where the kernel cannot."""
+    K, N = 1031, 130
+    w, gu = torch.randn(N, K).to(dtype), torch.randn(rows, 2 * K)
+    lin = Linear(w, torch.randn(N))
+    assert lin.kernel == "pmx" and lin.takes_swiglu(gu) and not lin.takes_swiglu(gu[:, :K])
+    want = lin(torch.ops.pmx_cpu.swiglu(gu[:, :K], gu[:, K:]))
+    torch.testing.assert_close(lin(gu, swiglu=True), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        torch.ops.pmx_cpu.linear_f32_swiglu(gu[:, 1:], lin.packed, N)
+
+
 # (B, H, KV, D, N, window): MHA and GQA, head_dim with a tail past 16 lanes, one row, a sliding window inside and
 # outside the history; one sequence with a long history is cut into parts that run in parallel and are merged; short
 # heads and GQA of 4 query heads per KV head have their scores computed 16 positions at a time

@@ -294,20 +294,27 @@ namespace dot {
 constexpr int NVB = NB / 16;  // vectors of 16 channels' pairs in a block
 
 // x [M, K] rounded to bfloat16, in pairs of k ([M, (K + 1) / 2] 32-bit words: k at the low half, k + 1 the high;
-// an odd K's last padded with a zero).
-inline void x_pairs(const float* x, int64_t M, int64_t K, uint32_t* xp) {
+// an odd K's last padded with a zero). swiglu: x is silu(g) * u of gate / up rows [M, 2 K] (g | u), each row's
+// computed into a buffer in L1 as it is converted.
+inline void x_pairs(const float* x, int64_t M, int64_t K, uint32_t* xp, bool swiglu = false) {
   const int64_t kh = (K + 1) / 2;
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
+    std::vector<float> act(swiglu ? K : 0);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* r = x + m * K;
+      if (swiglu) {
+        pmx_cpu::swiglu_into(x + m * 2 * K, 0, x + m * 2 * K + K, 0, 1, K, act.data());
+        r = act.data();
+      }
       for (int64_t k = 0; k < K; k += 32) {  // 32 values: x[k..k+16) into the low 16 words, x[k+16..k+32) the high
         const int64_t n = std::min<int64_t>(32, K - k);
         const __mmask16 m_a = n >= 16 ? 0xFFFF : (1u << n) - 1;
         const __mmask16 m_b = n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0;
         const __mmask16 words = (n + 1) / 2 >= 16 ? 0xFFFF : (1u << ((n + 1) / 2)) - 1;
-        const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m_b, x + m * K + k + 16),
-                                               _mm512_maskz_loadu_ps(m_a, x + m * K + k));
+        const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m_b, r + k + 16), _mm512_maskz_loadu_ps(m_a, r + k));
         _mm512_mask_storeu_epi32(xp + m * kh + k / 2, words, (__m512i)h);
       }
+    }
   });
 }
 
@@ -406,10 +413,11 @@ inline void block(const uint32_t* xp, int64_t M, int64_t K, const Bf16* wb, floa
 #endif
 
 #if PMX_BF16_DOT
-void linear_dot(const float* x, int64_t M, int64_t K, const Bf16* w, int64_t blocks, int64_t N, float* y) {
+void linear_dot(const float* x, int64_t M, int64_t K, const Bf16* w, int64_t blocks, int64_t N, float* y,
+                bool swiglu = false) {
   const int64_t kh = (K + 1) / 2;
   const std::unique_ptr<uint32_t[]> xp(new uint32_t[M * kh]);  // (not zeroed: x_pairs writes every word)
-  dot::x_pairs(x, M, K, xp.get());
+  dot::x_pairs(x, M, K, xp.get(), swiglu);
   pmx_cpu::for_blocks(blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       dot::block(xp.get(), M, K, w + b * K * NB, y + b * NB, N,
@@ -475,6 +483,16 @@ void block_panel_f32(const float* x, int64_t M, int64_t K, const float* block, f
                      int64_t ncols) {
   for (int64_t k0 = 0; k0 < K; k0 += KC_PREFILL)
     rows_by_panels<kNone>(x, M, K, block, k0, std::min(K, k0 + KC_PREFILL), out, ldo, ncols, k0 > 0);
+}
+
+void float_linear_swiglu_into(const float* gate_up, int64_t M, int64_t K, const void* w, FloatWeight type,
+                              int64_t blocks, int64_t N, float* y) {
+#if PMX_BF16_DOT
+  if (type == FloatWeight::bf16) return linear_dot(gate_up, M, K, static_cast<const Bf16*>(w), blocks, N, y, true);
+#endif
+  const std::unique_ptr<float[]> act(new float[M * K]);
+  swiglu_into(gate_up, 2 * K, gate_up + K, 2 * K, M, K, act.get());
+  float_linear_into(act.get(), M, K, w, type, blocks, N, y);
 }
 
 }  // namespace pmx_cpu

@@ -50,6 +50,11 @@ void float_linear_into(const float* x, int64_t M, int64_t K, const void* w, Floa
 // channel i then channel g/2 + i (cpu_gemm.cpp; the packing code, runner/kernels/cpu_ext.py, asks for g).
 int64_t bf16_pair_channels();
 
+// float_linear_into of x = silu(g) * u for gate_up [M, 2 K] = (g | u): on bfloat16 weights with AVX512-BF16 each row's
+// activation is computed in cache as x is converted for the dot products (no [M, K] pass through memory).
+void float_linear_swiglu_into(const float* gate_up, int64_t M, int64_t K, const void* w, FloatWeight type,
+                              int64_t blocks, int64_t N, float* y);
+
 // Where the CPU has AVX512-BF16: bfloat16 blocks hold their k-rows in pairs instead (a 32-bit word (w[2p][c],
 // w[2p + 1][c]) a channel, an odd K's last row plainly; cpu_gemm.cpp), for vdpbf16ps.
 bool bf16_k_pairs();

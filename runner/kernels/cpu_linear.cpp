@@ -390,6 +390,19 @@ bool is_float_weight(const at::Tensor& w) {
   return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf;
 }
 
+at::Tensor linear_f32_swiglu(const at::Tensor& gate_up, const at::Tensor& w, int64_t N) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
+                  gate_up.size(1) == 2 * w.size(1) && w.dim() == 3 && is_float_weight(w),
+              "linear_f32_swiglu: gate_up must be contiguous float32 [M, 2 K] for a packed float weight [N/64, K, 64]");
+  const at::Tensor x = gate_up.narrow(1, 0, w.size(1));  // (for check's shapes)
+  TORCH_CHECK(w.size(2) == NB && w.is_contiguous() && w.size(0) * NB >= N && (w.size(0) - 1) * NB < N,
+              "linear_f32_swiglu: packed weight must be contiguous [N/64, K, 64] for N=", N);
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  pmx_cpu::float_linear_swiglu_into(gate_up.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr(), float_weight(w),
+                                    w.size(0), N, out.data_ptr<float>());
+  return out;
+}
+
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   check(x, w, N, NB);
   TORCH_CHECK(is_float_weight(w), "packed weight must be float32, bfloat16 or float16, not ", w.scalar_type());
@@ -780,6 +793,7 @@ void linear_into_(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc
 
 TORCH_LIBRARY(pmx_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("linear_f32_swiglu(Tensor gate_up, Tensor w, int n) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");
   m.def("linear_int8_group(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");
@@ -793,6 +807,7 @@ TORCH_LIBRARY(pmx_cpu, m) {
 
 TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) {
   m.impl("linear_f32", &linear_f32);
+  m.impl("linear_f32_swiglu", &linear_f32_swiglu);
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
   m.impl("linear_int8_group", &linear_int8_group);

@@ -159,6 +159,12 @@ class Linear(SmallRows, torch.nn.Module):
             raise ValueError(f"a {self.kernel} layer has no plain weight for a small-rows kernel")
         super().use_small_rows(kernel, max_rows)
 
+    def takes_swiglu(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, swiglu=True) runs: the small-rows kernel's rows, or any rows on this project's kernel
+        (linear_f32_swiglu: on bfloat16 weights with AVX512-BF16 the activation is computed as x is converted)."""
+        return super().takes_swiglu(x) or (self.kernel == "pmx" and x.dim() == 2 and x.dtype == torch.float32 and
+                                           x.shape[1] == 2 * self.in_features and not torch.compiler.is_compiling())
+
     def dense_weight(self) -> torch.Tensor:
         """W [out, in] as a plain tensor (a copy for the packed kernels)."""
         if self.kernel == "pmx":
@@ -169,6 +175,10 @@ class Linear(SmallRows, torch.nn.Module):
 
     def forward(self, x: torch.Tensor, swiglu: bool = False, norm: Optional[tuple] = None,
                 residual: Optional[torch.Tensor] = None, rotary=None) -> torch.Tensor:
+        if swiglu and self.kernel == "pmx" and norm is None and residual is None and rotary is None:
+            # (x: gate | up, takes_swiglu)
+            y = torch.ops.pmx_cpu.linear_f32_swiglu(x.contiguous(), self.packed, self.out_features)
+            return y if self.bias is None else y + self.bias
         y = self._small(x, self.weight, swiglu, norm, residual, rotary)
         if y is not None:
             return y
