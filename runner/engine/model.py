@@ -21,7 +21,7 @@ from torch import nn
 from runner.config import EngineConfig
 from runner.engine.cache import KVCache, new_cache
 from runner.engine.plan import StepPlan
-from runner.kernels.cpu_ext import bf16_k_pairs, cpu_ops
+from runner.kernels.cpu_ext import bf16_k_pairs
 from runner.errors import PmxError
 from runner.kernels import reference as ref
 from runner.kernels.linear import Linear, RotaryStore
@@ -117,6 +117,17 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
+def bf16_products(linears) -> bool:
+    """Whether these (column- or row-parallel, or plain) linears multiply in bfloat16: this project's kernel on
+    bfloat16 blocks where the CPU has AVX512-BF16 (cpu_gemm.cpp)."""
+    for m in linears:
+        lin = getattr(m, "linear", m)
+        packed = getattr(lin, "packed", None)
+        if getattr(lin, "kernel", None) == "pmx" and packed is not None and packed.dtype == torch.bfloat16:
+            return bf16_k_pairs()
+    return False
+
+
 class Attention(nn.Module):
     """Self-attention of one layer over the step's packed tokens, reading and writing the KV cache.
 
@@ -130,7 +141,7 @@ class Attention(nn.Module):
 
     def __init__(self, spec: ref.AttentionSpec, qkv: list, wo, q_norm, k_norm, eps: float,
                  rotary: Optional[ref.Rotary], rope: int, q_mult: float, config: EngineConfig, ops,
-                 device: torch.device, bf16_products: bool = False):
+                 device: torch.device):
         super().__init__()
         self.spec, self.layer, self.heads, self.kv_heads, self.head_dim = (spec, spec.layer, spec.heads,
                                                                            spec.kv_heads, spec.head_dim)
@@ -141,7 +152,8 @@ class Attention(nn.Module):
         self.register_buffer("alibi", None if alibi is None else alibi.to(device), persistent=False)     # (H,)
         self.eps, self.window, self.rotary, self.rope, self.ops = eps, spec.sliding_window or None, rotary, rope, ops
         self.q_mult, self.softcap = q_mult, spec.softcap
-        self.bf16_products = bf16_products  # prefill's q k and p v may be bfloat16 products (attend's `bf16`)
+        # prefill's q k and p v may be bfloat16 products (attend's `bf16`) where the qkv linear's are
+        self.bf16_products = bf16_products(self.qkv)
         self.friendly_gqa, self.cache_mode = config.friendly_gqa, config.cache_mode
         self.rotary_in_qkv = (config.rotary_in_qkv and ops.rotary_kv_store is not None and alibi is None
                               and q_norm is None and len(qkv) == 1)
@@ -310,8 +322,11 @@ class FeedForward(nn.Module):
         kw = {} if norm is None else {"norm": norm}
         if len(self.gate_up) == 1:
             gate_up = self.gate_up[0](x, **kw)
-            if not self.gelu and getattr(self.w2, "takes_swiglu", None) is not None and self.w2.takes_swiglu(gate_up):
-                return w2(gate_up, swiglu=True)  # SwiGLU computed as the down projection loads its input
+            # SwiGLU computed as the down projection loads its input (under sequence parallelism only where its
+            # small-rows kernel runs: elsewhere the partial sum goes straight into sp's shared area, unfused)
+            if not self.gelu and getattr(self.w2, "takes_swiglu", None) is not None and \
+                    self.w2.takes_swiglu(gate_up) and (sp is None or self.w2.fuses(gate_up)):
+                return w2(gate_up, swiglu=True)
             return w2(self.glu_packed(gate_up))
         gate, up = (lin(x, **kw) for lin in self.gate_up)
         return w2(self.glu(gate, up))
@@ -424,10 +439,6 @@ class Transformer(nn.Module):
         self.num_params = sum(t.numel() for t in w.values())
         self.ops = ops = ops or kernel_set(c.kernels, self.device, self.dtype)
         kinds = ops.layers or ENGINE_LAYERS
-        # bfloat16 matrices on a CPU with AVX512-BF16: their linears multiply in bfloat16 (cpu_gemm.cpp), and so may
-        # a fresh prompt's attention
-        bf16_products = (self.device.type == "cpu" and self.weight_dtype == torch.bfloat16 and
-                         self.dtype == torch.float32 and cpu_ops() is not None and bf16_k_pairs())
         ropes = [(p.rope_theta, p.rope_scaling)]  # (theta, scaling) of each rope the layers use, the full layers' first
         for i in range(p.num_layers):
             if p.layer_rope(i) not in ropes:
@@ -468,7 +479,7 @@ class Transformer(nn.Module):
             attention = Attention(
                 spec, linears(kinds.column, [f"{a}.wq", f"{a}.wk", f"{a}.wv"], p.qkv_bias, c.fused_qkv),
                 linears(kinds.row, [f"{a}.wo"], p.o_bias)[0], norm(f"{a}.q_norm.weight"), norm(f"{a}.k_norm.weight"),
-                p.norm_eps, None if alibi else self.rotaries[rope], rope, q_mult, c, ops, self.device, bf16_products)
+                p.norm_eps, None if alibi else self.rotaries[rope], rope, q_mult, c, ops, self.device)
             if p.num_experts:  # the experts' weights stacked: [E, F/n, D], [E, D, F/n]
                 ffn = kinds.moe(w.pop(f"{m}.gate.weight"), *(weight(f"{m}.{x}") for x in ("w1", "w3", "w2")),
                                 p.num_experts_per_token, comm, c.fused_ffn_glu, c.prepack, ops,
