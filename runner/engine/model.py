@@ -21,9 +21,9 @@ from torch import nn
 from runner.config import EngineConfig
 from runner.engine.cache import KVCache, new_cache
 from runner.engine.plan import StepPlan
-from runner.kernels.cpu_ext import bf16_k_pairs
 from runner.errors import PmxError
 from runner.kernels import reference as ref
+from runner.kernels.cpu_ext import bf16_k_pairs
 from runner.kernels.linear import Linear, RotaryStore
 from runner.kernels.quant_linear import QuantLinear, cat_weights, make_linear, pop_weight, stored_alike
 from runner.kernels.sets import KernelSet, Layers, kernel_set

@@ -287,8 +287,8 @@ inline void widen_panels(const W* w, int64_t kc, float* out) {
 // channel order. x is taken in the same pairs of k, rounded to bfloat16 (to nearest, ties to even) at every batch
 // size, as llama.cpp's and OpenVINO's bf16 paths do: the result is the float32 GEMM's on x's rounded values (its
 // error against float32 x, ~2e-3 of the largest output, is the same for one row as for a batch, so a sequence's
-// logits do not depend on the batch it runs in). (Two bfloat16 parts, x = hi + lo, were as exact as float32 at batch
-// 1 for a second product, but made batch 1 differ from every other batch size.)
+// logits do not depend on the batch it runs in; two bfloat16 parts, x = hi + lo, would make batch 1 as exact as
+// float32 for a second product, and differ from every other batch size).
 namespace dot {
 
 constexpr int NVB = NB / 16;  // vectors of 16 channels' pairs in a block

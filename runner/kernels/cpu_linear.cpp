@@ -394,12 +394,11 @@ at::Tensor linear_f32_swiglu(const at::Tensor& gate_up, const at::Tensor& w, int
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
                   gate_up.size(1) == 2 * w.size(1) && w.dim() == 3 && is_float_weight(w),
               "linear_f32_swiglu: gate_up must be contiguous float32 [M, 2 K] for a packed float weight [N/64, K, 64]");
-  const at::Tensor x = gate_up.narrow(1, 0, w.size(1));  // (for check's shapes)
   TORCH_CHECK(w.size(2) == NB && w.is_contiguous() && w.size(0) * NB >= N && (w.size(0) - 1) * NB < N,
               "linear_f32_swiglu: packed weight must be contiguous [N/64, K, 64] for N=", N);
-  at::Tensor out = at::empty({x.size(0), N}, x.options());
-  pmx_cpu::float_linear_swiglu_into(gate_up.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr(), float_weight(w),
-                                    w.size(0), N, out.data_ptr<float>());
+  at::Tensor out = at::empty({gate_up.size(0), N}, gate_up.options());
+  pmx_cpu::float_linear_swiglu_into(gate_up.data_ptr<float>(), gate_up.size(0), w.size(1), w.data_ptr(),
+                                    float_weight(w), w.size(0), N, out.data_ptr<float>());
   return out;
 }
 

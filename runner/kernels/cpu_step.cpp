@@ -114,6 +114,26 @@ inline float hsum(v16f a, v8f b) {
   return d[0] + d[1];
 }
 
+// The largest and the sum of a vector's lanes, halving.
+inline float hmax(v16f a) {
+  const v8f h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7), g = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8f m = h > g ? h : g;
+  float r = m[0];
+  for (int i = 1; i < 8; ++i) r = std::max(r, m[i]);
+  return r;
+}
+inline float hmax(v8f m) {
+  float r = m[0];
+  for (int i = 1; i < 8; ++i) r = std::max(r, m[i]);
+  return r;
+}
+inline float hadd(v16f a) { return hsum(a, v8f{}); }
+inline float hadd(v8f h) {
+  const auto q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  const auto d = __builtin_shufflevector(q, q, 0, 1) + __builtin_shufflevector(q, q, 2, 3);
+  return d[0] + d[1];
+}
+
 #if defined(__AVX512F__)
 inline float dot(const float* a, const float* b, int64_t D) {
   v16f acc = v16f{};
@@ -151,10 +171,7 @@ inline float dot(const float* a, const float* b, int64_t D) {
     acc0 += loadv<v8f>(a + i) * loadv<v8f>(b + i);
     i += 8;
   }
-  const v8f h = acc0 + acc1;
-  const auto q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  const auto d = __builtin_shufflevector(q, q, 0, 1) + __builtin_shufflevector(q, q, 2, 3);
-  float s = d[0] + d[1];
+  float s = hadd(acc0 + acc1);
   for (; i < D; ++i) s += a[i] * b[i];
   return s;
 }
@@ -186,26 +203,6 @@ inline void transpose16(v16f (&t)[16]) {  // t[i][j] <- t[j][i]
   swap_level<4>(t);
   swap_level<2>(t);
   swap_level<1>(t);
-}
-
-// The largest and the sum of a vector's lanes, halving.
-inline float hmax(v16f a) {
-  const v8f h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7), g = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v8f m = h > g ? h : g;
-  float r = m[0];
-  for (int i = 1; i < 8; ++i) r = std::max(r, m[i]);
-  return r;
-}
-inline float hmax(v8f m) {
-  float r = m[0];
-  for (int i = 1; i < 8; ++i) r = std::max(r, m[i]);
-  return r;
-}
-inline float hadd(v16f a) { return hsum(a, v8f{}); }
-inline float hadd(v8f h) {
-  const auto q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  const auto d = __builtin_shufflevector(q, q, 0, 1) + __builtin_shufflevector(q, q, 2, 3);
-  return d[0] + d[1];
 }
 
 // s[0..n) -> exp(s - mx) in place (mx at least every s[i]); returns the sum of the exponentials.
@@ -1009,9 +1006,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "prefill_attention: bfloat16 products need AVX512-BF16 and a head_dim a multiple of 16 up to 240, not ",
               D);
   const int64_t nkb = (N + PA_KB - 1) / PA_KB;
-  const std::unique_ptr<float[]> kt(new float[B * KV * nkb * D * PA_KB]);  // (every element written below)
+  // float32 keys transposed (bf16 products take their own pairs below instead); every element written
+  const std::unique_ptr<float[]> kt(new float[bf16 ? 0 : B * KV * nkb * D * PA_KB]);
   const float* kp = k.data_ptr<float>();
-  at::parallel_for(0, B * KV * nkb, 1, [&](int64_t u0, int64_t u1) {  // keys transposed, a block at a time
+  if (!bf16) at::parallel_for(0, B * KV * nkb, 1, [&](int64_t u0, int64_t u1) {  // a block at a time
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / (KV * nkb), g = u / nkb % KV, kb = u % nkb;
       float* t = kt.get() + u * D * PA_KB;
