@@ -72,8 +72,8 @@ imports.
 One shape per invocation (base: dim 768, 12 layers, 12 heads MHA, intermediate 2048, vocab 32000;
 gqa: dim 1024, 10 layers, 16 heads / 4 KV heads, intermediate 2816, vocab 32000); run it twice for
 both (versions: `--shape all`). `--engine_options` is a JSON object of engine option fields
-(runner.engine.model.EngineOptions), passed to open_session through open_engine in every pmx run. Checkpoints and
-conversions are cached under --workdir.
+(runner.engine.model.EngineOptions), passed to open_session through open_engine in every pmx run, over a default of
+cache_layout 2 (the layout the LLM API and the server use). Checkpoints and conversions are cached under --workdir.
 
 A missing peer is skipped with a one-line reason. With `--install True` (the default) a missing
 ctranslate2 is installed into this venv (`python -m pip install ctranslate2`). llama.cpp comes from
@@ -124,6 +124,7 @@ LABELS = {"pmx1": "pmx-runner TP=1", "pmx2": "pmx-runner TP=2", "transformers": 
           "ct2": "CTranslate2", "llama.cpp": "llama.cpp", "openvino": "OpenVINO GenAI", "vllm": "vLLM CPU",
           "ortgenai": "ONNX Runtime GenAI",
           "pmx1-bf16": "pmx-runner TP=1 bf16", "pmx2-bf16": "pmx-runner TP=2 bf16", "llama.cpp-bf16": "llama.cpp BF16",
+          "read": "the box's read",
           "openvino-bf16": "OpenVINO GenAI fp16 (bf16 hint)", "vllm-bf16": "vLLM CPU bf16",
           "pmx1-int8": "pmx-runner TP=1 int8", "pmx1-int4": "pmx-runner TP=1 int4",
           "pmx2-int8": "pmx-runner TP=2 int8", "pmx2-int4": "pmx-runner TP=2 int4", "ct2-int8": "CTranslate2 int8",
@@ -188,7 +189,11 @@ def open_engine(model: str, engine_options="{}") -> SimpleNamespace:
     (kv_cache, kv_scale); vocab_size; is_main; close(); api (which API was found) and runner (runner.__file__)."""
     import runner
     from runner.engine.session import open_session
-    opts = _engine_options(engine_options)
+    # the KV cache in layout 2 (a layer's rows of consecutive positions adjacent), as the LLM API and the server run
+    # it (runner.config.serving_config), in offset mode so that cpu_step.py's ppl.pmx step inputs stay valid; ppl.pmx's
+    # layout 0 (Demo's default) puts a token's rows of one layer 2 L rows apart: batch-1 decode of the base shape ran
+    # 1.11x faster in layout 2 (per-pair median, Zen 5, bf16)
+    opts = {"cache_layout": 2, **_engine_options(engine_options)}
     try:
         from runner.config import EngineConfig  # issue 24: one engine core
     except ImportError:
@@ -269,6 +274,20 @@ def _read_bandwidth(threads: int, gib: int = 1, reps: int = 5) -> float:
         x.sum()
         best = max(best, x.numel() * 4 / (time.perf_counter() - t0))
     return best / 1e9
+
+
+def _sustained_read(threads: int, seconds: float = 1.0, gib: int = 1) -> float:
+    """The bytes per second this box reads with `threads` threads, held for `seconds` (as long as a decode slice): sums
+    of a `gib` GiB float32 array one after another, all their bytes over all their time (GB/s)."""
+    import torch
+    torch.set_num_threads(threads)
+    x = torch.ones(gib << 28)
+    x.sum()
+    n, t0 = 0, time.perf_counter()
+    while n == 0 or time.perf_counter() - t0 < seconds:
+        x.sum()
+        n += 1
+    return n * x.numel() * 4 / (time.perf_counter() - t0) / 1e9
 
 
 def _worker_round(cmd_head: list, system: str, model: Path, a: dict, env_threads: int, python=None,
@@ -626,6 +645,10 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
     or pmx1-int4; `peer`: llama.cpp, llama.cpp-q8_0, llama.cpp-q4_0, ct2 or ct2-int8; `point`: decode_b1 (`tokens`
     tokens after an 8-token prompt: generate(n + 1) - generate(1) in this process, CTranslate2 likewise;
     llama.cpp: llama-bench -n tokens -d 8 -r 1) or prefill_512 (two 512-token prompts; llama-bench -p 512 -n 0).
+    `peer` read (decode_b1 of pmx1 / pmx1-bf16 only): the box itself, its read rate held for a second (sums of 1 GiB
+    one after another, `threads` threads: _sustained_read; the rounds' figure is the best of 5 single sums, a peak) as
+    the tokens/s that moving a step's weight bytes (read_bytes) at it allows, so the ratio is the share of the box's
+    read that batch-1 decode reaches, each pair in the same minute.
 
         python benchmarks/cpu_peers.py paired [--shape base|gqa] [--pmx pmx1-int4] [--peer llama.cpp-q4_0]
             [--point decode_b1|prefill_512] [--pairs 12] [--tokens 64]
@@ -635,9 +658,11 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
     quant = pmx.split("-", 1)[1] if "-" in pmx else None
     peers = ("llama.cpp", "llama.cpp-q8_0", "llama.cpp-q4_0", "llama.cpp-bf16", "ct2", "ct2-int8", *sorted(VENV_PEERS))
     pmxs = ("pmx1", "pmx1-int8", "pmx1-int4", "pmx1-bf16")
-    if shape not in SHAPES or pmx not in pmxs or peer not in peers or point not in METRICS:
-        raise SystemExit(f"paired: --shape base|gqa, --pmx {'|'.join(pmxs)}, --peer {'|'.join(peers)}, "
+    if shape not in SHAPES or pmx not in pmxs or peer not in (*peers, "read") or point not in METRICS:
+        raise SystemExit(f"paired: --shape base|gqa, --pmx {'|'.join(pmxs)}, --peer {'|'.join(peers)}|read, "
                          f"--point {'|'.join(METRICS)}")
+    if peer == "read" and (point != "decode_b1" or pmx not in ("pmx1", "pmx1-bf16")):
+        raise SystemExit("paired: --peer read measures --point decode_b1 of --pmx pmx1 or pmx1-bf16")
     work = Path(workdir).expanduser() / shape
     if not (work / "hf" / "config.json").exists():
         make_random_model(str(work / "hf"), **SHAPES[shape], overwrite=True)
@@ -664,16 +689,20 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
               f"{_read_bandwidth(threads):.1f} GB/s after:")
         _summary(rates, ratios, "peer", "pmx")
         return
-    try:
-        bindir, gguf = _llama_cpp_model(a, peer.split("-", 1)[1] if "-" in peer else None)
-        args = ("-p", "0", "-n", str(tokens), "-d", str(PROMPT)) if point == "decode_b1" else \
-            ("-p", str(LONG_PROMPT), "-n", "0")
-        if point == "decode_b16":
-            peer_rate = lambda: _batched_bench(bindir, gguf, str(threads), str(tokens // 2))  # noqa: E731
-        else:
-            peer_rate = lambda: _llama_bench(bindir, gguf, str(threads), *args)["avg_ts"]  # noqa: E731
-    except Skip as e:
-        raise SystemExit(f"paired: {LABELS[peer]} is not available: {e}") from None
+    if peer == "read":  # the box's read rate, in tokens/s at the weight bytes a step moves
+        width = 2 if pmx == "pmx1-bf16" else 4
+        peer_rate = lambda: _sustained_read(threads) * 1e9 / read_bytes(shape, width)  # noqa: E731
+    else:
+        try:
+            bindir, gguf = _llama_cpp_model(a, peer.split("-", 1)[1] if "-" in peer else None)
+            args = ("-p", "0", "-n", str(tokens), "-d", str(PROMPT)) if point == "decode_b1" else \
+                ("-p", str(LONG_PROMPT), "-n", "0")
+            if point == "decode_b16":
+                peer_rate = lambda: _batched_bench(bindir, gguf, str(threads), str(tokens // 2))  # noqa: E731
+            else:
+                peer_rate = lambda: _llama_bench(bindir, gguf, str(threads), *args)["avg_ts"]  # noqa: E731
+        except Skip as e:
+            raise SystemExit(f"paired: {LABELS[peer]} is not available: {e}") from None
     torch.set_num_threads(threads)
     eng = open_engine(str(_pmx_model(1, a, quant)), engine_options)
     rate = partial(_point_rate, eng.generate, point, tokens)
