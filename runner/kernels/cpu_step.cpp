@@ -115,17 +115,16 @@ inline float hsum(v16f a, v8f b) {
 }
 
 // The largest and the sum of a vector's lanes, halving.
+inline float hmax(v8f h) {
+  const auto q0 = __builtin_shufflevector(h, h, 0, 1, 2, 3), q1 = __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  const auto q = q0 > q1 ? q0 : q1;
+  const auto d0 = __builtin_shufflevector(q, q, 0, 1), d1 = __builtin_shufflevector(q, q, 2, 3);
+  const auto d = d0 > d1 ? d0 : d1;
+  return std::max(d[0], d[1]);
+}
 inline float hmax(v16f a) {
   const v8f h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7), g = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v8f m = h > g ? h : g;
-  float r = m[0];
-  for (int i = 1; i < 8; ++i) r = std::max(r, m[i]);
-  return r;
-}
-inline float hmax(v8f m) {
-  float r = m[0];
-  for (int i = 1; i < 8; ++i) r = std::max(r, m[i]);
-  return r;
+  return hmax(h > g ? h : g);
 }
 inline float hadd(v16f a) { return hsum(a, v8f{}); }
 inline float hadd(v8f h) {
@@ -819,7 +818,8 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
   const int64_t D = a.D, g = h / (a.H / a.KV), nkb = (a.N + PA_KB - 1) / PA_KB, off = a.N - a.S;
   alignas(64) float qsc[R][256], o[R][256], s[R][PA_KB];  // (D <= 256: checked by the op)
   alignas(64) uint32_t qp[BF ? R : 1][128], pp[BF ? R : 1][PA_KB / 2];  // (BF: q's and p's bfloat16 pairs)
-  float m[R], l[R];
+  float m[R];
+  vnf lsum[R];  // each row's sum of probabilities, lane by lane (summed across at the end)
   for (int r = 0; r < R; ++r) {
     const float* qr = a.q + b * a.qs[0] + (i0 + r) * a.qs[1] + h * a.qs[2];
     for (int64_t d = 0; d < D; ++d) {
@@ -828,7 +828,7 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
     }
     std::fill(qsc[r] + D, qsc[r] + std::min<int64_t>(256, D + 16), 0.0f);  // (BF: pairs of 32 at a time)
     m[r] = -INFINITY;
-    l[r] = 0;
+    lsum[r] = vnf{};
 #if PA_BF16
     if constexpr (BF)
       for (int64_t d = 0; d < D; d += 32)
@@ -877,7 +877,11 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
     }
     vnf lane;  // 0 .. VN-1
     for (int j = 0; j < VN; ++j) lane[j] = static_cast<float>(j);
-    for (int r = 0; r < R; ++r) {  // the row's softmax statistics, its scores in registers
+    // the rows' maxima first, then every row's factor for what it summed so far in one vector exp (R <= VN), applied
+    // to its sum here and to its output as P v loads it: no scalar exp, no pass over the output of its own
+    alignas(64) float fall[VN] = {};  // m_old - m_new a row (0: unchanged, factor 1; -inf the first time: factor 0)
+    bool seen_any[R];
+    for (int r = 0; r < R; ++r) {
       if (a.softcap > 0) {
         for (int j = 0; j < 4; ++j) storev(s[r] + j * VN, acc[r][j]);
         pmx_cpu::soft_cap_into(s[r], nk, a.softcap);
@@ -885,36 +889,39 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
       }
       // keys j0 .. j0 + seen of this block seen by the row (causal), the rest -inf
       const int64_t seen = a.causal ? std::min(nk, i0 + r + off - j0 + 1) : nk;
-      if (seen <= 0) {  // (nothing seen in this block: a row before the block, causal)
-        std::fill(s[r], s[r] + PA_KB, 0.0f);
-        if constexpr (BF) std::fill(pp[r], pp[r] + PA_KB / 2, 0u);
-        continue;
-      }
+      seen_any[r] = seen > 0;
+      if (seen <= 0) continue;  // (nothing seen in this block: a row before the block, causal)
       if (seen < PA_KB)
         for (int j = 0; j < 4; ++j) acc[r][j] = lane + static_cast<float>(j * VN) < static_cast<float>(seen)
                                                     ? acc[r][j] : vnf{} - INFINITY;
       vnf mv = acc[r][0];
       for (int j = 1; j < 4; ++j) mv = acc[r][j] > mv ? acc[r][j] : mv;
-      const float mx = hmax(mv);
-      if (mx > m[r]) {
-        const float c = m[r] == -INFINITY ? 0.0f : std::exp(m[r] - mx);
-        l[r] *= c;
-        for (int64_t d = 0; d < D; ++d) o[r][d] *= c;
-        m[r] = mx;
+      const float mn = std::max(m[r], hmax(mv));
+      fall[r] = m[r] == mn ? 0.0f : m[r] - mn;
+      m[r] = mn;
+    }
+    alignas(64) float fac[VN];
+    storev(fac, exp_neg(loadv<vnf>(fall)));
+    for (int r = 0; r < R; ++r) {  // the row's probabilities, its scores in registers
+      if (!seen_any[r]) {
+        if constexpr (BF) std::fill(pp[r], pp[r] + PA_KB / 2, 0u);
+        else std::fill(s[r], s[r] + PA_KB, 0.0f);
+        continue;
       }
-      vnf sum = vnf{};
+      vnf e[4], sum = lsum[r] * fac[r];
       for (int j = 0; j < 4; ++j) {  // (the hidden keys' -inf give 0)
-        const vnf e = exp_neg(acc[r][j] - m[r]);
-        storev(s[r] + j * VN, e);
-        sum += e;
+        e[j] = exp_neg(acc[r][j] - m[r]);
+        sum += e[j];
       }
-      l[r] += hadd(sum);
+      lsum[r] = sum;
 #if PA_BF16
-      if constexpr (BF)  // p in bfloat16 pairs of keys
+      if constexpr (BF) {  // p in bfloat16 pairs of keys (P v reads only these)
         for (int j = 0; j < 4; j += 2)
-          _mm512_storeu_si512(pp[r] + j * VN / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s[r] + (j + 1) * VN),
-                                                                              _mm512_loadu_ps(s[r] + j * VN)));
+          _mm512_storeu_si512(pp[r] + j * VN / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)e[j + 1], (__m512)e[j]));
+        continue;
+      }
 #endif
+      for (int j = 0; j < 4; ++j) storev(s[r] + j * VN, e[j]);
     }
 #if PA_BF16
     if constexpr (BF) {  // o[r] += sum over key pairs of (p, p') . (v, v'), 4 vectors of the head's dims at a time
@@ -922,7 +929,7 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
       const auto dims = [&](int64_t d0, auto nd) {  // nd vectors of dims from d0
         vnf y[R][nd];
         for (int r = 0; r < R; ++r)
-          for (int j = 0; j < nd; ++j) y[r][j] = loadv<vnf>(o[r] + d0 + j * VN);
+          for (int j = 0; j < nd; ++j) y[r][j] = loadv<vnf>(o[r] + d0 + j * VN) * fac[r];
         for (int64_t jp = 0; jp < (used + 1) / 2; ++jp) {
           __m512i vv[nd];
           for (int j = 0; j < nd; ++j) vv[j] = _mm512_loadu_si512(vb + jp * D + d0 + j * VN);
@@ -951,7 +958,7 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
     for (; d0 + 4 * VN <= D; d0 += 4 * VN) {
       vnf y[R][4];
       for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 4; ++j) y[r][j] = loadv<vnf>(o[r] + d0 + j * VN);
+        for (int j = 0; j < 4; ++j) y[r][j] = loadv<vnf>(o[r] + d0 + j * VN) * fac[r];
       for (int64_t j = 0; j < used; ++j) {
         const float* vr = vb + j * a.vs[1] + d0;
         const vnf v0 = loadv<vnf>(vr), v1 = loadv<vnf>(vr + VN), v2 = loadv<vnf>(vr + 2 * VN), v3 = loadv<vnf>(vr + 3 * VN);
@@ -968,6 +975,8 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
     }
     for (; d0 < D; d0 += VN) {  // the rest of the dims, a vector (or part of one) at a time
       const int64_t w = std::min<int64_t>(VN, D - d0);
+      for (int r = 0; r < R; ++r)
+        for (int64_t e = 0; e < w; ++e) o[r][d0 + e] *= fac[r];
       for (int64_t j = 0; j < used; ++j) {
         const float* vr = vb + j * a.vs[1] + d0;
         for (int r = 0; r < R; ++r)
@@ -977,7 +986,7 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
   }
   for (int r = 0; r < R; ++r) {
     float* out = a.out + ((b * a.S + i0 + r) * a.H + h) * D;
-    const float inv = 1.0f / l[r];
+    const float inv = 1.0f / hadd(lsum[r]);
     for (int64_t d = 0; d < D; ++d) out[d] = o[r][d] * inv;
   }
 }
