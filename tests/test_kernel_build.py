@@ -111,3 +111,33 @@ def test_every_instruction_set_branch_of_the_kernels_compiles(arch):
     for p, job in jobs:
         out, _ = job.communicate(timeout=300)
         assert job.returncode == 0, f"{p.name} for -march={arch}:\n{out[-4000:]}"
+
+
+FAULTS = """
+import resource, sys, torch
+from runner.kernels.cpu_ext import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+def steps():  # activations of growing sizes, as a step's chunks of a long prompt: 10 .. 30 MiB
+    for mib in range(10, 31, 2):
+        x = torch.empty(mib << 18)
+        x.fill_(1.0)
+        del x
+steps()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+steps()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_freed_memory_is_kept_for_the_next_step():
+    """A CPU engine keeps what a step frees (keep_freed_memory): the second pass over the same allocations faults
+    in few pages, where glibc's defaults map each block afresh and fault all of it in again (~30,000 pages here)."""
+    def faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", FAULTS, mode], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[-1])
+    default, kept = faults("default"), faults("keep")
+    assert kept * 10 < default, (kept, default)

@@ -14,7 +14,7 @@ from runner.engine.core import EngineCore
 from runner.engine.model import Transformer, load_shard, random_shard
 from runner.engine.runners import Stepper
 from runner.errors import PmxError
-from runner.kernels.cpu_ext import cpu_ops
+from runner.kernels.cpu_ext import cpu_ops, keep_freed_memory
 from runner.parallel.comm import SingleComm, collective_timeout, make_comm
 from runner.parallel.launch import LaunchEnv, detect, set_cpu_threads
 from runner.pmx.fingerprint import check_shards
@@ -134,6 +134,7 @@ def open_session(ckpt_dir: str, config: EngineConfig = EngineConfig(), random_we
     timeout_s = collective_timeout(config.collective_timeout)
     if dev.type == "cpu":
         set_cpu_threads(env)
+        keep_freed_memory()
     else:
         torch.cuda.set_device(dev)
     comm = make_comm(env, dev, config.comm_backend, timeout_s)
