@@ -591,9 +591,11 @@ void decode_attention_into(const float* qp, int64_t q_stride, int64_t B, int64_t
               if (jb + w <= from[r] || jb >= to[r]) continue;
               const float* qb = qp + (b0 + r) * q_stride;
               float* sr = s.data() + r * H * np;
-              for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) {
-                v16f acc = v16f{};
-                for (int64_t d = 0; d < D; ++d) acc += qb[hh * D + d] * loadv(kt.data() + d * 16);
+              for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh) {  // 8 chains of FMAs over the dims
+                v16f a8[8] = {};
+                for (int64_t d = 0; d < D; d += 8)
+                  for (int u = 0; u < 8; ++u) a8[u] += qb[hh * D + d + u] * loadv(kt.data() + (d + u) * 16);
+                const v16f acc = ((a8[0] + a8[1]) + (a8[2] + a8[3])) + ((a8[4] + a8[5]) + (a8[6] + a8[7]));
                 storev(sr + hh * np + jb, acc * sc);
               }
             }
