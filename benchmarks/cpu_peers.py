@@ -680,14 +680,19 @@ def paired(shape: str = "base", pmx: str = "pmx1", peer: str = "llama.cpp", pair
         except Skip as e:
             raise SystemExit(f"paired: {LABELS[peer]} is not available: {e}") from None
         head = ["job_worker", "--tokens", tokens, "--threads", threads]
+        others: dict = {}
         rates, ratios = _alternate({"peer": ([py, SELF, *head, peer, model], threads, env, REPO),
                                     "pmx": ([sys.executable, SELF, *head, "pmx", _pmx_model(1, a, quant),
                                              "--engine_options", json.dumps(_engine_options(engine_options))],
                                             threads)},
-                                   [point], pairs)
+                                   [point], pairs, others=others)
         print(f"shape {shape}, {pairs} pairs, {LABELS[pmx]} / {LABELS[peer]}, {threads} threads each; the box read "
               f"{_read_bandwidth(threads):.1f} GB/s after:")
         _summary(rates, ratios, "peer", "pmx")
+        # a job that keeps cores busy while the other one runs (vLLM's engine loop) takes them from its slices
+        print("  cores kept busy by everything else during the slices, median: " + ", ".join(
+            f"{LABELS[pmx] if n == 'pmx' else LABELS[peer]}'s {statistics.median(others[n, point]):.2f}"
+            for n in ("pmx", "peer")))
         return
     if peer == "read":  # the box's read rate, in tokens/s at the weight bytes a step moves
         width = 2 if pmx == "pmx1-bf16" else 4
