@@ -277,8 +277,9 @@ class Attention(nn.Module):
         else:
             k, v = cache.gather(self.layer, g.kv_slots, q.dtype)                  # (n, N, KV, D)
         k, v = self._repeat_kv(k.transpose(1, 2), v.transpose(1, 2), 1)
-        mask = self._with_alibi(g.masks[window], g.kvlens[:, None] - S + torch.arange(S, device=q.device),
-                                k.shape[2], True)
+        mask = g.masks[window]
+        if self.alibi is not None:  # (the queries' positions: only ALiBi's bias needs them)
+            mask = self._with_alibi(mask, g.kvlens[:, None] - S + torch.arange(S, device=q.device), k.shape[2], True)
         out = self.ops.attend(q.reshape(n, S, self.heads, D).transpose(1, 2), k, v, mask, causal=True,
                               softcap=self.softcap, bf16=self.bf16_products)
         return out.transpose(1, 2).reshape(n * S, self.heads * D)                 # (n S, H D)
