@@ -126,7 +126,8 @@ def test_kv_store_and_load_every_layout(layout, quant):
 @needs_cpu_ops
 @pytest.mark.parametrize("case", [(1, 8, 2, 200, 64, True, 0.0), (2, 4, 4, 37, 72, True, 0.0),
                                   (1, 6, 3, 70, 128, True, 0.0), (3, 4, 1, 65, 80, False, 0.0),
-                                  (1, 4, 2, 100, 40, True, 50.0), (2, 2, 1, 2, 16, True, 0.0)])
+                                  (1, 4, 2, 100, 40, True, 50.0), (1, 4, 2, 100, 64, True, 5.0),
+                                  (2, 2, 1, 2, 16, True, 0.0)])
 def test_prefill_attention_in_cpp_matches_reference(case, monkeypatch):
     """A fresh prompt's attention (no mask; causal or not) runs this project's flash attention in C++ on float32 CPU
     tensors, on the strided views the fused qkv GEMM leaves, and equals the reference's softmax(q k^T) v; with its

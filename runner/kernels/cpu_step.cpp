@@ -813,6 +813,69 @@ struct PrefillArgs {
 #define PA_BF16 1
 #endif
 
+#if PA_BF16
+// The 16 x 16 32-bit words w transposed in place (word j of w[i] to word i of w[j]): pairs of rows interleaved by
+// words, then by 64 bits, then 128-bit lanes gathered twice.
+inline void transpose16(__m512i (&w)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // lane L of t[i]: words 4L, 4L + 1 of rows i, i + 1 interleaved; t[i + 1]: 4L + 2, 4L + 3
+    t[i] = _mm512_unpacklo_epi32(w[i], w[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(w[i], w[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // lane L of w[i + c]: word 4L + c of rows i .. i + 3
+    w[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    w[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    w[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    w[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // word 4L + c of all rows: lane L of w[c], w[4 + c], w[8 + c], w[12 + c]
+    const __m512i p0 = _mm512_shuffle_i32x4(w[c], w[4 + c], 0x88), p1 = _mm512_shuffle_i32x4(w[c], w[4 + c], 0xDD);
+    const __m512i q0 = _mm512_shuffle_i32x4(w[8 + c], w[12 + c], 0x88),
+                  q1 = _mm512_shuffle_i32x4(w[8 + c], w[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_i32x4(p0, q0, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(p1, q1, 0x88);
+    t[8 + c] = _mm512_shuffle_i32x4(p0, q0, 0xDD);
+    t[12 + c] = _mm512_shuffle_i32x4(p1, q1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) w[i] = t[i];
+}
+
+// 2^t for each lane, t <= 0 (scores in log2 units less their row's maximum), for probabilities rounded to bfloat16
+// next: 2^n (vscalefps) times a degree 4 polynomial of f = t - n in [-0.5, 0.5] (relative error < 3e-6, a thousandth
+// of bfloat16's rounding; 10 instructions where exp_neg takes 18); 0 below -126, for -inf and for NaN (-inf - -inf).
+inline vnf exp2_bf(vnf x) {
+  const __m512 t = (__m512)x;
+  const __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.00956051983f), f, _mm512_set1_ps(0.0559171228f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240249817f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693121958f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99999919f));
+  return (vnf)_mm512_maskz_scalef_ps(live, p, n);
+}
+#endif
+
+// Lane r (r < 8) of the result: the largest lane of v[r] (AVX-512: 14 two-vector shuffles and 8 maxima for 8 rows,
+// where one row's hmax takes 4 shuffles, 4 maxima and a move to a scalar).
+inline v16f row_maxima8(const v16f (&v)[8]) {
+  const auto mx = [](v16f a, v16f b) { return a > b ? a : b; };
+  v16f t[4], u[2];
+  for (int i = 0; i < 4; ++i)  // lanes 0-7: row 2i's 8 partial maxima, 8-15 row 2i + 1's
+    t[i] = mx(__builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+              __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                      31));
+  for (int i = 0; i < 2; ++i)  // 4 lanes a row, rows 4i .. 4i + 3
+    u[i] = mx(__builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+              __builtin_shufflevector(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                      31));
+  const v16f w = mx(  // 2 lanes a row
+      __builtin_shufflevector(u[0], u[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+      __builtin_shufflevector(u[0], u[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
+  return mx(__builtin_shufflevector(w, w, 0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14),
+            __builtin_shufflevector(w, w, 1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15));
+}
+
 // Rows [i0, i0 + R) of head h of sequence b; BF: q k and p v as bfloat16 products (vdpbf16ps: q, k, the
 // probabilities and v rounded to bfloat16, the sums float32; D a multiple of 16).
 template <int R, bool BF = false>
@@ -820,16 +883,18 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
   const int64_t D = a.D, g = h / (a.H / a.KV), nkb = (a.N + PA_KB - 1) / PA_KB, off = a.N - a.S;
   alignas(64) float qsc[R][256], o[R][256], s[R][PA_KB];  // (D <= 256: checked by the op)
   alignas(64) uint32_t qp[BF ? R : 1][128], pp[BF ? R : 1][PA_KB / 2];  // (BF: q's and p's bfloat16 pairs)
-  float m[R];
+  // BF: scores in log2 units (q scaled by log2(e) too), their probabilities 2^(s - m) (exp2_bf)
+  constexpr float unit = BF ? 1.44269504088896341f : 1.0f;
+  alignas(64) float m[VN];  // each row's running maximum (lanes R.. unused)
+  std::fill(m, m + VN, -INFINITY);
   vnf lsum[R];  // each row's sum of probabilities, lane by lane (summed across at the end)
   for (int r = 0; r < R; ++r) {
     const float* qr = a.q + b * a.qs[0] + (i0 + r) * a.qs[1] + h * a.qs[2];
     for (int64_t d = 0; d < D; ++d) {
-      qsc[r][d] = qr[d] * a.scale;
+      qsc[r][d] = qr[d] * (a.scale * unit);
       o[r][d] = 0;
     }
     std::fill(qsc[r] + D, qsc[r] + std::min<int64_t>(256, D + 16), 0.0f);  // (BF: pairs of 32 at a time)
-    m[r] = -INFINITY;
     lsum[r] = vnf{};
 #if PA_BF16
     if constexpr (BF)
@@ -879,39 +944,48 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
     }
     vnf lane;  // 0 .. VN-1
     for (int j = 0; j < VN; ++j) lane[j] = static_cast<float>(j);
-    // the rows' maxima first, then every row's factor for what it summed so far in one vector exp (R <= VN), applied
-    // to its sum here and to its output as P v loads it: no scalar exp, no pass over the output of its own
-    alignas(64) float fall[VN] = {};  // m_old - m_new a row (0: unchanged, factor 1; -inf the first time: factor 0)
-    bool seen_any[R];
+    // the rows' maxima first (a row that sees none of the block's keys: all -inf), then every row's factor for what
+    // it summed so far in one vector exp (R <= VN), applied to its sum here and to its output as P v loads it: no
+    // scalar exp, no pass over the output of its own
+    vnf mv[VN == 16 ? 8 : R];  // each row's largest score lane by lane (AVX-512: 8, the rows past R -inf)
     for (int r = 0; r < R; ++r) {
-      if (a.softcap > 0) {
-        for (int j = 0; j < 4; ++j) storev(s[r] + j * VN, acc[r][j]);
+      if (a.softcap > 0) {  // (on the scores in natural units)
+        for (int j = 0; j < 4; ++j) storev(s[r] + j * VN, acc[r][j] * (1.0f / unit));
         pmx_cpu::soft_cap_into(s[r], nk, a.softcap);
-        for (int j = 0; j < 4; ++j) acc[r][j] = loadv<vnf>(s[r] + j * VN);
+        for (int j = 0; j < 4; ++j) acc[r][j] = loadv<vnf>(s[r] + j * VN) * unit;
       }
       // keys j0 .. j0 + seen of this block seen by the row (causal), the rest -inf
       const int64_t seen = a.causal ? std::min(nk, i0 + r + off - j0 + 1) : nk;
-      seen_any[r] = seen > 0;
-      if (seen <= 0) continue;  // (nothing seen in this block: a row before the block, causal)
       if (seen < PA_KB)
         for (int j = 0; j < 4; ++j) acc[r][j] = lane + static_cast<float>(j * VN) < static_cast<float>(seen)
                                                     ? acc[r][j] : vnf{} - INFINITY;
-      vnf mv = acc[r][0];
-      for (int j = 1; j < 4; ++j) mv = acc[r][j] > mv ? acc[r][j] : mv;
-      const float mn = std::max(m[r], hmax(mv));
-      fall[r] = m[r] == mn ? 0.0f : m[r] - mn;
-      m[r] = mn;
+      mv[r] = acc[r][0];
+      for (int j = 1; j < 4; ++j) mv[r] = acc[r][j] > mv[r] ? acc[r][j] : mv[r];
     }
+    alignas(64) float rmax[VN];
+    if constexpr (VN == 16) {
+      for (int r = R; r < (VN == 16 ? 8 : R); ++r) mv[r] = vnf{} - INFINITY;
+      storev(rmax, row_maxima8(mv));
+    } else {
+      for (int r = 0; r < R; ++r) rmax[r] = hmax(mv[r]);
+    }
+    // m_old - m_new a row: 0 unchanged (factor 1, -inf - -inf included), -inf the first time (factor 0)
+    const vnf mo = loadv<vnf>(m), mn = mo > loadv<vnf>(rmax) ? mo : loadv<vnf>(rmax);
+    const vnf fall = mo == mn ? vnf{} : mo - mn;
+    storev(m, mn);
     alignas(64) float fac[VN];
-    storev(fac, exp_neg(loadv<vnf>(fall)));
-    for (int r = 0; r < R; ++r) {  // the row's probabilities, its scores in registers
-      if (!seen_any[r]) {
-        if constexpr (BF) std::fill(pp[r], pp[r] + PA_KB / 2, 0u);
-        else std::fill(s[r], s[r] + PA_KB, 0.0f);
-        continue;
-      }
+#if PA_BF16
+    if constexpr (BF) storev(fac, exp2_bf(fall));
+    else
+#endif
+    storev(fac, exp_neg(fall));
+    for (int r = 0; r < R; ++r) {  // the row's probabilities, its scores in registers (the hidden keys' -inf give 0)
       vnf e[4], sum = lsum[r] * fac[r];
-      for (int j = 0; j < 4; ++j) {  // (the hidden keys' -inf give 0)
+      for (int j = 0; j < 4; ++j) {
+#if PA_BF16
+        if constexpr (BF) e[j] = exp2_bf(acc[r][j] - m[r]);
+        else
+#endif
         e[j] = exp_neg(acc[r][j] - m[r]);
         sum += e[j];
       }
@@ -1046,20 +1120,23 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
           return n < N ? _mm512_loadu_ps(base + b * t.stride(0) + n * t.stride(1) + g * t.stride(2) + d)
                        : _mm512_setzero_ps();
         };
-        for (int64_t j = 0; j < PA_KB; ++j)  // key j's dims (d, d + 1) in pairs, to column j of its block
-          for (int64_t d = 0; d < D; d += 32) {
-            alignas(64) uint32_t w[16];
-            _mm512_store_si512(w, (__m512i)_mm512_cvtne2ps_pbh(
-                                      D - d > 16 ? row(kp, k, kb * PA_KB + j, d + 16) : _mm512_setzero_ps(),
-                                      row(kp, k, kb * PA_KB + j, d)));
-            for (int64_t i = 0; i < std::min<int64_t>(16, (D - d) / 2); ++i) kt2[(d / 2 + i) * PA_KB + j] = w[i];
+        for (int64_t j0 = 0; j0 < PA_KB; j0 += 16)  // keys j0.. j0 + 16: their dims (d, d + 1) in pairs, 16 pairs
+          for (int64_t d = 0; d < D; d += 32) {     // of each (a row of words), transposed into 16 keys a pair
+            __m512i w[16];
+            for (int j = 0; j < 16; ++j)
+              w[j] = (__m512i)_mm512_cvtne2ps_pbh(D - d > 16 ? row(kp, k, kb * PA_KB + j0 + j, d + 16)
+                                                              : _mm512_setzero_ps(),
+                                                   row(kp, k, kb * PA_KB + j0 + j, d));
+            transpose16(w);
+            for (int64_t i = 0; i < std::min<int64_t>(16, (D - d) / 2); ++i)
+              _mm512_storeu_si512(kt2 + (d / 2 + i) * PA_KB + j0, w[i]);
           }
+        const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
         for (int64_t j = 0; j < PA_KB; j += 2)  // value dims of keys j (low halves) and j + 1 (high)
-          for (int64_t d = 0; d < D; d += 16) {
-            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(row(vp, v, kb * PA_KB + j, d)));
-            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(row(vp, v, kb * PA_KB + j + 1, d)));
-            _mm512_storeu_si512(vt2 + j / 2 * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-          }
+          for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_si512(vt2 + j / 2 * D + d, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(
+                row(vp, v, kb * PA_KB + j + 1, d), row(vp, v, kb * PA_KB + j, d))));
       }
     });
   }
