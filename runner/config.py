@@ -44,9 +44,10 @@ class EngineConfig:
                                "plain float32 F.linear)")
     decode_linears: bool = flag(True, "CUDA: batch-1 decode linears (float16 / bfloat16, int8, int4) on the Triton "
                                       "GEMV kernel")
-    norm_in_linears: bool = flag(True, "with --decode_linears: each RMSNorm of a batch-1 step inside the linear after "
-                                       "it (the row's RMS summed as it loads the row), the residual added by the "
-                                       "linear before it: no norm kernels")
+    norm_in_linears: bool = flag(True, "each RMSNorm inside the linear after it (the row's RMS summed as it loads "
+                                       "the row), the residual added by the linear before it: no norm kernels. CUDA: "
+                                       "batch-1 steps with --decode_linears; CPU: bfloat16 weights with AVX512-BF16, "
+                                       "any rows")
     rotary_in_qkv: bool = flag(True, "with --decode_linears: rotary and the K/V cache store as the qkv linear's "
                                      "epilogue")
     merge_in_attention: bool = flag(True, "CUDA decode attention: the key splits merged by the last program of each "

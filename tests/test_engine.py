@@ -170,8 +170,9 @@ HALF_TP_OPTIONS = [{}, {"fused_decode": False}, {"fused_decode": False, "seq_par
 
 
 def _half_case(make_hf, base: Path):
-    """(HF model, its bfloat16 PMX dir, split in 2) of test_half_precision_tensor_parallel_matches_one_rank."""
-    src, model = make_hf("llama_gqa_odd", **HALF_CPU_SHAPE)
+    """(HF model, its bfloat16 PMX dir, split in 2) of test_half_precision_tensor_parallel_matches_one_rank: an MLP of
+    2 x 64 channels a rank, which the gate | up projection activates in bfloat16 where the CPU has AVX512-BF16."""
+    src, model = make_hf("llama_gqa_odd", **{**HALF_CPU_SHAPE, "intermediate_size": 256})
     convert(str(src), str(base / "pmx"), dtype="bfloat16", progress=False)
     reshard(str(base / "pmx"), str(base / "pmx2"), 2, progress=False)
     return model, base / "pmx", base / "pmx2"
@@ -257,6 +258,39 @@ def test_half_precision_checkpoint_keeps_its_width_on_cpu(make_hf, tmp_path, dty
         assert rel_err(got[flag, fused], ref) < tolerance[flag], (flag, fused, rel_err(got[flag, fused], ref))
         sess.close()
     assert rel_err(got["auto", True], got["float32", True]) < (5e-3 if rounded else 1e-5)
+
+
+def test_bf16_steps_fuse_the_norms_and_the_activation_into_the_linears(make_hf, tmp_path, monkeypatch):
+    """On bfloat16 weights with AVX512-BF16 a step runs no norm kernel and no float32 MLP activation: each RMSNorm is
+    computed as the next linear rounds its input, the residual added as the linear before it stores its output, and
+    SwiGLU as the gate | up projection stores its output, in bfloat16 (what the down projection's dot products round it
+    to). The logits equal those of the unfused step bit for bit (the same float32 values, rounded the same way), and
+    transformers' within bfloat16's spread."""
+    from runner.engine.session import open_session
+    from runner.kernels.cpu_ext import bf16_k_pairs, cpu_ops
+    from runner.kernels.linear import Linear
+    if cpu_ops() is None or not bf16_k_pairs():
+        pytest.skip("bfloat16 dot products need this project's CPU kernels on a CPU with AVX512-BF16")
+    src, model = make_hf("llama_gqa_odd", **{**HALF_CPU_SHAPE, "intermediate_size": 256})
+    convert(str(src), str(tmp_path / "pmx"), dtype="bfloat16", progress=False)
+    prompts, conts = prompts_and_conts(model.config.vocab_size)
+    ref = hf_logits(model.to(torch.bfloat16).float(), prompts, conts)
+    calls = []  # the norm op's calls, and the linears' that return the activation in bfloat16
+    norm_op, linear_op = torch.ops.pmx_cpu.skip_rms_norm, torch.ops.pmx_cpu.linear_f32_fused
+    monkeypatch.setattr(torch.ops.pmx_cpu, "skip_rms_norm", lambda *a: calls.append("norm") or norm_op(*a))
+    monkeypatch.setattr(torch.ops.pmx_cpu, "linear_f32_fused",
+                        lambda *a: (calls.append("glu") if a[-1] is True else None) or linear_op(*a))
+    got = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(Linear, "takes_glu_out", lambda self, x: False)
+        sess = open_session(str(tmp_path / "pmx"), EngineConfig(fused_decode=False, norm_in_linears=fused))
+        calls.clear()
+        got[fused] = torch.stack(teacher_forced_logits(sess.stepper, prompts, conts))
+        sess.close()
+        assert ("norm" in calls, "glu" in calls) == (not fused, fused), calls
+        assert rel_err(got[fused], ref) < 5e-3
+    assert torch.equal(got[True], got[False])
 
 
 def test_matrix_dtype_is_the_checkpoints_only_where_the_cpu_kernels_read_it(monkeypatch):

@@ -316,18 +316,34 @@ def test_bfloat16_blocks_take_the_layout_of_the_machines_kernels():
 @needs_ext
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 70])
-def test_linear_takes_swiglu_of_a_gate_up_input_at_any_rows(dtype, rows):
-    """This project's kernel takes the down projection's input as the fused gate | up output, x = silu(g) * u computed
-    as it loads (on bfloat16 weights with AVX512-BF16: in cache, as x is rounded for the dot products): the same
-    result as the SwiGLU op followed by the linear, and the small-rows path's refusal where the kernel cannot."""
+def test_linear_fuses_swiglu_norm_and_residual_at_any_rows(dtype, rows):
+    """This project's kernel takes the work around a product (linear_f32_fused): the down projection's input as the
+    fused gate | up output, x = silu(g) * u computed as it loads; x normed by an RMSNorm weight on the way in; a
+    residual added to the output (on bfloat16 weights with AVX512-BF16: in cache, as x is rounded for the dot products
+    and as the output is stored; there `fuses` says so, for the model's fused step). Each equals the ops it replaces,
+    and bad inputs are refused by name."""
     K, N = 1031, 130
-    w, gu = torch.randn(N, K).to(dtype), torch.randn(rows, 2 * K)
+    w, gu, x, res = torch.randn(N, K).to(dtype), torch.randn(rows, 2 * K), torch.randn(rows, K), torch.randn(rows, N)
+    nw = torch.rand(K) + 0.5
     lin = Linear(w, torch.randn(N))
     assert lin.kernel == "pmx" and lin.takes_swiglu(gu) and not lin.takes_swiglu(gu[:, :K])
+    assert lin.fuses(x) == (dtype == torch.bfloat16 and bf16_k_pairs())
+    tol = dict(rtol=1e-6, atol=1e-6 * float(lin(x).abs().max()))
     want = lin(torch.ops.pmx_cpu.swiglu(gu[:, :K], gu[:, K:]))
-    torch.testing.assert_close(lin(gu, swiglu=True), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
-    with pytest.raises(RuntimeError, match="gate_up must be"):
-        torch.ops.pmx_cpu.linear_f32_swiglu(gu[:, 1:], lin.packed, N)
+    torch.testing.assert_close(lin(gu, swiglu=True), want, **tol)
+    torch.testing.assert_close(lin(gu, swiglu=True, residual=res), want + res, **tol)
+    normed, _ = torch.ops.pmx_cpu.skip_rms_norm(x, None, nw, 1e-5)
+    torch.testing.assert_close(lin(x, norm=(nw, 1e-5)), lin(normed), **tol)
+    torch.testing.assert_close(lin(x, norm=(nw, 1e-5), residual=res), lin(normed) + res, **tol)
+    torch.testing.assert_close(lin(x, residual=res), lin(x) + res, **tol)
+    with pytest.raises(RuntimeError, match="x must be contiguous float32"):
+        torch.ops.pmx_cpu.linear_f32_fused(gu[:, 1:].contiguous(), lin.packed, N, True)
+    with pytest.raises(RuntimeError, match="norm must be a contiguous float32 weight of 1031"):
+        torch.ops.pmx_cpu.linear_f32_fused(x, lin.packed, N, False, nw[1:], 1e-5)
+    with pytest.raises(RuntimeError, match=rf"residual must be contiguous float32 \[{rows}, 130\]"):
+        torch.ops.pmx_cpu.linear_f32_fused(x, lin.packed, N, False, None, 0.0, res[:, 1:].contiguous())
+    with pytest.raises(ValueError, match="no rotary epilogue"):
+        lin(x, residual=res, rotary=object())
 
 
 # (B, H, KV, D, N, window): MHA and GQA, head_dim with a tail past 16 lanes, one row, a sliding window inside and

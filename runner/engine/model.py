@@ -199,7 +199,7 @@ class Attention(nn.Module):
     def _qkv_stored(self, x, plan, cache, norm=None):
         """q, k, v (T, H|KV|KV, D) of the new tokens, q and k rotated, k and v written to the cache."""
         H, KV, D = self.heads, self.kv_heads, self.head_dim
-        if self.rotary_in_qkv and plan.q_scale is None and self.qkv[0].fuses(x):  # the qkv linear's epilogue
+        if self.rotary_in_qkv and plan.q_scale is None and self.qkv[0].takes_rotary(x):  # the qkv linear's epilogue
             rot = RotaryStore(plan.cos[self.rope], plan.sin[self.rope], plan.slots, cache.data, cache.scale,
                               cache.layout, self.layer, H, KV, D)
             q, k, v = self.qkv[0](x, norm=norm, rotary=rot).split([H * D, KV * D, KV * D], dim=-1)
@@ -322,6 +322,11 @@ class FeedForward(nn.Module):
             w2 = partial(self.w2, residual=residual)
         kw = {} if norm is None else {"norm": norm}
         if len(self.gate_up) == 1:
+            # SwiGLU as the gate | up projection stores its output, in bfloat16, where both projections take
+            # bfloat16 dot products: the [rows, 2 F] float32 output never goes through memory
+            if not self.gelu and sp is None and getattr(self.gate_up[0], "takes_glu_out", None) is not None and \
+                    self.gate_up[0].takes_glu_out(x) and getattr(self.w2, "dot_bf16", False):
+                return w2(self.gate_up[0](x, glu_out=True, **kw))
             gate_up = self.gate_up[0](x, **kw)
             # SwiGLU computed as the down projection loads its input (under sequence parallelism only where its
             # small-rows kernel runs: elsewhere the partial sum goes straight into sp's shared area, unfused)
@@ -505,7 +510,7 @@ class Transformer(nn.Module):
                         or (isinstance(mod, QuantLinear) and mod.takes_small_rows()):
                     mod.use_small_rows(gemv, ops.decode_linear_rows)
         # the norms inside the linears after them, for the steps whose rows every linear takes on its small-rows kernel
-        self.norm_in_linears = c.norm_in_linears and ops.decode_linear is not None
+        self.norm_in_linears = c.norm_in_linears
         if c.merge_in_attention and ops.decode_attention is not None:  # one ticket counter per (sequence, KV head)
             counts = torch.zeros(c.max_batch * self.kv_heads, dtype=torch.int32, device=self.device)
             for layer in self.layers:

@@ -240,6 +240,29 @@ constexpr int64_t KC_PREFILL = (128 << 10) / (NB * sizeof(float));
 // from cache; at or below, they are streamed from memory once, converted in registers.
 constexpr int64_t STREAM_MAX_ROWS = 32;
 
+// A prefill call's work as (block, rows) units, handed out by for_blocks: blocks alone are too coarse where a layer
+// has few (a 768-channel projection: 12 blocks of ~120-320 us each at 512 rows, and a thread left waiting up to one
+// at the end), so the rows are cut into `parts` (each a multiple of MR) until there are ~32 units a thread. Units go
+// block-major, so a thread's run of them reads one block (in cache) for consecutive rows.
+struct RowParts {
+  int64_t M, blocks, parts, rows;  // rows a part (the last: what is left)
+  RowParts(int64_t M_, int64_t blocks_) : M(M_), blocks(blocks_) {
+    const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+    const int64_t want = M <= STREAM_MAX_ROWS || threads <= 1 ? 1 : (32 * threads + blocks - 1) / blocks;
+    parts = std::clamp<int64_t>(want, 1, std::max<int64_t>(1, M / (8 * MR)));  // (a part: 8 tiles or more)
+    rows = (M + parts - 1) / parts;
+    rows = std::max<int64_t>(MR, (rows + MR - 1) / MR * MR);
+    parts = std::max<int64_t>(1, (M + rows - 1) / rows);
+  }
+  int64_t units() const { return blocks * parts; }
+  // unit u: block b, rows [r0, r1)
+  void of(int64_t u, int64_t& b, int64_t& r0, int64_t& r1) const {
+    b = u / parts;
+    r0 = u % parts * rows;
+    r1 = std::min(M, r0 + rows);
+  }
+};
+
 template <typename W>
 void stream_block(const float* x, int64_t M, int64_t K, const W* wb, float* out, int64_t ldo, int64_t ncols) {
   if (M == 1) {  // the whole block in one pass, prefetched
@@ -294,16 +317,20 @@ namespace dot {
 constexpr int NVB = NB / 16;  // vectors of 16 channels' pairs in a block
 
 // x [M, K] rounded to bfloat16, in pairs of k ([M, (K + 1) / 2] 32-bit words: k at the low half, k + 1 the high;
-// an odd K's last padded with a zero). swiglu: x is silu(g) * u of gate / up rows [M, 2 K] (g | u), each row's
-// computed into a buffer in L1 as it is converted.
-inline void x_pairs(const float* x, int64_t M, int64_t K, uint32_t* xp, bool swiglu = false) {
+// an odd K's last padded with a zero). swiglu: x is silu(g) * u of gate / up rows [M, 2 K] (g | u); norm: x is
+// rms_norm(x) * norm (eps); either computed a row at a time into a buffer in L1 as it is converted.
+inline void x_pairs(const float* x, int64_t M, int64_t K, uint32_t* xp, bool swiglu = false,
+                    const float* norm = nullptr, float eps = 0) {
   const int64_t kh = (K + 1) / 2;
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
-    std::vector<float> act(swiglu ? K : 0);
+    std::vector<float> act(swiglu || norm ? K : 0);
     for (int64_t m = m0; m < m1; ++m) {
       const float* r = x + m * K;
       if (swiglu) {
         pmx_cpu::swiglu_into(x + m * 2 * K, 0, x + m * 2 * K + K, 0, 1, K, act.data());
+        r = act.data();
+      } else if (norm) {  // (one row: runs here, in this thread)
+        pmx_cpu::skip_rms_norm_into(r, nullptr, norm, 1, K, eps, nullptr, act.data());
         r = act.data();
       }
       for (int64_t k = 0; k < K; k += 32) {  // 32 values: x[k..k+16) into the low 16 words, x[k+16..k+32) the high
@@ -319,10 +346,11 @@ inline void x_pairs(const float* x, int64_t M, int64_t K, uint32_t* xp, bool swi
 }
 
 // out[m][0..ncols) (+)= x[m] . w over the k-pairs [p0, p1) of a block w (k-pair layout, above) for R rows of x pairs
-// (row stride ldx words), prefetching as PF says.
+// (row stride ldx words), prefetching as PF says; res (not accumulating): res[m][0..ncols) (row stride ldo) added.
 template <int R, Prefetch PF>
 inline void tile(const uint32_t* xp, int64_t ldx, const Bf16* w, int64_t K, int64_t p0,
-                 int64_t p1, float* out, int64_t ldo, int64_t ncols, bool accumulate, Spread* spread = nullptr) {
+                 int64_t p1, float* out, int64_t ldo, int64_t ncols, bool accumulate, const float* res,
+                 Spread* spread = nullptr) {
   __m512 a[R][NVB];
   for (int m = 0; m < R; ++m)
     for (int j = 0; j < NVB; ++j) a[m][j] = _mm512_setzero_ps();
@@ -352,18 +380,20 @@ inline void tile(const uint32_t* xp, int64_t ldx, const Bf16* w, int64_t K, int6
     step(pairs_end, wv);
   }
   if (PF == kSpread) *spread = sp;
+  const float* add = accumulate ? out : res;  // (what the sums are added to, if anything)
   for (int m = 0; m < R; ++m) {
     float* o = out + m * ldo;
+    const float* ad = add ? add + m * ldo : nullptr;
     if (ncols == NB) {
       for (int j = 0; j < NVB; ++j) {
         __m512 v = a[m][j];
-        if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(o + 16 * j));
+        if (ad) v = _mm512_add_ps(v, _mm512_loadu_ps(ad + 16 * j));
         _mm512_storeu_ps(o + 16 * j, v);
       }
     } else {
       float tmp[NB];
       for (int j = 0; j < NVB; ++j) _mm512_storeu_ps(tmp + 16 * j, a[m][j]);
-      for (int64_t j = 0; j < ncols; ++j) o[j] = accumulate ? o[j] + tmp[j] : tmp[j];
+      for (int64_t j = 0; j < ncols; ++j) o[j] = ad ? ad[j] + tmp[j] : tmp[j];
     }
   }
 }
@@ -371,15 +401,17 @@ inline void tile(const uint32_t* xp, int64_t ldx, const Bf16* w, int64_t K, int6
 // The rows [0, M) of x pairs against the pairs [p0, p1) of a block, MR rows a tile.
 template <Prefetch PF>
 inline void rows(const uint32_t* xp, int64_t M, int64_t kh, const Bf16* w, int64_t K, int64_t p0,
-                 int64_t p1, float* out, int64_t ldo, int64_t ncols, bool accumulate, Spread* spread = nullptr) {
+                 int64_t p1, float* out, int64_t ldo, int64_t ncols, bool accumulate, const float* res,
+                 Spread* spread = nullptr) {
   for (int64_t m0 = 0; m0 < M; m0 += MR) {
     const uint32_t* xm = xp + m0 * kh;
     float* o = out + m0 * ldo;
+    const float* rm = res ? res + m0 * ldo : nullptr;
     switch (std::min<int64_t>(MR, M - m0)) {
 #define PMX_TILE(R) \
-  case R: tile<R, PF>(xm, kh, w, K, p0, p1, o, ldo, ncols, accumulate, spread); break;
+  case R: tile<R, PF>(xm, kh, w, K, p0, p1, o, ldo, ncols, accumulate, rm, spread); break;
       PMX_TILE(1) PMX_TILE(2) PMX_TILE(3) PMX_TILE(4) PMX_TILE(5)
-      default: tile<MR, PF>(xm, kh, w, K, p0, p1, o, ldo, ncols, accumulate, spread);
+      default: tile<MR, PF>(xm, kh, w, K, p0, p1, o, ldo, ncols, accumulate, rm, spread);
 #undef PMX_TILE
     }
   }
@@ -390,12 +422,13 @@ inline void rows(const uint32_t* xp, int64_t M, int64_t kh, const Bf16* w, int64
 constexpr int64_t DOT_STREAM_PAIRS = 64, DOT_PREFILL_PAIRS = 1024;
 
 // One block against all M rows: in one pass where one tile covers the rows; else in chunks of pairs that every tile
-// reads in turn, the next chunk's lines asked for over the current one's compute (as stream_block).
+// reads in turn, the next chunk's lines asked for over the current one's compute (as stream_block). res: added to
+// the output (the block's columns of a residual [M, ldo]) as the first chunk stores it.
 inline void block(const uint32_t* xp, int64_t M, int64_t K, const Bf16* wb, float* out,
-                  int64_t ldo, int64_t ncols) {
+                  int64_t ldo, int64_t ncols, const float* res) {
   const int64_t kh = (K + 1) / 2;
   if (M <= MR) {
-    rows<kAhead>(xp, M, kh, wb, K, 0, kh, out, ldo, ncols, false);
+    rows<kAhead>(xp, M, kh, wb, K, 0, kh, out, ldo, ncols, false, res);
     return;
   }
   const int64_t PC = M <= STREAM_MAX_ROWS ? DOT_STREAM_PAIRS : DOT_PREFILL_PAIRS;
@@ -405,7 +438,7 @@ inline void block(const uint32_t* xp, int64_t M, int64_t K, const Bf16* wb, floa
     const int64_t lines = PC * 2 * NB * (int64_t)sizeof(Bf16) / 64;
     const int64_t reads = ((M + MR - 1) / MR) * (p1 - p0);  // pairs all the tiles read (4 lines asked for each time)
     Spread sp{next, next + lines * 64, (int)std::max<int64_t>(1, 4 * reads / lines), 1};
-    rows<kSpread>(xp, M, kh, wb, K, p0, p1, out, ldo, ncols, p0 > 0, &sp);
+    rows<kSpread>(xp, M, kh, wb, K, p0, p1, out, ldo, ncols, p0 > 0, res, &sp);
   }
 }
 
@@ -413,15 +446,49 @@ inline void block(const uint32_t* xp, int64_t M, int64_t K, const Bf16* wb, floa
 #endif
 
 #if PMX_BF16_DOT
-void linear_dot(const float* x, int64_t M, int64_t K, const Bf16* w, int64_t blocks, int64_t N, float* y,
-                bool swiglu = false) {
+// y = x W^T (+ res) on bfloat16 blocks; x float32 (rounded into pairs by x_pairs, with its swiglu / norm) or xb, x as
+// bfloat16 already ([M, K], K even: its rows are their own pairs). glu (a gate | up layer, N = 2 F, F a multiple of
+// 64): no y; glu [M, F] = silu(gate) * up rounded to bfloat16, the down projection's x: each unit computes a gate
+// block and its up block (F / 64 blocks on) for its rows into buffers of its own, activates and rounds them there, so
+// the [M, 2 F] float32 output never goes through memory and the down projection converts nothing.
+void linear_dot(const float* x, const uint32_t* xb, int64_t M, int64_t K, const Bf16* w, int64_t blocks, int64_t N,
+                float* y, uint16_t* glu = nullptr, bool swiglu = false, const float* norm = nullptr, float eps = 0,
+                const float* res = nullptr) {
   const int64_t kh = (K + 1) / 2;
-  const std::unique_ptr<uint32_t[]> xp(new uint32_t[M * kh]);  // (not zeroed: x_pairs writes every word)
-  dot::x_pairs(x, M, K, xp.get(), swiglu);
-  pmx_cpu::for_blocks(blocks, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      dot::block(xp.get(), M, K, w + b * K * NB, y + b * NB, N,
-                 std::min(NB, N - b * NB));
+  std::unique_ptr<uint32_t[]> own(new uint32_t[xb ? 0 : M * kh]);  // (not zeroed: x_pairs writes every word)
+  if (!xb) dot::x_pairs(x, M, K, own.get(), swiglu, norm, eps);
+  const uint32_t* xp = xb ? xb : own.get();
+  if (glu) {
+    const int64_t F = N / 2, gate_blocks = F / NB;
+    const RowParts rp(M, gate_blocks);
+    pmx_cpu::for_blocks(rp.units(), [&](int64_t u0, int64_t u1) {
+      std::vector<float> buf(3 * rp.rows * NB);  // the unit's gate, up and activation [rows, 64]
+      float *g = buf.data(), *up = g + rp.rows * NB, *act = up + rp.rows * NB;
+      for (int64_t u = u0; u < u1; ++u) {
+        int64_t j, r0, r1;
+        rp.of(u, j, r0, r1);
+        const int64_t m = r1 - r0;
+        dot::block(xp + r0 * kh, m, K, w + j * K * NB, g, NB, NB, nullptr);
+        dot::block(xp + r0 * kh, m, K, w + (j + gate_blocks) * K * NB, up, NB, NB, nullptr);
+        pmx_cpu::swiglu_into(g, NB, up, NB, m, NB, act);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = 0; c < NB; c += 32)  // (32 values to bfloat16 in order, as x_pairs)
+            _mm512_storeu_si512(glu + (r0 + r) * F + j * NB + c,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(act + r * NB + c + 16),
+                                                             _mm512_loadu_ps(act + r * NB + c)));
+      }
+    });
+    return;
+  }
+  const RowParts rp(M, blocks);
+  pmx_cpu::for_blocks(rp.units(), [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      int64_t b, r0, r1;
+      rp.of(u, b, r0, r1);
+      const int64_t at = r0 * N + b * NB;  // (the unit's first output)
+      dot::block(xp + r0 * kh, r1 - r0, K, w + b * K * NB, y + at, N, std::min(NB, N - b * NB),
+                 res ? res + at : nullptr);
+    }
   });
 }
 #endif
@@ -430,27 +497,32 @@ template <typename W>
 void linear_blocks(const float* x, int64_t M, int64_t K, const W* w, int64_t blocks, int64_t N, float* y) {
 #if PMX_BF16_DOT
   if constexpr (std::is_same_v<W, Bf16>)
-    return linear_dot(x, M, K, w, blocks, N, y);
+    return linear_dot(x, nullptr, M, K, w, blocks, N, y);
 #endif
-  pmx_cpu::for_blocks(blocks, [&](int64_t b0, int64_t b1) {
+  const RowParts rp(M, blocks);
+  pmx_cpu::for_blocks(rp.units(), [&](int64_t u0, int64_t u1) {
     std::vector<float> buf(M <= STREAM_MAX_ROWS ? 0 : KC_PREFILL * NB);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * NB, ncols = std::min(NB, N - n0);
+    for (int64_t u = u0; u < u1; ++u) {
+      int64_t b, r0, r1;
+      rp.of(u, b, r0, r1);
+      const int64_t n0 = b * NB, ncols = std::min(NB, N - n0), m = r1 - r0;
       const W* wb = w + b * K * NB;
+      const float* xr = x + r0 * K;
+      float* yr = y + r0 * N + n0;
       if (M <= STREAM_MAX_ROWS) {
-        stream_block(x, M, K, wb, y + n0, N, ncols);
+        stream_block(xr, m, K, wb, yr, N, ncols);
         continue;
       }
       for (int64_t k0 = 0; k0 < K; k0 += KC_PREFILL) {
         const int64_t k1 = std::min(K, k0 + KC_PREFILL);
         if constexpr (std::is_same_v<W, float>)
           if (NV_TILE * L == NB) {  // (AVX-512: a float32 block is its own one panel: the tiles walk it in place)
-            rows_by_panels<kNone>(x, M, K, wb, k0, k1, y + n0, N, ncols, k0 > 0);
+            rows_by_panels<kNone>(xr, m, K, wb, k0, k1, yr, N, ncols, k0 > 0);
             continue;
           }
         // widened once into buf panel-major, then the float32 tiles
         widen_panels(wb + k0 * NB, k1 - k0, buf.data());
-        rows_by_panels<kNone>(x + k0, M, K, buf.data(), 0, k1 - k0, y + n0, N, ncols, k0 > 0, nullptr, true);
+        rows_by_panels<kNone>(xr + k0, m, K, buf.data(), 0, k1 - k0, yr, N, ncols, k0 > 0, nullptr, true);
       }
     }
   });
@@ -485,14 +557,30 @@ void block_panel_f32(const float* x, int64_t M, int64_t K, const float* block, f
     rows_by_panels<kNone>(x, M, K, block, k0, std::min(K, k0 + KC_PREFILL), out, ldo, ncols, k0 > 0);
 }
 
-void float_linear_swiglu_into(const float* gate_up, int64_t M, int64_t K, const void* w, FloatWeight type,
-                              int64_t blocks, int64_t N, float* y) {
+void float_linear_fused_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
+                             int64_t N, float* y, bool swiglu, const float* norm, float eps, const float* res) {
 #if PMX_BF16_DOT
-  if (type == FloatWeight::bf16) return linear_dot(gate_up, M, K, static_cast<const Bf16*>(w), blocks, N, y, true);
+  if (type == FloatWeight::bf16)
+    return linear_dot(x, nullptr, M, K, static_cast<const Bf16*>(w), blocks, N, y, nullptr, swiglu, norm, eps, res);
 #endif
-  const std::unique_ptr<float[]> act(new float[M * K]);
-  swiglu_into(gate_up, 2 * K, gate_up + K, 2 * K, M, K, act.get());
-  float_linear_into(act.get(), M, K, w, type, blocks, N, y);
+  std::unique_ptr<float[]> act(new float[swiglu || norm ? M * K : 0]);
+  if (swiglu) swiglu_into(x, 2 * K, x + K, 2 * K, M, K, act.get());
+  else if (norm) skip_rms_norm_into(x, nullptr, norm, M, K, eps, nullptr, act.get());
+  float_linear_into(swiglu || norm ? act.get() : x, M, K, w, type, blocks, N, y);
+  if (res)
+    at::parallel_for(0, M * N, 16384, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) y[i] += res[i];
+    });
+}
+
+void bf16_linear_dot_into(const uint16_t* xb, const float* x, int64_t M, int64_t K, const void* w, int64_t blocks,
+                          int64_t N, float* y, uint16_t* glu, const float* norm, float eps, const float* res) {
+#if PMX_BF16_DOT
+  linear_dot(x, reinterpret_cast<const uint32_t*>(xb), M, K, static_cast<const Bf16*>(w), blocks, N, y, glu, false,
+             norm, eps, res);
+#else
+  TORCH_CHECK(false, "bfloat16 dot products need AVX512-BF16");
+#endif
 }
 
 }  // namespace pmx_cpu

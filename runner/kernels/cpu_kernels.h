@@ -50,10 +50,20 @@ void float_linear_into(const float* x, int64_t M, int64_t K, const void* w, Floa
 // channel i then channel g/2 + i (cpu_gemm.cpp; the packing code, runner/kernels/cpu_ext.py, asks for g).
 int64_t bf16_pair_channels();
 
-// float_linear_into of x = silu(g) * u for gate_up [M, 2 K] = (g | u): on bfloat16 weights with AVX512-BF16 each row's
-// activation is computed in cache as x is converted for the dot products (no [M, K] pass through memory).
-void float_linear_swiglu_into(const float* gate_up, int64_t M, int64_t K, const void* w, FloatWeight type,
-                              int64_t blocks, int64_t N, float* y);
+// float_linear_into with the work around it: swiglu, x = silu(g) * u for x [M, 2 K] = (g | u); norm (a weight [K]),
+// x = rms_norm(x) * norm (eps); res [M, N] (or null), y = x W^T + res. On bfloat16 weights with AVX512-BF16 each row's
+// activation or norm is computed in cache as x is converted for the dot products, and res is added as the output is
+// stored (no pass of its own over [M, K] or [M, N]); elsewhere they are passes before and after the product.
+void float_linear_fused_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
+                             int64_t N, float* y, bool swiglu, const float* norm, float eps, const float* res);
+
+// Where bf16_k_pairs() (bfloat16 blocks, AVX512-BF16): y = x W^T (+ res) with x given as bfloat16 xb [M, K] (K even;
+// its rows are the dot products' pairs: nothing converted), or float32 x (normed by norm where given) when xb is
+// null. glu (N = 2 F, F a multiple of 64; y unused): the layer is a gate | up projection and glu [M, F] receives
+// silu(gate) * up rounded to bfloat16 (round to nearest even, as x is rounded for the dot products), computed a
+// block of each at a time in cache.
+void bf16_linear_dot_into(const uint16_t* xb, const float* x, int64_t M, int64_t K, const void* w, int64_t blocks,
+                          int64_t N, float* y, uint16_t* glu, const float* norm, float eps, const float* res);
 
 // Where the CPU has AVX512-BF16: bfloat16 blocks hold their k-rows in pairs instead (a 32-bit word (w[2p][c],
 // w[2p + 1][c]) a channel, an odd K's last row plainly; cpu_gemm.cpp), for vdpbf16ps.

@@ -390,15 +390,50 @@ bool is_float_weight(const at::Tensor& w) {
   return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf;
 }
 
-at::Tensor linear_f32_swiglu(const at::Tensor& gate_up, const at::Tensor& w, int64_t N) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
-                  gate_up.size(1) == 2 * w.size(1) && w.dim() == 3 && is_float_weight(w),
-              "linear_f32_swiglu: gate_up must be contiguous float32 [M, 2 K] for a packed float weight [N/64, K, 64]");
-  TORCH_CHECK(w.size(2) == NB && w.is_contiguous() && w.size(0) * NB >= N && (w.size(0) - 1) * NB < N,
-              "linear_f32_swiglu: packed weight must be contiguous [N/64, K, 64] for N=", N);
-  at::Tensor out = at::empty({gate_up.size(0), N}, gate_up.options());
-  pmx_cpu::float_linear_swiglu_into(gate_up.data_ptr<float>(), gate_up.size(0), w.size(1), w.data_ptr(),
-                                    float_weight(w), w.size(0), N, out.data_ptr<float>());
+// x W^T (+ residual) for x [M, K] normed by `norm` (eps) on the way in, or x [M, 2 K] = gate | up activated
+// (swiglu): see pmx_cpu::float_linear_fused_into. On bfloat16 blocks with AVX512-BF16 (bf16_k_pairs) also: x
+// bfloat16 [M, K] (K even), taken as the dot products' pairs as it is; glu_out (N = 2 F, F a multiple of 64): the
+// layer is a gate | up projection and the result is silu(gate) * up, bfloat16 [M, F] (pmx_cpu::bf16_linear_dot_into).
+at::Tensor linear_f32_fused(const at::Tensor& x, const at::Tensor& w, int64_t N, bool swiglu,
+                            const c10::optional<at::Tensor>& norm, double eps, const c10::optional<at::Tensor>& residual,
+                            bool glu_out) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == NB && w.is_contiguous() && is_float_weight(w) && w.size(0) * NB >= N &&
+                  (w.size(0) - 1) * NB < N,
+              "linear_f32_fused: packed weight must be contiguous float [N/64, K, 64] for N=", N);
+  const int64_t K = w.size(1);
+  const bool dot = w.scalar_type() == at::kBFloat16 && pmx_cpu::bf16_k_pairs(), xb = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || xb) && x.is_contiguous() &&
+                  x.size(1) == (swiglu ? 2 : 1) * K,
+              "linear_f32_fused: x must be contiguous float32 [M, ", swiglu ? "2 K" : "K", "] with K=", K, ", got ",
+              x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(!xb || (dot && K % 2 == 0 && !swiglu && !norm.has_value()),
+              "linear_f32_fused: a bfloat16 x goes to bfloat16 weights on AVX512-BF16 with an even K (", K,
+              "), without swiglu or norm");
+  TORCH_CHECK(!glu_out || (dot && N % 128 == 0 && !swiglu && !residual.has_value()),
+              "linear_f32_fused: glu_out needs bfloat16 weights on AVX512-BF16 and N a multiple of 128 (gate | up, ",
+              "64-channel blocks each), without swiglu or residual; N=", N);
+  TORCH_CHECK(!(swiglu && norm.has_value()), "linear_f32_fused: swiglu and norm do not go together");
+  TORCH_CHECK(!norm.has_value() || (norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == K),
+              "linear_f32_fused: norm must be a contiguous float32 weight of ", K, " values");
+  TORCH_CHECK(!residual.has_value() || (residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+                                        residual->dim() == 2 && residual->size(0) == x.size(0) &&
+                                        residual->size(1) == N),
+              "linear_f32_fused: residual must be contiguous float32 [", x.size(0), ", ", N, "]");
+  const float* np = norm ? norm->data_ptr<float>() : nullptr;
+  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
+  if (xb || glu_out) {
+    at::Tensor out = glu_out ? at::empty({x.size(0), N / 2}, x.options().dtype(at::kBFloat16))
+                             : at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+    pmx_cpu::bf16_linear_dot_into(xb ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr,
+                                  xb ? nullptr : x.data_ptr<float>(), x.size(0), K, w.data_ptr(), w.size(0), N,
+                                  glu_out ? nullptr : out.data_ptr<float>(),
+                                  glu_out ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr, np,
+                                  static_cast<float>(eps), rp);
+    return out;
+  }
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  pmx_cpu::float_linear_fused_into(x.data_ptr<float>(), x.size(0), K, w.data_ptr(), float_weight(w), w.size(0), N,
+                                   out.data_ptr<float>(), swiglu, np, static_cast<float>(eps), rp);
   return out;
 }
 
@@ -792,7 +827,8 @@ void linear_into_(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc
 
 TORCH_LIBRARY(pmx_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor w, int n) -> Tensor");
-  m.def("linear_f32_swiglu(Tensor gate_up, Tensor w, int n) -> Tensor");
+  m.def("linear_f32_fused(Tensor x, Tensor w, int n, bool swiglu=False, Tensor? norm=None, float eps=0.0, "
+        "Tensor? residual=None, bool glu_out=False) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");
   m.def("linear_int8_group(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");
@@ -806,7 +842,7 @@ TORCH_LIBRARY(pmx_cpu, m) {
 
 TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) {
   m.impl("linear_f32", &linear_f32);
-  m.impl("linear_f32_swiglu", &linear_f32_swiglu);
+  m.impl("linear_f32_fused", &linear_f32_fused);
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
   m.impl("linear_int8_group", &linear_int8_group);

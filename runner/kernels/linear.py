@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from runner.kernels.cpu_ext import cpu_ops, pack_blocks, unpack_blocks
+from runner.kernels.cpu_ext import bf16_k_pairs, cpu_ops, pack_blocks, unpack_blocks
 
 PREPACK_MIN_NUMEL = 1 << 14  # below this (128 x 128) plain F.linear is as fast
 
@@ -99,13 +99,22 @@ class SmallRows:
     def use_small_rows(self, kernel: Callable, max_rows: int) -> None:
         self._small_rows = (kernel, max_rows)
 
-    def fuses(self, x: torch.Tensor) -> bool:
+    def small_rows(self, x: torch.Tensor) -> bool:
         """Whether x goes to the small-rows kernel (which takes swiglu, norm, residual and rotary)."""
         return self._small_rows is not None and x.dim() == 2 and 0 < x.shape[0] <= self._small_rows[1]
 
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, norm=, residual=) runs (and swiglu, rotary): x goes to the small-rows kernel."""
+        return self.small_rows(x)
+
     def takes_swiglu(self, x: torch.Tensor) -> bool:
         """Whether forward(x, swiglu=True) runs: x [rows, 2 in] (gate | up) within the small-rows kernel's rows."""
-        return self.fuses(x) and x.shape[1] == 2 * self.in_features
+        return self.small_rows(x) and x.shape[1] == 2 * self.in_features
+
+    def takes_rotary(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, rotary=...) runs (the qkv linear's rotary + cache-store epilogue): the small-rows
+        kernel's rows."""
+        return self.small_rows(x)
 
     def _small_rows_weight(self) -> dict:
         """What the kernel takes besides the weight tensor (a quantised weight's scales)."""
@@ -113,7 +122,7 @@ class SmallRows:
 
     def _small(self, x: torch.Tensor, weight: torch.Tensor, swiglu: bool, norm, residual, rotary):
         """The small-rows kernel's product, or a ValueError when x does not go there and fused work was asked for."""
-        if self.fuses(x):
+        if self.small_rows(x):
             return self._small_rows[0](x, weight, self.bias, swiglu=swiglu, norm=norm, residual=residual,
                                        rotary=rotary, **self._small_rows_weight())
         if swiglu or norm is not None or residual is not None or rotary is not None:
@@ -152,6 +161,8 @@ class Linear(SmallRows, torch.nn.Module):
                 raise RuntimeError("kernel 'pmx' needs this project's CPU extension, which could not be built here")
             packed = pack_blocks(weight)
         self.register_buffer("packed", packed, persistent=False)
+        # this project's kernel on bfloat16 blocks with AVX512-BF16: bfloat16 dot products, on x rounded to bfloat16
+        self.dot_bf16 = self.kernel == "pmx" and packed.dtype == torch.bfloat16 and bf16_k_pairs()
         self.register_buffer("weight", weight if self.kernel == "plain" else None, persistent=False)
 
     def use_small_rows(self, kernel: Callable, max_rows: int) -> None:
@@ -161,9 +172,24 @@ class Linear(SmallRows, torch.nn.Module):
 
     def takes_swiglu(self, x: torch.Tensor) -> bool:
         """Whether forward(x, swiglu=True) runs: the small-rows kernel's rows, or any rows on this project's kernel
-        (linear_f32_swiglu: on bfloat16 weights with AVX512-BF16 the activation is computed as x is converted)."""
+        (linear_f32_fused: on bfloat16 weights with AVX512-BF16 the activation is computed as x is converted)."""
         return super().takes_swiglu(x) or (self.kernel == "pmx" and x.dim() == 2 and x.dtype == torch.float32 and
                                            x.shape[1] == 2 * self.in_features and not torch.compiler.is_compiling())
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, norm=, residual=, swiglu=) runs with that work inside the product: the small-rows
+        kernel's rows, or any rows where `dot_bf16`, the norm computed as x is converted for the dot products and the
+        residual added as the output is stored (x float32, or bfloat16 as `takes_glu_out` leaves it; on other weights
+        linear_f32_fused takes them too, as passes of their own around the product, so they are not asked for)."""
+        return super().fuses(x) or (self.dot_bf16 and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
+                                    and not torch.compiler.is_compiling())
+
+    def takes_glu_out(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, glu_out=True) runs: this is a fused gate | up layer (out = 2 F, F a multiple of 64, no
+        bias) on `dot_bf16`, which returns silu(gate) * up in bfloat16 [rows, F] (the down projection's x as its dot
+        products round it) without the [rows, 2 F] float32 output going through memory."""
+        return (self.dot_bf16 and self.bias is None and self.out_features % 128 == 0 and x.dim() == 2 and
+                x.dtype == torch.float32 and x.shape[1] == self.in_features and not torch.compiler.is_compiling())
 
     def dense_weight(self) -> torch.Tensor:
         """W [out, in] as a plain tensor (a copy for the packed kernels)."""
@@ -174,11 +200,19 @@ class Linear(SmallRows, torch.nn.Module):
         return self.weight
 
     def forward(self, x: torch.Tensor, swiglu: bool = False, norm: Optional[tuple] = None,
-                residual: Optional[torch.Tensor] = None, rotary=None) -> torch.Tensor:
-        if swiglu and self.kernel == "pmx" and norm is None and residual is None and rotary is None:
-            # (x: gate | up, takes_swiglu)
-            y = torch.ops.pmx_cpu.linear_f32_swiglu(x.contiguous(), self.packed, self.out_features)
-            return y if self.bias is None else y + self.bias
+                residual: Optional[torch.Tensor] = None, rotary=None, glu_out: bool = False) -> torch.Tensor:
+        if self.kernel == "pmx" and (swiglu or norm is not None or residual is not None or glu_out
+                                     or x.dtype == torch.bfloat16):
+            if rotary is not None:
+                raise ValueError("this project's CPU linear takes no rotary epilogue; rotate and store k, v after it")
+            # (swiglu: x is gate | up, takes_swiglu; norm: x is the residual stream; glu_out: takes_glu_out)
+            res = None if residual is None else residual.reshape(-1, self.out_features)
+            y = torch.ops.pmx_cpu.linear_f32_fused(
+                x.reshape(-1, x.shape[-1]).contiguous(), self.packed, self.out_features, swiglu,
+                None if norm is None else norm[0].float().contiguous(), 0.0 if norm is None else float(norm[1]),
+                None if res is None else res.float().contiguous(), glu_out)
+            y = y if self.bias is None else y + self.bias
+            return y.view(*x.shape[:-1], y.shape[-1])
         y = self._small(x, self.weight, swiglu, norm, residual, rotary)
         if y is not None:
             return y

@@ -28,10 +28,23 @@ class ColumnParallelLinear(nn.Module):
         self.linear, self.comm, self.gather_output = make_linear(weight, bias, prepack), comm, gather_output
 
     def fuses(self, x: torch.Tensor) -> bool:
-        """Whether forward(x, norm=..., rotary=...) runs (x goes to the small-rows kernel)."""
+        """Whether forward(x, norm=...) runs (runner.kernels.linear.SmallRows.fuses)."""
         return _fuses(self.linear, x)
 
-    def forward(self, x: torch.Tensor, norm: Optional[tuple] = None, rotary=None) -> torch.Tensor:
+    def takes_rotary(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, rotary=...) runs (x goes to the small-rows kernel)."""
+        return getattr(self.linear, "takes_rotary", None) is not None and self.linear.takes_rotary(x)
+
+    def takes_glu_out(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, glu_out=True) runs (runner.kernels.linear.Linear.takes_glu_out: this rank's gate | up
+        columns, activated in bfloat16)."""
+        return (not self.gather_output and getattr(self.linear, "takes_glu_out", None) is not None
+                and self.linear.takes_glu_out(x))
+
+    def forward(self, x: torch.Tensor, norm: Optional[tuple] = None, rotary=None, glu_out: bool = False
+                ) -> torch.Tensor:
+        if glu_out:
+            return self.linear(x, norm=norm, glu_out=True)
         y = self.linear(x) if norm is None and rotary is None else self.linear(x, norm=norm, rotary=rotary)
         return self.comm.all_gather(y, dim=-1) if self.gather_output else y
 
@@ -48,8 +61,13 @@ class RowParallelLinear(nn.Module):
         """Whether forward(x, swiglu=True) runs: x is a fused gate/up output its kernel activates as it loads."""
         return getattr(self.linear, "takes_swiglu", None) is not None and self.linear.takes_swiglu(x)
 
+    @property
+    def dot_bf16(self) -> bool:
+        """Whether its kernel takes bfloat16 dot products (and so a bfloat16 x: runner.kernels.linear.Linear)."""
+        return getattr(self.linear, "dot_bf16", False)
+
     def fuses(self, x: torch.Tensor) -> bool:
-        """Whether x goes to the small-rows kernel (which adds `residual` in its epilogue)."""
+        """Whether the kernel adds `residual` in its epilogue (runner.kernels.linear.SmallRows.fuses)."""
         return _fuses(self.linear, x)
 
     def forward(self, x: torch.Tensor, swiglu: bool = False, sp=None, residual: Optional[torch.Tensor] = None
