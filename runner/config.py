@@ -48,8 +48,8 @@ class EngineConfig:
                                        "the row), the residual added by the linear before it: no norm kernels. CUDA: "
                                        "batch-1 steps with --decode_linears; CPU: bfloat16 weights with AVX512-BF16, "
                                        "any rows")
-    rotary_in_qkv: bool = flag(True, "with --decode_linears: rotary and the K/V cache store as the qkv linear's "
-                                     "epilogue")
+    rotary_in_qkv: bool = flag(True, "rotary and the K/V cache store as the qkv linear's epilogue (CUDA: batch-1 "
+                                     "steps with --decode_linears; CPU: this project's kernel, any rows)")
     merge_in_attention: bool = flag(True, "CUDA decode attention: the key splits merged by the last program of each "
                                           "(sequence, KV head) to finish, not by a kernel of their own")
     pdl: bool = flag(False, "CUDA sm_90+, with --decode_linears: the decode linears launched with programmatic "

@@ -155,8 +155,7 @@ class Attention(nn.Module):
         # prefill's q k and p v may be bfloat16 products (attend's `bf16`) where the qkv linear's are
         self.bf16_products = bf16_products(self.qkv)
         self.friendly_gqa, self.cache_mode = config.friendly_gqa, config.cache_mode
-        self.rotary_in_qkv = (config.rotary_in_qkv and ops.rotary_kv_store is not None and alibi is None
-                              and q_norm is None and len(qkv) == 1)
+        self.rotary_in_qkv = config.rotary_in_qkv and alibi is None and q_norm is None and len(qkv) == 1
         self.split_counts: Optional[torch.Tensor] = None   # decode attention's (the Transformer's, shared)
 
     @property

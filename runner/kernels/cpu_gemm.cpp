@@ -317,19 +317,17 @@ namespace dot {
 constexpr int NVB = NB / 16;  // vectors of 16 channels' pairs in a block
 
 // x [M, K] rounded to bfloat16, in pairs of k ([M, (K + 1) / 2] 32-bit words: k at the low half, k + 1 the high;
-// an odd K's last padded with a zero). swiglu: x is silu(g) * u of gate / up rows [M, 2 K] (g | u); norm: x is
-// rms_norm(x) * norm (eps); either computed a row at a time into a buffer in L1 as it is converted.
+// an odd K's last padded with a zero). swiglu: x is silu(g) * u of gate / up rows [M, 2 K] (g | u), at bfloat16's
+// precision (silu_mul_bf16: what the rounding keeps) as it is converted; norm: x is rms_norm(x) * norm (eps), computed a
+// row at a time into a buffer in L1.
 inline void x_pairs(const float* x, int64_t M, int64_t K, uint32_t* xp, bool swiglu = false,
                     const float* norm = nullptr, float eps = 0) {
   const int64_t kh = (K + 1) / 2;
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
-    std::vector<float> act(swiglu || norm ? K : 0);
+    std::vector<float> act(norm ? K : 0);
     for (int64_t m = m0; m < m1; ++m) {
-      const float* r = x + m * K;
-      if (swiglu) {
-        pmx_cpu::swiglu_into(x + m * 2 * K, 0, x + m * 2 * K + K, 0, 1, K, act.data());
-        r = act.data();
-      } else if (norm) {  // (one row: runs here, in this thread)
+      const float* r = swiglu ? x + m * 2 * K : x + m * K;
+      if (norm) {  // (one row: runs here, in this thread)
         pmx_cpu::skip_rms_norm_into(r, nullptr, norm, 1, K, eps, nullptr, act.data());
         r = act.data();
       }
@@ -338,8 +336,12 @@ inline void x_pairs(const float* x, int64_t M, int64_t K, uint32_t* xp, bool swi
         const __mmask16 m_a = n >= 16 ? 0xFFFF : (1u << n) - 1;
         const __mmask16 m_b = n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0;
         const __mmask16 words = (n + 1) / 2 >= 16 ? 0xFFFF : (1u << ((n + 1) / 2)) - 1;
-        const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m_b, r + k + 16), _mm512_maskz_loadu_ps(m_a, r + k));
-        _mm512_mask_storeu_epi32(xp + m * kh + k / 2, words, (__m512i)h);
+        __m512 a = _mm512_maskz_loadu_ps(m_a, r + k), b = _mm512_maskz_loadu_ps(m_b, r + k + 16);
+        if (swiglu) {  // (the up half: K on)
+          a = pmx_cpu::silu_mul_bf16(a, _mm512_maskz_loadu_ps(m_a, r + K + k));
+          b = pmx_cpu::silu_mul_bf16(b, _mm512_maskz_loadu_ps(m_b, r + K + k + 16));
+        }
+        _mm512_mask_storeu_epi32(xp + m * kh + k / 2, words, (__m512i)_mm512_cvtne2ps_pbh(b, a));
       }
     }
   });
@@ -445,6 +447,29 @@ inline void block(const uint32_t* xp, int64_t M, int64_t K, const Bf16* wb, floa
 }  // namespace dot
 #endif
 
+// pmx_cpu::QKVEpilogue on rows [r0, r1) of y [M, N], channels [c0, c1) (a unit's block, just computed: in cache).
+void qkv_epilogue(const pmx_cpu::QKVEpilogue& e, float* y, int64_t N, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  const int64_t D = e.D, half = e.R / 2, rot_end = std::min(c1, (e.H + e.KV) * D);
+  for (int64_t r = r0; r < r1; ++r) {
+    float* yr = y + r * N;
+    const float *cs = e.cos + r * half, *sn = e.sin + r * half;
+    for (int64_t c = c0; c < rot_end;) {  // a head's dims [d, d_end) of this range: its rotated pairs
+      const int64_t h = c / D, d = c - h * D, d_end = std::min(std::min(D, e.R), d + (rot_end - c));
+      if (d_end > d) pmx_cpu::rotate_pairs(yr + h * D + d, cs + d / 2, sn + d / 2, (d_end - d) / 2);
+      c = h * D + D;  // (the rest of the head, past R, is not rotated)
+    }
+    for (int64_t c = std::max(c0, e.H * D); c < c1;) {  // k and v into the cache, a head's part at a time
+      const int64_t h = c / D - e.H, kv = h / e.KV, g = h % e.KV, d = c % D, n = std::min(c1 - c, D - d);
+      if (e.scales)
+        pmx_cpu::quantize_int8(yr + c, n, e.cache->row<int8_t>(e.layer, kv, e.slots[r], g) + d,
+                               e.scales->row<at::Half>(e.layer, kv, e.slots[r], g) + d / pmx_cpu::QUANT_GROUP);
+      else
+        std::memcpy(e.cache->row<float>(e.layer, kv, e.slots[r], g) + d, yr + c, n * sizeof(float));
+      c += n;
+    }
+  }
+}
+
 #if PMX_BF16_DOT
 // y = x W^T (+ res) on bfloat16 blocks; x float32 (rounded into pairs by x_pairs, with its swiglu / norm) or xb, x as
 // bfloat16 already ([M, K], K even: its rows are their own pairs). glu (a gate | up layer, N = 2 F, F a multiple of
@@ -453,7 +478,7 @@ inline void block(const uint32_t* xp, int64_t M, int64_t K, const Bf16* wb, floa
 // the [M, 2 F] float32 output never goes through memory and the down projection converts nothing.
 void linear_dot(const float* x, const uint32_t* xb, int64_t M, int64_t K, const Bf16* w, int64_t blocks, int64_t N,
                 float* y, uint16_t* glu = nullptr, bool swiglu = false, const float* norm = nullptr, float eps = 0,
-                const float* res = nullptr) {
+                const float* res = nullptr, const pmx_cpu::QKVEpilogue* ep = nullptr) {
   const int64_t kh = (K + 1) / 2;
   std::unique_ptr<uint32_t[]> own(new uint32_t[xb ? 0 : M * kh]);  // (not zeroed: x_pairs writes every word)
   if (!xb) dot::x_pairs(x, M, K, own.get(), swiglu, norm, eps);
@@ -462,20 +487,21 @@ void linear_dot(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
     const int64_t F = N / 2, gate_blocks = F / NB;
     const RowParts rp(M, gate_blocks);
     pmx_cpu::for_blocks(rp.units(), [&](int64_t u0, int64_t u1) {
-      std::vector<float> buf(3 * rp.rows * NB);  // the unit's gate, up and activation [rows, 64]
-      float *g = buf.data(), *up = g + rp.rows * NB, *act = up + rp.rows * NB;
+      std::vector<float> buf(2 * rp.rows * NB);  // the unit's gate and up [rows, 64]
+      float *g = buf.data(), *up = g + rp.rows * NB;
       for (int64_t u = u0; u < u1; ++u) {
         int64_t j, r0, r1;
         rp.of(u, j, r0, r1);
         const int64_t m = r1 - r0;
         dot::block(xp + r0 * kh, m, K, w + j * K * NB, g, NB, NB, nullptr);
         dot::block(xp + r0 * kh, m, K, w + (j + gate_blocks) * K * NB, up, NB, NB, nullptr);
-        pmx_cpu::swiglu_into(g, NB, up, NB, m, NB, act);
         for (int64_t r = 0; r < m; ++r)
-          for (int64_t c = 0; c < NB; c += 32)  // (32 values to bfloat16 in order, as x_pairs)
-            _mm512_storeu_si512(glu + (r0 + r) * F + j * NB + c,
-                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(act + r * NB + c + 16),
-                                                             _mm512_loadu_ps(act + r * NB + c)));
+          for (int64_t c = 0; c < NB; c += 32) {  // (32 values to bfloat16 in order, as x_pairs)
+            const float *gr = g + r * NB + c, *ur = up + r * NB + c;
+            const __m512 a = pmx_cpu::silu_mul_bf16(_mm512_loadu_ps(gr), _mm512_loadu_ps(ur));
+            const __m512 b = pmx_cpu::silu_mul_bf16(_mm512_loadu_ps(gr + 16), _mm512_loadu_ps(ur + 16));
+            _mm512_storeu_si512(glu + (r0 + r) * F + j * NB + c, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+          }
       }
     });
     return;
@@ -485,19 +511,20 @@ void linear_dot(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
     for (int64_t u = u0; u < u1; ++u) {
       int64_t b, r0, r1;
       rp.of(u, b, r0, r1);
-      const int64_t at = r0 * N + b * NB;  // (the unit's first output)
-      dot::block(xp + r0 * kh, r1 - r0, K, w + b * K * NB, y + at, N, std::min(NB, N - b * NB),
-                 res ? res + at : nullptr);
+      const int64_t at = r0 * N + b * NB, ncols = std::min(NB, N - b * NB);  // (the unit's first output)
+      dot::block(xp + r0 * kh, r1 - r0, K, w + b * K * NB, y + at, N, ncols, res ? res + at : nullptr);
+      if (ep) qkv_epilogue(*ep, y, N, r0, r1, b * NB, b * NB + ncols);
     }
   });
 }
 #endif
 
 template <typename W>
-void linear_blocks(const float* x, int64_t M, int64_t K, const W* w, int64_t blocks, int64_t N, float* y) {
+void linear_blocks(const float* x, int64_t M, int64_t K, const W* w, int64_t blocks, int64_t N, float* y,
+                   const pmx_cpu::QKVEpilogue* ep = nullptr) {
 #if PMX_BF16_DOT
   if constexpr (std::is_same_v<W, Bf16>)
-    return linear_dot(x, nullptr, M, K, w, blocks, N, y);
+    return linear_dot(x, nullptr, M, K, w, blocks, N, y, nullptr, false, nullptr, 0, nullptr, ep);
 #endif
   const RowParts rp(M, blocks);
   pmx_cpu::for_blocks(rp.units(), [&](int64_t u0, int64_t u1) {
@@ -511,19 +538,20 @@ void linear_blocks(const float* x, int64_t M, int64_t K, const W* w, int64_t blo
       float* yr = y + r0 * N + n0;
       if (M <= STREAM_MAX_ROWS) {
         stream_block(xr, m, K, wb, yr, N, ncols);
-        continue;
+      } else {
+        for (int64_t k0 = 0; k0 < K; k0 += KC_PREFILL) {
+          const int64_t k1 = std::min(K, k0 + KC_PREFILL);
+          if constexpr (std::is_same_v<W, float>)
+            if (NV_TILE * L == NB) {  // (AVX-512: a float32 block is its own one panel: the tiles walk it in place)
+              rows_by_panels<kNone>(xr, m, K, wb, k0, k1, yr, N, ncols, k0 > 0);
+              continue;
+            }
+          // widened once into buf panel-major, then the float32 tiles
+          widen_panels(wb + k0 * NB, k1 - k0, buf.data());
+          rows_by_panels<kNone>(xr + k0, m, K, buf.data(), 0, k1 - k0, yr, N, ncols, k0 > 0, nullptr, true);
+        }
       }
-      for (int64_t k0 = 0; k0 < K; k0 += KC_PREFILL) {
-        const int64_t k1 = std::min(K, k0 + KC_PREFILL);
-        if constexpr (std::is_same_v<W, float>)
-          if (NV_TILE * L == NB) {  // (AVX-512: a float32 block is its own one panel: the tiles walk it in place)
-            rows_by_panels<kNone>(xr, m, K, wb, k0, k1, yr, N, ncols, k0 > 0);
-            continue;
-          }
-        // widened once into buf panel-major, then the float32 tiles
-        widen_panels(wb + k0 * NB, k1 - k0, buf.data());
-        rows_by_panels<kNone>(xr + k0, m, K, buf.data(), 0, k1 - k0, yr, N, ncols, k0 > 0, nullptr, true);
-      }
+      if (ep) qkv_epilogue(*ep, y, N, r0, r1, n0, n0 + ncols);
     }
   });
 }
@@ -571,6 +599,26 @@ void float_linear_fused_into(const float* x, int64_t M, int64_t K, const void* w
     at::parallel_for(0, M * N, 16384, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) y[i] += res[i];
     });
+}
+
+void float_linear_qkv_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
+                           int64_t N, float* y, const float* norm, float eps, const QKVEpilogue& ep) {
+  std::unique_ptr<float[]> normed;
+#if PMX_BF16_DOT
+  if (type == FloatWeight::bf16)
+    return linear_dot(x, nullptr, M, K, static_cast<const Bf16*>(w), blocks, N, y, nullptr, false, norm, eps,
+                      nullptr, &ep);
+#endif
+  if (norm) {
+    normed.reset(new float[M * K]);
+    skip_rms_norm_into(x, nullptr, norm, M, K, eps, nullptr, normed.get());
+    x = normed.get();
+  }
+  switch (type) {
+    case FloatWeight::f32: linear_blocks(x, M, K, static_cast<const float*>(w), blocks, N, y, &ep); break;
+    case FloatWeight::bf16: linear_blocks(x, M, K, static_cast<const Bf16*>(w), blocks, N, y, &ep); break;
+    case FloatWeight::f16: linear_blocks(x, M, K, static_cast<const F16*>(w), blocks, N, y, &ep); break;
+  }
 }
 
 void bf16_linear_dot_into(const uint16_t* xb, const float* x, int64_t M, int64_t K, const void* w, int64_t blocks,

@@ -437,6 +437,45 @@ at::Tensor linear_f32_fused(const at::Tensor& x, const at::Tensor& w, int64_t N,
   return out;
 }
 
+// The fused qkv linear of an attention layer with rotary and the cache store as its epilogue: y = x W^T (x normed by
+// `norm` where given), q and k rotated at cos / sin [M, R/2] (the first R dims of each head), k and v written into
+// rows `slots` of layer `layer` of the cache (float32, or int8 with its float16 scales): pmx_cpu::float_linear_qkv_into.
+// Returns y [M, (heads + 2 kv_heads) head_dim], q and k rotated.
+at::Tensor linear_f32_qkv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::optional<at::Tensor>& norm,
+                          double eps, const at::Tensor& cos, const at::Tensor& sin, at::Tensor cache,
+                          const c10::optional<at::Tensor>& scale, int64_t layout, int64_t layer, const at::Tensor& slots,
+                          int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  check(x, w, N, NB);
+  TORCH_CHECK(is_float_weight(w), "packed weight must be float32, bfloat16 or float16, not ", w.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), D = head_dim, R = 2 * cos.size(-1);
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && D > 0 && D % 2 == 0 && N == (heads + 2 * kv_heads) * D,
+              "linear_f32_qkv: N = ", N, " must be (heads + 2 kv_heads) head_dim for heads ", heads, ", kv_heads ",
+              kv_heads, ", head_dim ", D, " (even)");
+  TORCH_CHECK(!norm.has_value() || (norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == K),
+              "linear_f32_qkv: norm must be a contiguous float32 weight of ", K, " values");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == M &&
+                    R > 0 && R <= D && R % 2 == 0 && t->size(1) == cos.size(1),
+                "linear_f32_qkv: cos and sin must be contiguous float32 [", M, ", R/2] with R <= head_dim ", D);
+  const auto [c, s] = pmx_cpu::cache_views(cache, scale, layout, "linear_f32_qkv");
+  const bool quant = cache.scalar_type() == at::kChar;
+  TORCH_CHECK(c.KV == kv_heads && c.last == D && layer >= 0 && layer < c.L && (!quant || D % pmx_cpu::QUANT_GROUP == 0),
+              "linear_f32_qkv: the cache must hold ", kv_heads, " heads of ", D, " and layer ", layer);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == M && slots.is_contiguous(),
+              "linear_f32_qkv: slots must be contiguous int64 [", M, "]");
+  const int64_t* rows = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < M; ++t)
+    TORCH_CHECK(rows[t] >= 0 && rows[t] < c.T, "linear_f32_qkv: cache row ", rows[t], " is outside the cache's ", c.T,
+                " rows");
+  at::Tensor out = at::empty({M, N}, x.options());
+  const pmx_cpu::QKVEpilogue ep{cos.data_ptr<float>(), sin.data_ptr<float>(), R, heads, kv_heads, D, layer, &c,
+                                quant ? &s : nullptr, rows};
+  pmx_cpu::float_linear_qkv_into(x.data_ptr<float>(), M, K, w.data_ptr(), float_weight(w), w.size(0), N,
+                                 out.data_ptr<float>(), norm ? norm->data_ptr<float>() : nullptr,
+                                 static_cast<float>(eps), ep);
+  return out;
+}
+
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   check(x, w, N, NB);
   TORCH_CHECK(is_float_weight(w), "packed weight must be float32, bfloat16 or float16, not ", w.scalar_type());
@@ -829,6 +868,8 @@ TORCH_LIBRARY(pmx_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor w, int n) -> Tensor");
   m.def("linear_f32_fused(Tensor x, Tensor w, int n, bool swiglu=False, Tensor? norm=None, float eps=0.0, "
         "Tensor? residual=None, bool glu_out=False) -> Tensor");
+  m.def("linear_f32_qkv(Tensor x, Tensor w, int n, Tensor? norm, float eps, Tensor cos, Tensor sin, Tensor(a!) cache, "
+        "Tensor(b!)? scale, int layout, int layer, Tensor slots, int heads, int kv_heads, int head_dim) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");
   m.def("linear_int8_group(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");
@@ -843,6 +884,7 @@ TORCH_LIBRARY(pmx_cpu, m) {
 TORCH_LIBRARY_IMPL(pmx_cpu, CPU, m) {
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_f32_fused", &linear_f32_fused);
+  m.impl("linear_f32_qkv", &linear_f32_qkv);
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
   m.impl("linear_int8_group", &linear_int8_group);

@@ -453,13 +453,7 @@ void rotary(float* x, int64_t T, int64_t t_stride, int64_t h_stride, int64_t hea
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * D, 1)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t h = 0; h < heads; ++h) {
-        float* p = x + t * t_stride + h * h_stride;
-        const float *c = cos + t * (D / 2), *s = sin + t * (D / 2);
-        for (int64_t j = 0; j < D / 2; ++j) {
-          const float a = p[2 * j], b = p[2 * j + 1];
-          p[2 * j] = a * c[j] - b * s[j];
-          p[2 * j + 1] = a * s[j] + b * c[j];
-        }
+        rotate_pairs(x + t * t_stride + h * h_stride, cos + t * (D / 2), sin + t * (D / 2), D / 2);
       }
   });
 }
@@ -839,21 +833,6 @@ inline void transpose16(__m512i (&w)[16]) {
   }
   for (int i = 0; i < 16; ++i) w[i] = t[i];
 }
-
-// 2^t for each lane, t <= 0 (scores in log2 units less their row's maximum), for probabilities rounded to bfloat16
-// next: 2^n (vscalefps) times a degree 4 polynomial of f = t - n in [-0.5, 0.5] (relative error < 3e-6, a thousandth
-// of bfloat16's rounding; 10 instructions where exp_neg takes 18); 0 below -126, for -inf and for NaN (-inf - -inf).
-inline vnf exp2_bf(vnf x) {
-  const __m512 t = (__m512)x;
-  const __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.00956051983f), f, _mm512_set1_ps(0.0559171228f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240249817f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693121958f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99999919f));
-  return (vnf)_mm512_maskz_scalef_ps(live, p, n);
-}
 #endif
 
 // Lane r (r < 8) of the result: the largest lane of v[r] (AVX-512: 14 two-vector shuffles and 8 maxima for 8 rows,
@@ -883,7 +862,7 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
   const int64_t D = a.D, g = h / (a.H / a.KV), nkb = (a.N + PA_KB - 1) / PA_KB, off = a.N - a.S;
   alignas(64) float qsc[R][256], o[R][256], s[R][PA_KB];  // (D <= 256: checked by the op)
   alignas(64) uint32_t qp[BF ? R : 1][128], pp[BF ? R : 1][PA_KB / 2];  // (BF: q's and p's bfloat16 pairs)
-  // BF: scores in log2 units (q scaled by log2(e) too), their probabilities 2^(s - m) (exp2_bf)
+  // BF: scores in log2 units (q scaled by log2(e) too), their probabilities 2^(s - m) (pmx_cpu::exp2_bf16)
   constexpr float unit = BF ? 1.44269504088896341f : 1.0f;
   alignas(64) float m[VN];  // each row's running maximum (lanes R.. unused)
   std::fill(m, m + VN, -INFINITY);
@@ -975,7 +954,7 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
     storev(m, mn);
     alignas(64) float fac[VN];
 #if PA_BF16
-    if constexpr (BF) storev(fac, exp2_bf(fall));
+    if constexpr (BF) storev(fac, (vnf)pmx_cpu::exp2_bf16((__m512)fall));
     else
 #endif
     storev(fac, exp_neg(fall));
@@ -983,7 +962,7 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
       vnf e[4], sum = lsum[r] * fac[r];
       for (int j = 0; j < 4; ++j) {
 #if PA_BF16
-        if constexpr (BF) e[j] = exp2_bf(acc[r][j] - m[r]);
+        if constexpr (BF) e[j] = (vnf)pmx_cpu::exp2_bf16((__m512)(acc[r][j] - m[r]));
         else
 #endif
         e[j] = exp_neg(acc[r][j] - m[r]);

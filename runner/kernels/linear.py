@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from runner.kernels import torch_ops
 from runner.kernels.cpu_ext import bf16_k_pairs, cpu_ops, pack_blocks, unpack_blocks
 
 PREPACK_MIN_NUMEL = 1 << 14  # below this (128 x 128) plain F.linear is as fast
@@ -59,10 +60,10 @@ def pick_kernel(weight: torch.Tensor, prepack: bool = True, min_numel: Optional[
 
 @dataclass(frozen=True)
 class RotaryStore:
-    """The qkv linear's epilogue (a small-rows kernel's `rotary`: runner.kernels.triton_ops.decode_linear): rotate q
-    and k of the one token at cos / sin [1, R/2] (the first R dims of each head), write the rotated k and v into cache
-    row slots[0] of layer `layer` (int8 in groups of reference.QUANT_GROUP with `scale`, as reference.kv_store), as
-    rotary_kv_store does after the linear."""
+    """The qkv linear's epilogue (a small-rows kernel's `rotary`: runner.kernels.triton_ops.decode_linear; this
+    project's CPU kernel at any rows, linear_f32_qkv): rotate q and k of each row at cos / sin [rows, R/2] (the first R
+    dims of each head), write the rotated k and v into cache rows `slots` of layer `layer` (int8 in groups of
+    reference.QUANT_GROUP with `scale`, as reference.kv_store), as rotary_kv_store does after the linear."""
     cos: torch.Tensor
     sin: torch.Tensor
     slots: torch.Tensor
@@ -184,12 +185,35 @@ class Linear(SmallRows, torch.nn.Module):
         return super().fuses(x) or (self.dot_bf16 and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
                                     and not torch.compiler.is_compiling())
 
+    def takes_rotary(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, rotary=...) runs with rotary and the cache store as the product's epilogue: the
+        small-rows kernel's rows, or any rows of this project's kernel (no bias: it goes before the rotation)."""
+        return super().takes_rotary(x) or (self.kernel == "pmx" and self.bias is None and x.dim() == 2 and
+                                           x.dtype == torch.float32 and not torch.compiler.is_compiling())
+
     def takes_glu_out(self, x: torch.Tensor) -> bool:
         """Whether forward(x, glu_out=True) runs: this is a fused gate | up layer (out = 2 F, F a multiple of 64, no
         bias) on `dot_bf16`, which returns silu(gate) * up in bfloat16 [rows, F] (the down projection's x as its dot
         products round it) without the [rows, 2 F] float32 output going through memory."""
         return (self.dot_bf16 and self.bias is None and self.out_features % 128 == 0 and x.dim() == 2 and
                 x.dtype == torch.float32 and x.shape[1] == self.in_features and not torch.compiler.is_compiling())
+
+    def _qkv_rotary(self, x: torch.Tensor, norm: Optional[tuple], r: RotaryStore) -> torch.Tensor:
+        """forward(x, norm=, rotary=r) on this project's kernel: linear_f32_qkv (a float32 or int8 cache; another
+        cache's dtype: the product, then torch_ops' rotary and store)."""
+        if self.bias is not None:
+            raise ValueError("a qkv layer with a bias adds it before the rotation: no rotary epilogue")
+        if r.cache.dtype not in (torch.float32, torch.int8):
+            y = self(x) if norm is None else self(x, norm=norm)
+            H, KV = r.heads, r.kv_heads
+            qkv = y.view(-1, H + 2 * KV, r.head_dim)
+            qkv[:, : H + KV] = torch_ops.apply_rotary(qkv[:, : H + KV], r.cos, r.sin)
+            torch_ops.kv_store(r.cache, r.scale, r.layout, r.layer, qkv[:, H: H + KV], qkv[:, H + KV:], r.slots)
+            return y
+        return torch.ops.pmx_cpu.linear_f32_qkv(
+            x.contiguous(), self.packed, self.out_features, None if norm is None else norm[0].float().contiguous(),
+            0.0 if norm is None else float(norm[1]), r.cos.float().contiguous(), r.sin.float().contiguous(), r.cache,
+            r.scale, r.layout, r.layer, r.slots.contiguous(), r.heads, r.kv_heads, r.head_dim)
 
     def dense_weight(self) -> torch.Tensor:
         """W [out, in] as a plain tensor (a copy for the packed kernels)."""
@@ -201,10 +225,10 @@ class Linear(SmallRows, torch.nn.Module):
 
     def forward(self, x: torch.Tensor, swiglu: bool = False, norm: Optional[tuple] = None,
                 residual: Optional[torch.Tensor] = None, rotary=None, glu_out: bool = False) -> torch.Tensor:
+        if self.kernel == "pmx" and rotary is not None:
+            return self._qkv_rotary(x, norm, rotary)
         if self.kernel == "pmx" and (swiglu or norm is not None or residual is not None or glu_out
                                      or x.dtype == torch.bfloat16):
-            if rotary is not None:
-                raise ValueError("this project's CPU linear takes no rotary epilogue; rotate and store k, v after it")
             # (swiglu: x is gate | up, takes_swiglu; norm: x is the residual stream; glu_out: takes_glu_out)
             res = None if residual is None else residual.reshape(-1, self.out_features)
             y = torch.ops.pmx_cpu.linear_f32_fused(
