@@ -167,6 +167,9 @@ struct CacheView {
 };
 constexpr int64_t QUANT_GROUP = 8;  // int8 KV cache: values per float16 scale (reference.QUANT_GROUP)
 
+// slots [T] (int64, contiguous) as the cache rows they are, each checked to lie inside c (errors begin with `what`).
+const int64_t* checked_slots(const at::Tensor& slots, int64_t T, const CacheView& c, const char* what);
+
 // The views of a cache and its scales (the cache's again where none), checked: float32, or int8 with float16 scales
 // of its shape and head_dim / 8 last (errors begin with `what`); and the KVRows of a layer's K (which 0) or V (1).
 std::pair<CacheView, CacheView> cache_views(const at::Tensor& cache, const c10::optional<at::Tensor>& scale,

@@ -461,12 +461,7 @@ at::Tensor linear_f32_qkv(const at::Tensor& x, const at::Tensor& w, int64_t N, c
   const bool quant = cache.scalar_type() == at::kChar;
   TORCH_CHECK(c.KV == kv_heads && c.last == D && layer >= 0 && layer < c.L && (!quant || D % pmx_cpu::QUANT_GROUP == 0),
               "linear_f32_qkv: the cache must hold ", kv_heads, " heads of ", D, " and layer ", layer);
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == M && slots.is_contiguous(),
-              "linear_f32_qkv: slots must be contiguous int64 [", M, "]");
-  const int64_t* rows = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < M; ++t)
-    TORCH_CHECK(rows[t] >= 0 && rows[t] < c.T, "linear_f32_qkv: cache row ", rows[t], " is outside the cache's ", c.T,
-                " rows");
+  const int64_t* rows = pmx_cpu::checked_slots(slots, M, c, "linear_f32_qkv");
   at::Tensor out = at::empty({M, N}, x.options());
   const pmx_cpu::QKVEpilogue ep{cos.data_ptr<float>(), sin.data_ptr<float>(), R, heads, kv_heads, D, layer, &c,
                                 quant ? &s : nullptr, rows};

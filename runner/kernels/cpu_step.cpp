@@ -384,12 +384,7 @@ void kv_store_(at::Tensor cache, const c10::optional<at::Tensor>& scale, int64_t
                   v.stride(2) == 1 && k.size(1) == c.KV && k.size(2) == c.last && layer >= 0 && layer < c.L,
               "kv_store_: k and v must be float32 [T, ", c.KV, ", ", c.last, "] of one stride, head_dim contiguous, ",
               "and layer ", layer, " one of the cache's ", c.L);
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == T && slots.is_contiguous(),
-              "kv_store_: slots must be contiguous int64 [", T, "]");
-  const int64_t* rows = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(rows[t] >= 0 && rows[t] < c.T, "kv_store_: cache row ", rows[t], " is outside the cache's ", c.T,
-                " rows");
+  const int64_t* rows = pmx_cpu::checked_slots(slots, T, c, "kv_store_");
   pmx_cpu::kv_store(k.data_ptr<float>(), v.data_ptr<float>(), T, ts, hs, c,
                     cache.scalar_type() == at::kChar ? &s : nullptr, layer, rows);
 }
@@ -397,6 +392,15 @@ void kv_store_(at::Tensor cache, const c10::optional<at::Tensor>& scale, int64_t
 }  // namespace
 
 namespace pmx_cpu {
+
+const int64_t* checked_slots(const at::Tensor& slots, int64_t T, const CacheView& c, const char* what) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == T && slots.is_contiguous(),
+              what, ": slots must be contiguous int64 [", T, "]");
+  const int64_t* rows = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(rows[t] >= 0 && rows[t] < c.T, what, ": cache row ", rows[t], " is outside the cache's ", c.T, " rows");
+  return rows;
+}
 
 CacheView::CacheView(const at::Tensor& t, int64_t layout) {
   static const int64_t perms[4][5] = {{1, 2, 0, 3, 4}, {0, 2, 1, 3, 4}, {0, 1, 2, 3, 4}, {0, 1, 3, 2, 4}};
