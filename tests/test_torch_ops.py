@@ -150,8 +150,15 @@ def test_prefill_attention_in_cpp_matches_reference(case, monkeypatch):
     if torch.ops.pmx_cpu.prefill_attention_bf16() and D % 16 == 0:
         err = float((half - want).abs().max() / want.abs().max())
         assert 1e-5 < err < 1e-2, err
+        # the output in bfloat16 (for a linear of bfloat16 dot products): the float32 one rounded to nearest even
+        half16 = torch_ops.attend(q, k, v, None, causal, softcap, bf16=True, bf16_out=True)
+        assert half16.dtype == torch.bfloat16 and torch.equal(half16, half.bfloat16())
     else:
         assert torch.equal(half, got)
+        assert torch.equal(torch_ops.attend(q, k, v, None, causal, softcap, bf16=True, bf16_out=True), got)
+    with pytest.raises(RuntimeError, match="a bfloat16 output comes with bfloat16 products"):
+        torch.ops.pmx_cpu.prefill_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 1.0, causal,
+                                            0.0, False, True)
     with pytest.raises(RuntimeError, match="H a multiple of KV"):
         torch.ops.pmx_cpu.prefill_attention(q.transpose(1, 2), k.transpose(1, 2)[:, :, :0], v.transpose(1, 2)[:, :, :0],
                                             1.0, causal, 0.0)

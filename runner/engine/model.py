@@ -187,9 +187,11 @@ class Attention(nn.Module):
             parts = []
             if plan.decode is not None:
                 parts.append(self._decode(q[: plan.decode.batch], plan.decode, cache))
+            # one prefill group's output may come in bfloat16 for a wo of bfloat16 dot products (not sp's partial sums)
+            bf16_out = sp is None and not parts and len(plan.prefill) == 1 and getattr(self.wo, "dot_bf16", False)
             for g in plan.prefill:
                 rows = slice(g.row0, g.row0 + g.n * g.seqlen)
-                parts.append(self._prefill(q[rows], k[rows], v[rows], g, cache))
+                parts.append(self._prefill(q[rows], k[rows], v[rows], g, cache, bf16_out))
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
         if residual is not None:
             return self.wo(out, residual=residual)
@@ -264,8 +266,8 @@ class Attention(nn.Module):
             out = self.ops.attend(q[:, :, None], k, v, mask, causal=False, softcap=self.softcap)  # (Bd, H, 1, D)
         return out.reshape(Bd, self.heads * self.head_dim)
 
-    def _prefill(self, q, k, v, g, cache):
-        """g.n sequences of g.seqlen new tokens: q, k, v (n S, heads, D)."""
+    def _prefill(self, q, k, v, g, cache, bf16_out: bool = False):
+        """g.n sequences of g.seqlen new tokens: q, k, v (n S, heads, D); `bf16_out`: the output may be bfloat16."""
         n, S, D, window = g.n, g.seqlen, self.head_dim, self.spec.sliding_window
         if self.ops.prefill_attention is not None and not g.plain_for(window):
             out = self.ops.prefill_attention(q, cache.data, cache.scale, cache.layout, self.layer, g.cachestarts,
@@ -280,7 +282,7 @@ class Attention(nn.Module):
         if self.alibi is not None:  # (the queries' positions: only ALiBi's bias needs them)
             mask = self._with_alibi(mask, g.kvlens[:, None] - S + torch.arange(S, device=q.device), k.shape[2], True)
         out = self.ops.attend(q.reshape(n, S, self.heads, D).transpose(1, 2), k, v, mask, causal=True,
-                              softcap=self.softcap, bf16=self.bf16_products)
+                              softcap=self.softcap, bf16=self.bf16_products, bf16_out=bf16_out)
         return out.transpose(1, 2).reshape(n * S, self.heads * D)                 # (n S, H D)
 
     def _with_alibi(self, mask: Optional[torch.Tensor], q_pos: torch.Tensor, n_keys: int, causal: bool):

@@ -124,8 +124,9 @@ def cpu_ops():
     torch.library.register_fake("pmx_cpu::decode_attention")(lambda q, cache, kv_scale, layout, layer, rows, kvlens,
                                                              window, scale, page_size=0, alibi=None, softcap=0.0:
                                                              torch.empty_like(q))
-    torch.library.register_fake("pmx_cpu::prefill_attention")(lambda q, k, v, scale, causal, softcap, bf16=False:
-                                                              q.new_empty(q.shape))
+    torch.library.register_fake("pmx_cpu::prefill_attention")(
+        lambda q, k, v, scale, causal, softcap, bf16=False, bf16_out=False:
+        q.new_empty(q.shape, dtype=torch.bfloat16 if bf16_out else q.dtype))
     torch.library.register_fake("pmx_cpu::shm_all_reduce_")(lambda t, ws, rank, world, timeout: None)
     torch.library.register_fake("pmx_cpu::shm_all_gather")(lambda t, ws, rank, world, timeout:
                                                            t.new_empty(world * t.numel()))

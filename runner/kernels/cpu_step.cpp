@@ -802,6 +802,7 @@ struct PrefillArgs {
   bool causal;
   const float* kt;  // keys transposed: [B][KV][N / PA_KB blocks][D][PA_KB]
   float* out;       // [B, S, H, D] contiguous
+  uint16_t* out16;  // or there in bfloat16 (out null: the next linear's bfloat16 dot products take it as it is)
   // bfloat16 products (PA_BF16): keys [B][KV][blocks][D / 2][PA_KB] and values [B][KV][blocks][PA_KB / 2][D] as
   // 32-bit words of bfloat16 pairs (dims 2i, 2i + 1 of a key; keys 2i, 2i + 1 of a value dim)
   const uint32_t *kp2 = nullptr, *vp2 = nullptr;
@@ -1044,9 +1045,17 @@ void prefill_tile(const PrefillArgs& a, int64_t b, int64_t h, int64_t i0) {
     }
   }
   for (int r = 0; r < R; ++r) {
-    float* out = a.out + ((b * a.S + i0 + r) * a.H + h) * D;
+    const int64_t at = ((b * a.S + i0 + r) * a.H + h) * D;
     const float inv = 1.0f / hadd(lsum[r]);
-    for (int64_t d = 0; d < D; ++d) out[d] = o[r][d] * inv;
+#if PA_BF16
+    if (a.out16) {  // (BF: D a multiple of 16) rounded to nearest even, as x_pairs would
+      for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256((__m256i*)(a.out16 + at + d),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o[r] + d), _mm512_set1_ps(inv))));
+      continue;
+    }
+#endif
+    for (int64_t d = 0; d < D; ++d) a.out[at + d] = o[r][d] * inv;
   }
 }
 
@@ -1060,7 +1069,7 @@ bool prefill_attention_bf16() {
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                             bool causal, double softcap, bool bf16) {
+                             bool causal, double softcap, bool bf16, bool bf16_out) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat &&
                   k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "prefill_attention: q [B, S, H, D], k and v [B, N, KV, D], float32");
@@ -1073,6 +1082,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(!bf16 || (prefill_attention_bf16() && D % 16 == 0 && D <= 240),
               "prefill_attention: bfloat16 products need AVX512-BF16 and a head_dim a multiple of 16 up to 240, not ",
               D);
+  TORCH_CHECK(!bf16_out || bf16, "prefill_attention: a bfloat16 output comes with bfloat16 products");
   const int64_t nkb = (N + PA_KB - 1) / PA_KB;
   // float32 keys transposed (bf16 products take their own pairs below instead); every element written
   const std::unique_ptr<float[]> kt(new float[bf16 ? 0 : B * KV * nkb * D * PA_KB]);
@@ -1124,11 +1134,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
     });
   }
 #endif
-  at::Tensor out = at::empty({B, S, H, D}, q.options());
+  at::Tensor out = at::empty({B, S, H, D}, q.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const PrefillArgs a{q.data_ptr<float>(), kp, v.data_ptr<float>(),
                       {q.stride(0), q.stride(1), q.stride(2)}, {k.stride(0), k.stride(1), k.stride(2)},
                       {v.stride(0), v.stride(1), v.stride(2)}, B, S, N, H, KV, D, static_cast<float>(scale),
-                      static_cast<float>(softcap), causal, kt.get(), out.data_ptr<float>(), kp2.get(), vp2.get()};
+                      static_cast<float>(softcap), causal, kt.get(), bf16_out ? nullptr : out.data_ptr<float>(),
+                      bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr, kp2.get(), vp2.get()};
   const int64_t units_per_head = (S + PA_QU - 1) / PA_QU, units = B * H * units_per_head;
   pmx_cpu::for_blocks(units, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
@@ -1169,8 +1180,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 TORCH_LIBRARY_FRAGMENT(pmx_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor cache, Tensor? kv_scale, int layout, int layer, Tensor rows, Tensor kvlens, "
         "int window, float scale, int page_size=0, Tensor? alibi=None, float softcap=0.0) -> Tensor");
-  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, float softcap, bool bf16=False) "
-        "-> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, float softcap, bool bf16=False, "
+        "bool bf16_out=False) -> Tensor");
   m.def("prefill_attention_bf16() -> bool", &prefill_attention_bf16);
   m.def("skip_rms_norm(Tensor x, Tensor? skip, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");

@@ -419,13 +419,14 @@ def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqstart
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-           causal: bool, softcap: float = 0.0, bf16: bool = False) -> torch.Tensor:
+           causal: bool, softcap: float = 0.0, bf16: bool = False, bf16_out: bool = False) -> torch.Tensor:
     """softmax(soft_cap(q k^T / sqrt(D)) + mask) v in float32, for q [B, H, S, D] and k, v [B, KV, N, D]: each group
     of H / KV query heads shares one KV head. mask [B, 1, S, N] bool (True: the key is seen), or an additive float
     mask [B, 1 or H, S, N] (-inf: not seen; e.g. an ALiBi bias); without a mask, `causal` lets query i see keys
     j <= i (S == N), else every key is seen. `softcap`: the scores' soft cap (:func:`soft_cap`; 0: none). `bf16`:
     an implementation may multiply q k and p v in bfloat16 (inputs rounded to nearest, float32 sums: within ~5e-3
-    of the largest output here, the rounding's spread); this one computes in float32. Returns [B, H, S, D]."""
+    of the largest output here, the rounding's spread); this one computes in float32. `bf16_out`: an implementation
+    may return bfloat16 (for a linear that rounds its input so); this one returns float32. Returns [B, H, S, D]."""
     H, KV, S, N = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     kf, vf = k.float().repeat_interleave(H // KV, dim=1), v.float().repeat_interleave(H // KV, dim=1)
     scores = soft_cap(q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1]), softcap)  # (B, H, S, N)

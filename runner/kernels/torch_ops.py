@@ -134,10 +134,11 @@ def kv_load(cache: torch.Tensor, scale: Optional[torch.Tensor], layout: int, lay
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-           causal: bool, softcap: float = 0.0, bf16: bool = False) -> torch.Tensor:
+           causal: bool, softcap: float = 0.0, bf16: bool = False, bf16_out: bool = False) -> torch.Tensor:
     """q [B, H, S, D] against k, v [B, KV, N, D] (H a multiple of KV); mask [B, 1, S, N] bool (True: seen) or
     additive float [B, 1 or H, S, N], else causal (query i sees keys j <= i) or everything; `softcap`: the scores'
-    soft cap (0: none); `bf16`: bfloat16 products allowed (reference.attend). Returns [B, H, S, D].
+    soft cap (0: none); `bf16`: bfloat16 products allowed, `bf16_out`: a bfloat16 output allowed (reference.attend).
+    Returns [B, H, S, D]: float32, or bfloat16 where `bf16_out` and the bfloat16 products ran.
 
     One query per sequence (decode): two batched GEMVs and a softmax over each KV head's query group, which
     costs a tenth of SDPA's flash kernel at these sizes. Longer queries without a mask, float32 on CPU: this
@@ -160,7 +161,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
             q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:  # (a fresh prompt's own keys) flash attention in C++
         bf16 = bf16 and D % 16 == 0 and D <= 240 and torch.ops.pmx_cpu.prefill_attention_bf16()
         return torch.ops.pmx_cpu.prefill_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                   1.0 / math.sqrt(D), causal, softcap, bf16).transpose(1, 2)
+                                                   1.0 / math.sqrt(D), causal, softcap, bf16,
+                                                   bf16 and bf16_out).transpose(1, 2)
     if softcap:
         return ref.attend(q, k, v, mask, causal, softcap)
     if mask is not None and mask.dtype != torch.bool:
