@@ -349,27 +349,29 @@ def test_linear_fuses_swiglu_norm_and_residual_at_any_rows(dtype, rows):
 
 
 @needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 70])
-def test_gate_up_returns_its_activation_in_bf16_for_the_down_projection(rows):
-    """On bfloat16 weights with AVX512-BF16 a fused gate | up layer (2 F outputs, F a multiple of 64) returns silu(g) u
-    in bfloat16 [rows, F] (glu_out: each block's activation computed in cache, the float32 output never stored), within
-    bfloat16's rounding of the float32 activation; the down projection takes it as its x, with the result of the same
-    values in float32 bit for bit (they are the pairs its dot products read)."""
+def test_gate_up_returns_its_activation_for_the_down_projection(rows, dtype):
+    """A fused gate | up layer (2 F outputs, F a multiple of 64) on this project's kernel returns silu(g) u [rows, F]
+    (glu_out: each block's activation computed in cache, the [rows, 2 F] output never stored): float32, the SwiGLU op's
+    result bit for bit; on bfloat16 weights with AVX512-BF16, bfloat16 within its rounding of the float32 activation,
+    which the down projection takes as its x with the result of the same values in float32 bit for bit (they are the
+    pairs its dot products read)."""
     K, F = 200, 128
-    gate_up, down = (Linear(torch.randn(n, k).bfloat16(), kernel="pmx") for n, k in ((2 * F, K), (96, F)))
+    gate_up, down = (Linear(torch.randn(n, k).to(dtype), kernel="pmx") for n, k in ((2 * F, K), (96, F)))
     x = torch.randn(rows, K)
-    assert gate_up.takes_glu_out(x) == gate_up.dot_bf16
-    assert not Linear(torch.randn(200, K).bfloat16(), kernel="pmx").takes_glu_out(x)  # (F = 100)
-    if not gate_up.dot_bf16:
-        pytest.skip("bfloat16 dot products need AVX512-BF16")
+    assert gate_up.takes_glu_out(x) and not Linear(torch.randn(200, K).to(dtype), kernel="pmx").takes_glu_out(x)
     y = gate_up(x)
-    want = torch.nn.functional.silu(y[:, :F]) * y[:, F:]
     act = gate_up(x, glu_out=True)
-    assert act.dtype == torch.bfloat16 and act.shape == (rows, F)
+    assert act.shape == (rows, F) and act.dtype == (torch.bfloat16 if gate_up.dot_bf16 else torch.float32)
+    if not gate_up.dot_bf16:
+        assert torch.equal(act, torch.ops.pmx_cpu.swiglu(y[:, :F], y[:, F:]))
+        return
+    want = torch.nn.functional.silu(y[:, :F]) * y[:, F:]
     assert ((act.float() - want).abs() <= 2 ** -8 * want.abs() + 1e-6).all()
     assert torch.equal(down(act), down(act.float()))
     with pytest.raises(RuntimeError, match="glu_out needs"):
-        torch.ops.pmx_cpu.linear_f32_fused(x, Linear(torch.randn(192, K).bfloat16(), kernel="pmx").packed, 192,
+        torch.ops.pmx_cpu.linear_f32_fused(x, Linear(torch.randn(192, K).to(dtype), kernel="pmx").packed, 192,
                                            glu_out=True)
 
 

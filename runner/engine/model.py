@@ -323,11 +323,12 @@ class FeedForward(nn.Module):
             w2 = partial(self.w2, residual=residual)
         kw = {} if norm is None else {"norm": norm}
         if len(self.gate_up) == 1:
-            # SwiGLU as the gate | up projection stores its output, in bfloat16, where both projections take
-            # bfloat16 dot products: the [rows, 2 F] float32 output never goes through memory
-            if not self.gelu and sp is None and getattr(self.gate_up[0], "takes_glu_out", None) is not None and \
-                    self.gate_up[0].takes_glu_out(x) and getattr(self.w2, "dot_bf16", False):
-                return w2(self.gate_up[0](x, glu_out=True, **kw))
+            # SwiGLU as the gate | up projection stores its output (in bfloat16 where it takes bfloat16 dot
+            # products: for a down projection that does too): the [rows, 2 F] output never goes through memory
+            gu = self.gate_up[0]
+            if not self.gelu and sp is None and getattr(gu, "takes_glu_out", None) is not None and \
+                    gu.takes_glu_out(x) and getattr(gu, "dot_bf16", False) <= getattr(self.w2, "dot_bf16", False):
+                return w2(gu(x, glu_out=True, **kw))
             gate_up = self.gate_up[0](x, **kw)
             # SwiGLU computed as the down projection loads its input (under sequence parallelism only where its
             # small-rows kernel runs: elsewhere the partial sum goes straight into sp's shared area, unfused)

@@ -115,8 +115,8 @@ def cpu_ops():
     torch.library.register_fake("pmx_cpu::linear_f32")(lambda x, w, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::linear_f32_fused")(
         lambda x, w, n, swiglu=False, norm=None, eps=0.0, residual=None, glu_out=False:
-        x.new_empty(x.shape[0], n // 2, dtype=torch.bfloat16) if glu_out else x.new_empty(x.shape[0], n,
-                                                                                          dtype=torch.float32))
+        x.new_empty(x.shape[0], n // 2, dtype=torch.bfloat16 if w.dtype == torch.bfloat16 and bf16_k_pairs() else
+                    torch.float32) if glu_out else x.new_empty(x.shape[0], n, dtype=torch.float32))
     torch.library.register_fake("pmx_cpu::linear_int8")(lambda x, w, s, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::linear_int4")(lambda x, w, s, g, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("pmx_cpu::linear_int8_group")(lambda x, w, s, g, n: x.new_empty(x.shape[0], n))

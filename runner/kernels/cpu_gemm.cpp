@@ -519,39 +519,55 @@ void linear_dot(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
 }
 #endif
 
+// y = x W^T; ep: the qkv epilogue on each unit's rows; glu (a gate | up layer, N = 2 F, F a multiple of 64; y
+// unused): glu [M, F] = silu(gate) * up in float32 (swiglu_into), a gate block and its up block computed for a unit's
+// rows into buffers of its own (as linear_dot's bfloat16 glu: the [M, 2 F] output never goes through memory).
 template <typename W>
 void linear_blocks(const float* x, int64_t M, int64_t K, const W* w, int64_t blocks, int64_t N, float* y,
-                   const pmx_cpu::QKVEpilogue* ep = nullptr) {
+                   const pmx_cpu::QKVEpilogue* ep = nullptr, float* glu = nullptr) {
 #if PMX_BF16_DOT
-  if constexpr (std::is_same_v<W, Bf16>)
+  if constexpr (std::is_same_v<W, Bf16>) {
+    TORCH_CHECK(!glu, "bfloat16 dot products give the activation in bfloat16");
     return linear_dot(x, nullptr, M, K, w, blocks, N, y, nullptr, false, nullptr, 0, nullptr, ep);
+  }
 #endif
-  const RowParts rp(M, blocks);
+  const int64_t gate_blocks = N / 2 / NB;
+  const RowParts rp(M, glu ? gate_blocks : blocks);
   pmx_cpu::for_blocks(rp.units(), [&](int64_t u0, int64_t u1) {
     std::vector<float> buf(M <= STREAM_MAX_ROWS ? 0 : KC_PREFILL * NB);
+    std::vector<float> gu(glu ? 3 * rp.rows * NB : 0);  // glu: the unit's gate, up and activation [rows, 64]
+    // block b's columns of rows [r0, r0 + m) into out (row stride ldo)
+    const auto product = [&](int64_t b, int64_t r0, int64_t m, float* out, int64_t ldo) {
+      const int64_t ncols = std::min(NB, N - b * NB);
+      const W* wb = w + b * K * NB;
+      const float* xr = x + r0 * K;
+      if (M <= STREAM_MAX_ROWS) return stream_block(xr, m, K, wb, out, ldo, ncols);
+      for (int64_t k0 = 0; k0 < K; k0 += KC_PREFILL) {
+        const int64_t k1 = std::min(K, k0 + KC_PREFILL);
+        if constexpr (std::is_same_v<W, float>)
+          if (NV_TILE * L == NB) {  // (AVX-512: a float32 block is its own one panel: the tiles walk it in place)
+            rows_by_panels<kNone>(xr, m, K, wb, k0, k1, out, ldo, ncols, k0 > 0);
+            continue;
+          }
+        // widened once into buf panel-major, then the float32 tiles
+        widen_panels(wb + k0 * NB, k1 - k0, buf.data());
+        rows_by_panels<kNone>(xr + k0, m, K, buf.data(), 0, k1 - k0, out, ldo, ncols, k0 > 0, nullptr, true);
+      }
+    };
     for (int64_t u = u0; u < u1; ++u) {
       int64_t b, r0, r1;
       rp.of(u, b, r0, r1);
-      const int64_t n0 = b * NB, ncols = std::min(NB, N - n0), m = r1 - r0;
-      const W* wb = w + b * K * NB;
-      const float* xr = x + r0 * K;
-      float* yr = y + r0 * N + n0;
-      if (M <= STREAM_MAX_ROWS) {
-        stream_block(xr, m, K, wb, yr, N, ncols);
-      } else {
-        for (int64_t k0 = 0; k0 < K; k0 += KC_PREFILL) {
-          const int64_t k1 = std::min(K, k0 + KC_PREFILL);
-          if constexpr (std::is_same_v<W, float>)
-            if (NV_TILE * L == NB) {  // (AVX-512: a float32 block is its own one panel: the tiles walk it in place)
-              rows_by_panels<kNone>(xr, m, K, wb, k0, k1, yr, N, ncols, k0 > 0);
-              continue;
-            }
-          // widened once into buf panel-major, then the float32 tiles
-          widen_panels(wb + k0 * NB, k1 - k0, buf.data());
-          rows_by_panels<kNone>(xr + k0, m, K, buf.data(), 0, k1 - k0, yr, N, ncols, k0 > 0, nullptr, true);
-        }
+      const int64_t m = r1 - r0;
+      if (glu) {
+        float *g = gu.data(), *up = g + rp.rows * NB, *act = up + rp.rows * NB;
+        product(b, r0, m, g, NB);
+        product(b + gate_blocks, r0, m, up, NB);
+        pmx_cpu::swiglu_into(g, NB, up, NB, m, NB, act);
+        for (int64_t r = 0; r < m; ++r) std::memcpy(glu + (r0 + r) * (N / 2) + b * NB, act + r * NB, NB * sizeof(float));
+        continue;
       }
-      if (ep) qkv_epilogue(*ep, y, N, r0, r1, n0, n0 + ncols);
+      product(b, r0, m, y + r0 * N + b * NB, N);
+      if (ep) qkv_epilogue(*ep, y, N, r0, r1, b * NB, b * NB + std::min(NB, N - b * NB));
     }
   });
 }
@@ -618,6 +634,21 @@ void float_linear_qkv_into(const float* x, int64_t M, int64_t K, const void* w, 
     case FloatWeight::f32: linear_blocks(x, M, K, static_cast<const float*>(w), blocks, N, y, &ep); break;
     case FloatWeight::bf16: linear_blocks(x, M, K, static_cast<const Bf16*>(w), blocks, N, y, &ep); break;
     case FloatWeight::f16: linear_blocks(x, M, K, static_cast<const F16*>(w), blocks, N, y, &ep); break;
+  }
+}
+
+void float_linear_glu_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
+                           int64_t N, float* act, const float* norm, float eps) {
+  std::unique_ptr<float[]> normed;
+  if (norm) {
+    normed.reset(new float[M * K]);
+    skip_rms_norm_into(x, nullptr, norm, M, K, eps, nullptr, normed.get());
+    x = normed.get();
+  }
+  switch (type) {
+    case FloatWeight::f32: linear_blocks(x, M, K, static_cast<const float*>(w), blocks, N, nullptr, nullptr, act); break;
+    case FloatWeight::bf16: linear_blocks(x, M, K, static_cast<const Bf16*>(w), blocks, N, nullptr, nullptr, act); break;
+    case FloatWeight::f16: linear_blocks(x, M, K, static_cast<const F16*>(w), blocks, N, nullptr, nullptr, act); break;
   }
 }
 

@@ -88,6 +88,11 @@ int64_t bf16_pair_channels();
 void float_linear_fused_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
                              int64_t N, float* y, bool swiglu, const float* norm, float eps, const float* res);
 
+// A gate | up layer (N = 2 F, F a multiple of 64) on float weights without bfloat16 dot products: act [M, F] =
+// silu(gate) * up in float32 of x W^T (x normed by `norm` where given), each block's activation computed in cache.
+void float_linear_glu_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
+                           int64_t N, float* act, const float* norm, float eps);
+
 // Where bf16_k_pairs() (bfloat16 blocks, AVX512-BF16): y = x W^T (+ res) with x given as bfloat16 xb [M, K] (K even;
 // its rows are the dot products' pairs: nothing converted), or float32 x (normed by norm where given) when xb is
 // null. glu (N = 2 F, F a multiple of 64; y unused): the layer is a gate | up projection and glu [M, F] receives

@@ -392,8 +392,9 @@ bool is_float_weight(const at::Tensor& w) {
 
 // x W^T (+ residual) for x [M, K] normed by `norm` (eps) on the way in, or x [M, 2 K] = gate | up activated
 // (swiglu): see pmx_cpu::float_linear_fused_into. On bfloat16 blocks with AVX512-BF16 (bf16_k_pairs) also: x
-// bfloat16 [M, K] (K even), taken as the dot products' pairs as it is; glu_out (N = 2 F, F a multiple of 64): the
-// layer is a gate | up projection and the result is silu(gate) * up, bfloat16 [M, F] (pmx_cpu::bf16_linear_dot_into).
+// bfloat16 [M, K] (K even), taken as the dot products' pairs as it is. glu_out (N = 2 F, F a multiple of 64): the
+// layer is a gate | up projection and the result is silu(gate) * up [M, F], computed a block at a time in cache:
+// bfloat16 where the dot products are (pmx_cpu::bf16_linear_dot_into), else float32 (float_linear_glu_into).
 at::Tensor linear_f32_fused(const at::Tensor& x, const at::Tensor& w, int64_t N, bool swiglu,
                             const c10::optional<at::Tensor>& norm, double eps, const c10::optional<at::Tensor>& residual,
                             bool glu_out) {
@@ -409,9 +410,9 @@ at::Tensor linear_f32_fused(const at::Tensor& x, const at::Tensor& w, int64_t N,
   TORCH_CHECK(!xb || (dot && K % 2 == 0 && !swiglu && !norm.has_value()),
               "linear_f32_fused: a bfloat16 x goes to bfloat16 weights on AVX512-BF16 with an even K (", K,
               "), without swiglu or norm");
-  TORCH_CHECK(!glu_out || (dot && N % 128 == 0 && !swiglu && !residual.has_value()),
-              "linear_f32_fused: glu_out needs bfloat16 weights on AVX512-BF16 and N a multiple of 128 (gate | up, ",
-              "64-channel blocks each), without swiglu or residual; N=", N);
+  TORCH_CHECK(!glu_out || (N % 128 == 0 && !swiglu && !residual.has_value() && !xb),
+              "linear_f32_fused: glu_out needs N a multiple of 128 (gate | up, 64-channel blocks each) and a float32 ",
+              "x, without swiglu or residual; N=", N);
   TORCH_CHECK(!(swiglu && norm.has_value()), "linear_f32_fused: swiglu and norm do not go together");
   TORCH_CHECK(!norm.has_value() || (norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == K),
               "linear_f32_fused: norm must be a contiguous float32 weight of ", K, " values");
@@ -421,6 +422,12 @@ at::Tensor linear_f32_fused(const at::Tensor& x, const at::Tensor& w, int64_t N,
               "linear_f32_fused: residual must be contiguous float32 [", x.size(0), ", ", N, "]");
   const float* np = norm ? norm->data_ptr<float>() : nullptr;
   const float* rp = residual ? residual->data_ptr<float>() : nullptr;
+  if (glu_out && !dot) {
+    at::Tensor act = at::empty({x.size(0), N / 2}, x.options());
+    pmx_cpu::float_linear_glu_into(x.data_ptr<float>(), x.size(0), K, w.data_ptr(), float_weight(w), w.size(0), N,
+                                   act.data_ptr<float>(), np, static_cast<float>(eps));
+    return act;
+  }
   if (xb || glu_out) {
     at::Tensor out = glu_out ? at::empty({x.size(0), N / 2}, x.options().dtype(at::kBFloat16))
                              : at::empty({x.size(0), N}, x.options().dtype(at::kFloat));

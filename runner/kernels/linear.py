@@ -193,9 +193,10 @@ class Linear(SmallRows, torch.nn.Module):
 
     def takes_glu_out(self, x: torch.Tensor) -> bool:
         """Whether forward(x, glu_out=True) runs: this is a fused gate | up layer (out = 2 F, F a multiple of 64, no
-        bias) on `dot_bf16`, which returns silu(gate) * up in bfloat16 [rows, F] (the down projection's x as its dot
-        products round it) without the [rows, 2 F] float32 output going through memory."""
-        return (self.dot_bf16 and self.bias is None and self.out_features % 128 == 0 and x.dim() == 2 and
+        bias) on this project's kernel, which returns silu(gate) * up [rows, F] without the [rows, 2 F] output going
+        through memory: in bfloat16 where `dot_bf16` (the down projection's x as its dot products round it; for a
+        down projection that is `dot_bf16` too), else float32."""
+        return (self.kernel == "pmx" and self.bias is None and self.out_features % 128 == 0 and x.dim() == 2 and
                 x.dtype == torch.float32 and x.shape[1] == self.in_features and not torch.compiler.is_compiling())
 
     def _qkv_rotary(self, x: torch.Tensor, norm: Optional[tuple], r: RotaryStore) -> torch.Tensor:

@@ -35,9 +35,14 @@ class ColumnParallelLinear(nn.Module):
         """Whether forward(x, rotary=...) runs (x goes to the small-rows kernel)."""
         return getattr(self.linear, "takes_rotary", None) is not None and self.linear.takes_rotary(x)
 
+    @property
+    def dot_bf16(self) -> bool:
+        """Whether its kernel takes bfloat16 dot products (runner.kernels.linear.Linear)."""
+        return getattr(self.linear, "dot_bf16", False)
+
     def takes_glu_out(self, x: torch.Tensor) -> bool:
         """Whether forward(x, glu_out=True) runs (runner.kernels.linear.Linear.takes_glu_out: this rank's gate | up
-        columns, activated in bfloat16)."""
+        columns, activated as they are stored)."""
         return (not self.gather_output and getattr(self.linear, "takes_glu_out", None) is not None
                 and self.linear.takes_glu_out(x))
 
