@@ -812,7 +812,7 @@ struct PrefillArgs {
 #define PA_BF16 1
 #endif
 
-#if PA_BF16
+#if defined(__AVX512F__)
 // The 16 x 16 32-bit words w transposed in place (word j of w[i] to word i of w[j]): pairs of rows interleaved by
 // words, then by 64 bits, then 128-bit lanes gathered twice.
 inline void transpose16(__m512i (&w)[16]) {
@@ -1091,10 +1091,23 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / (KV * nkb), g = u / nkb % KV, kb = u % nkb;
       float* t = kt.get() + u * D * PA_KB;
-      for (int64_t j = 0; j < PA_KB; ++j) {
+      const auto key = [&](int64_t n) { return kp + b * k.stride(0) + n * k.stride(1) + g * k.stride(2); };
+      int64_t d0 = 0;
+#if defined(__AVX512F__)
+      for (; d0 + 16 <= D; d0 += 16)  // 16 keys x 16 dims at a time, transposed in registers
+        for (int64_t j0 = 0; j0 < PA_KB; j0 += 16) {
+          __m512i w[16];
+          for (int j = 0; j < 16; ++j) {
+            const int64_t n = kb * PA_KB + j0 + j;
+            w[j] = n < N ? _mm512_loadu_si512(key(n) + d0) : _mm512_setzero_si512();
+          }
+          transpose16(w);
+          for (int i = 0; i < 16; ++i) _mm512_storeu_si512(t + (d0 + i) * PA_KB + j0, w[i]);
+        }
+#endif
+      for (int64_t j = 0; j < PA_KB; ++j) {  // (the dims past the last 16)
         const int64_t n = kb * PA_KB + j;
-        const float* kr = kp + b * k.stride(0) + n * k.stride(1) + g * k.stride(2);
-        for (int64_t d = 0; d < D; ++d) t[d * PA_KB + j] = n < N ? kr[d] : 0.0f;
+        for (int64_t d = d0; d < D; ++d) t[d * PA_KB + j] = n < N ? key(n)[d] : 0.0f;
       }
     }
   });
