@@ -327,7 +327,7 @@ class FeedForward(nn.Module):
             # products: for a down projection that does too): the [rows, 2 F] output never goes through memory
             gu = self.gate_up[0]
             if not self.gelu and sp is None and getattr(gu, "takes_glu_out", None) is not None and \
-                    gu.takes_glu_out(x) and getattr(gu, "dot_bf16", False) <= getattr(self.w2, "dot_bf16", False):
+                    gu.takes_glu_out(x) and (not getattr(gu, "dot_bf16", False) or getattr(self.w2, "dot_bf16", False)):
                 return w2(gu(x, glu_out=True, **kw))
             gate_up = self.gate_up[0](x, **kw)
             # SwiGLU computed as the down projection loads its input (under sequence parallelism only where its
@@ -511,7 +511,8 @@ class Transformer(nn.Module):
                                                                                              torch.bfloat16)) \
                         or (isinstance(mod, QuantLinear) and mod.takes_small_rows()):
                     mod.use_small_rows(gemv, ops.decode_linear_rows)
-        # the norms inside the linears after them, for the steps whose rows every linear takes on its small-rows kernel
+        # the norms inside the linears after them, for the steps whose rows every linear takes with its norm and
+        # residual (SmallRows.fuses: CUDA's small-rows kernel; this project's CPU kernel on bf16 dot products)
         self.norm_in_linears = c.norm_in_linears
         if c.merge_in_attention and ops.decode_attention is not None:  # one ticket counter per (sequence, KV head)
             counts = torch.zeros(c.max_batch * self.kv_heads, dtype=torch.int32, device=self.device)
