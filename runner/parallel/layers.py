@@ -14,11 +14,23 @@ from torch import nn
 from runner.kernels.quant_linear import CPU_KERNEL_MAX_ROWS, QuantWeight, make_linear, packed_args, quant_embedding
 
 
-def _fuses(linear, x: torch.Tensor) -> bool:
-    return getattr(linear, "fuses", None) is not None and linear.fuses(x)
+class _OnLinear(nn.Module):
+    """What a parallel layer's kernel can do, asked of its `linear` (runner.kernels.linear / quant_linear)."""
+
+    def _can(self, what: str, x: torch.Tensor) -> bool:
+        return getattr(self.linear, what, None) is not None and getattr(self.linear, what)(x)
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, norm=...) runs, or the kernel adds `residual` in its epilogue (SmallRows.fuses)."""
+        return self._can("fuses", x)
+
+    @property
+    def dot_bf16(self) -> bool:
+        """Whether its kernel takes bfloat16 dot products (and so a bfloat16 x: runner.kernels.linear.Linear)."""
+        return getattr(self.linear, "dot_bf16", False)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_OnLinear):
     """y_r = x W_r^T + b_r with W cut by output rows; the output stays cut unless gather_output. `norm` and `rotary`:
     work the small-rows kernel does around the product (runner.kernels.linear.SmallRows)."""
 
@@ -27,24 +39,14 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.linear, self.comm, self.gather_output = make_linear(weight, bias, prepack), comm, gather_output
 
-    def fuses(self, x: torch.Tensor) -> bool:
-        """Whether forward(x, norm=...) runs (runner.kernels.linear.SmallRows.fuses)."""
-        return _fuses(self.linear, x)
-
     def takes_rotary(self, x: torch.Tensor) -> bool:
-        """Whether forward(x, rotary=...) runs (x goes to the small-rows kernel)."""
-        return getattr(self.linear, "takes_rotary", None) is not None and self.linear.takes_rotary(x)
-
-    @property
-    def dot_bf16(self) -> bool:
-        """Whether its kernel takes bfloat16 dot products (runner.kernels.linear.Linear)."""
-        return getattr(self.linear, "dot_bf16", False)
+        """Whether forward(x, rotary=...) runs (the qkv epilogue: runner.kernels.linear.Linear.takes_rotary)."""
+        return self._can("takes_rotary", x)
 
     def takes_glu_out(self, x: torch.Tensor) -> bool:
         """Whether forward(x, glu_out=True) runs (runner.kernels.linear.Linear.takes_glu_out: this rank's gate | up
         columns, activated as they are stored)."""
-        return (not self.gather_output and getattr(self.linear, "takes_glu_out", None) is not None
-                and self.linear.takes_glu_out(x))
+        return not self.gather_output and self._can("takes_glu_out", x)
 
     def forward(self, x: torch.Tensor, norm: Optional[tuple] = None, rotary=None, glu_out: bool = False
                 ) -> torch.Tensor:
@@ -54,7 +56,7 @@ class ColumnParallelLinear(nn.Module):
         return self.comm.all_gather(y, dim=-1) if self.gather_output else y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_OnLinear):
     """y = sum_r x_r W_r^T (+ b once): W cut by input columns, partial sums all-reduced."""
 
     def __init__(self, weight, bias: Optional[torch.Tensor], comm, prepack: bool = True):
@@ -64,16 +66,7 @@ class RowParallelLinear(nn.Module):
 
     def takes_swiglu(self, x: torch.Tensor) -> bool:
         """Whether forward(x, swiglu=True) runs: x is a fused gate/up output its kernel activates as it loads."""
-        return getattr(self.linear, "takes_swiglu", None) is not None and self.linear.takes_swiglu(x)
-
-    @property
-    def dot_bf16(self) -> bool:
-        """Whether its kernel takes bfloat16 dot products (and so a bfloat16 x: runner.kernels.linear.Linear)."""
-        return getattr(self.linear, "dot_bf16", False)
-
-    def fuses(self, x: torch.Tensor) -> bool:
-        """Whether the kernel adds `residual` in its epilogue (runner.kernels.linear.SmallRows.fuses)."""
-        return _fuses(self.linear, x)
+        return self._can("takes_swiglu", x)
 
     def forward(self, x: torch.Tensor, swiglu: bool = False, sp=None, residual: Optional[torch.Tensor] = None
                 ) -> torch.Tensor:
