@@ -572,17 +572,34 @@ void linear_blocks(const float* x, int64_t M, int64_t K, const W* w, int64_t blo
   });
 }
 
+// linear_blocks on a packed float weight of `type` (y, ep and glu as there).
+void float_blocks(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks, int64_t N,
+                  float* y, const pmx_cpu::QKVEpilogue* ep = nullptr, float* glu = nullptr) {
+  switch (type) {
+    case FloatWeight::f32: linear_blocks(x, M, K, static_cast<const float*>(w), blocks, N, y, ep, glu); break;
+    case FloatWeight::bf16: linear_blocks(x, M, K, static_cast<const Bf16*>(w), blocks, N, y, ep, glu); break;
+    case FloatWeight::f16: linear_blocks(x, M, K, static_cast<const F16*>(w), blocks, N, y, ep, glu); break;
+  }
+}
+
+// x [M, K] itself, or (norm given) rms_norm(x) * norm in a buffer `keep` holds: the float32 tiles read x as it is,
+// so a norm is a pass of its own before them.
+const float* normed_rows(const float* x, int64_t M, int64_t K, const float* norm, float eps,
+                         std::unique_ptr<float[]>& keep) {
+  if (!norm) return x;
+  std::unique_ptr<float[]> out(new float[M * K]);
+  pmx_cpu::skip_rms_norm_into(x, nullptr, norm, M, K, eps, nullptr, out.get());
+  keep = std::move(out);
+  return keep.get();
+}
+
 }  // namespace
 
 namespace pmx_cpu {
 
 void float_linear_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
                        int64_t N, float* y) {
-  switch (type) {
-    case FloatWeight::f32: linear_blocks(x, M, K, static_cast<const float*>(w), blocks, N, y); break;
-    case FloatWeight::bf16: linear_blocks(x, M, K, static_cast<const Bf16*>(w), blocks, N, y); break;
-    case FloatWeight::f16: linear_blocks(x, M, K, static_cast<const F16*>(w), blocks, N, y); break;
-  }
+  float_blocks(x, M, K, w, type, blocks, N, y);
 }
 
 int64_t bf16_pair_channels() { return 2 * L; }
@@ -607,10 +624,13 @@ void float_linear_fused_into(const float* x, int64_t M, int64_t K, const void* w
   if (type == FloatWeight::bf16)
     return linear_dot(x, nullptr, M, K, static_cast<const Bf16*>(w), blocks, N, y, nullptr, swiglu, norm, eps, res);
 #endif
-  std::unique_ptr<float[]> act(new float[swiglu || norm ? M * K : 0]);
-  if (swiglu) swiglu_into(x, 2 * K, x + K, 2 * K, M, K, act.get());
-  else if (norm) skip_rms_norm_into(x, nullptr, norm, M, K, eps, nullptr, act.get());
-  float_linear_into(swiglu || norm ? act.get() : x, M, K, w, type, blocks, N, y);
+  std::unique_ptr<float[]> act;
+  if (swiglu) {
+    act.reset(new float[M * K]);
+    swiglu_into(x, 2 * K, x + K, 2 * K, M, K, act.get());
+    x = act.get();
+  }
+  float_blocks(normed_rows(x, M, K, norm, eps, act), M, K, w, type, blocks, N, y);
   if (res)
     at::parallel_for(0, M * N, 16384, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) y[i] += res[i];
@@ -619,37 +639,19 @@ void float_linear_fused_into(const float* x, int64_t M, int64_t K, const void* w
 
 void float_linear_qkv_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
                            int64_t N, float* y, const float* norm, float eps, const QKVEpilogue& ep) {
-  std::unique_ptr<float[]> normed;
 #if PMX_BF16_DOT
   if (type == FloatWeight::bf16)
     return linear_dot(x, nullptr, M, K, static_cast<const Bf16*>(w), blocks, N, y, nullptr, false, norm, eps,
                       nullptr, &ep);
 #endif
-  if (norm) {
-    normed.reset(new float[M * K]);
-    skip_rms_norm_into(x, nullptr, norm, M, K, eps, nullptr, normed.get());
-    x = normed.get();
-  }
-  switch (type) {
-    case FloatWeight::f32: linear_blocks(x, M, K, static_cast<const float*>(w), blocks, N, y, &ep); break;
-    case FloatWeight::bf16: linear_blocks(x, M, K, static_cast<const Bf16*>(w), blocks, N, y, &ep); break;
-    case FloatWeight::f16: linear_blocks(x, M, K, static_cast<const F16*>(w), blocks, N, y, &ep); break;
-  }
+  std::unique_ptr<float[]> normed;
+  float_blocks(normed_rows(x, M, K, norm, eps, normed), M, K, w, type, blocks, N, y, &ep);
 }
 
 void float_linear_glu_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
                            int64_t N, float* act, const float* norm, float eps) {
   std::unique_ptr<float[]> normed;
-  if (norm) {
-    normed.reset(new float[M * K]);
-    skip_rms_norm_into(x, nullptr, norm, M, K, eps, nullptr, normed.get());
-    x = normed.get();
-  }
-  switch (type) {
-    case FloatWeight::f32: linear_blocks(x, M, K, static_cast<const float*>(w), blocks, N, nullptr, nullptr, act); break;
-    case FloatWeight::bf16: linear_blocks(x, M, K, static_cast<const Bf16*>(w), blocks, N, nullptr, nullptr, act); break;
-    case FloatWeight::f16: linear_blocks(x, M, K, static_cast<const F16*>(w), blocks, N, nullptr, nullptr, act); break;
-  }
+  float_blocks(normed_rows(x, M, K, norm, eps, normed), M, K, w, type, blocks, N, nullptr, nullptr, act);
 }
 
 void bf16_linear_dot_into(const uint16_t* xb, const float* x, int64_t M, int64_t K, const void* w, int64_t blocks,

@@ -386,6 +386,13 @@ pmx_cpu::FloatWeight float_weight(const at::Tensor& w) {  // the element type of
                                           : pmx_cpu::FloatWeight::f32;
 }
 
+// The RMSNorm weight a linear op takes (null where none), checked: contiguous float32 [K].
+const float* norm_weight(const c10::optional<at::Tensor>& norm, int64_t K, const char* what) {
+  TORCH_CHECK(!norm.has_value() || (norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == K),
+              what, ": norm must be a contiguous float32 weight of ", K, " values");
+  return norm ? norm->data_ptr<float>() : nullptr;
+}
+
 bool is_float_weight(const at::Tensor& w) {
   return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf;
 }
@@ -414,13 +421,11 @@ at::Tensor linear_f32_fused(const at::Tensor& x, const at::Tensor& w, int64_t N,
               "linear_f32_fused: glu_out needs N a multiple of 128 (gate | up, 64-channel blocks each) and a float32 ",
               "x, without swiglu or residual; N=", N);
   TORCH_CHECK(!(swiglu && norm.has_value()), "linear_f32_fused: swiglu and norm do not go together");
-  TORCH_CHECK(!norm.has_value() || (norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == K),
-              "linear_f32_fused: norm must be a contiguous float32 weight of ", K, " values");
+  const float* np = norm_weight(norm, K, "linear_f32_fused");
   TORCH_CHECK(!residual.has_value() || (residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
                                         residual->dim() == 2 && residual->size(0) == x.size(0) &&
                                         residual->size(1) == N),
               "linear_f32_fused: residual must be contiguous float32 [", x.size(0), ", ", N, "]");
-  const float* np = norm ? norm->data_ptr<float>() : nullptr;
   const float* rp = residual ? residual->data_ptr<float>() : nullptr;
   if (glu_out && !dot) {
     at::Tensor act = at::empty({x.size(0), N / 2}, x.options());
@@ -458,8 +463,7 @@ at::Tensor linear_f32_qkv(const at::Tensor& x, const at::Tensor& w, int64_t N, c
   TORCH_CHECK(heads > 0 && kv_heads > 0 && D > 0 && D % 2 == 0 && N == (heads + 2 * kv_heads) * D,
               "linear_f32_qkv: N = ", N, " must be (heads + 2 kv_heads) head_dim for heads ", heads, ", kv_heads ",
               kv_heads, ", head_dim ", D, " (even)");
-  TORCH_CHECK(!norm.has_value() || (norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == K),
-              "linear_f32_qkv: norm must be a contiguous float32 weight of ", K, " values");
+  const float* np = norm_weight(norm, K, "linear_f32_qkv");
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == M &&
                     R > 0 && R <= D && R % 2 == 0 && t->size(1) == cos.size(1),
@@ -473,7 +477,7 @@ at::Tensor linear_f32_qkv(const at::Tensor& x, const at::Tensor& w, int64_t N, c
   const pmx_cpu::QKVEpilogue ep{cos.data_ptr<float>(), sin.data_ptr<float>(), R, heads, kv_heads, D, layer, &c,
                                 quant ? &s : nullptr, rows};
   pmx_cpu::float_linear_qkv_into(x.data_ptr<float>(), M, K, w.data_ptr(), float_weight(w), w.size(0), N,
-                                 out.data_ptr<float>(), norm ? norm->data_ptr<float>() : nullptr,
+                                 out.data_ptr<float>(), np,
                                  static_cast<float>(eps), ep);
   return out;
 }

@@ -171,11 +171,15 @@ class Linear(SmallRows, torch.nn.Module):
             raise ValueError(f"a {self.kernel} layer has no plain weight for a small-rows kernel")
         super().use_small_rows(kernel, max_rows)
 
+    def _pmx_takes(self, x: torch.Tensor, width: int) -> bool:
+        """Whether this project's kernel takes x eagerly as float32 [rows, width]."""
+        return (self.kernel == "pmx" and x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] == width
+                and not torch.compiler.is_compiling())
+
     def takes_swiglu(self, x: torch.Tensor) -> bool:
         """Whether forward(x, swiglu=True) runs: the small-rows kernel's rows, or any rows on this project's kernel
         (linear_f32_fused: on bfloat16 weights with AVX512-BF16 the activation is computed as x is converted)."""
-        return super().takes_swiglu(x) or (self.kernel == "pmx" and x.dim() == 2 and x.dtype == torch.float32 and
-                                           x.shape[1] == 2 * self.in_features and not torch.compiler.is_compiling())
+        return super().takes_swiglu(x) or self._pmx_takes(x, 2 * self.in_features)
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether forward(x, norm=, residual=, swiglu=) runs with that work inside the product: the small-rows
@@ -188,16 +192,14 @@ class Linear(SmallRows, torch.nn.Module):
     def takes_rotary(self, x: torch.Tensor) -> bool:
         """Whether forward(x, rotary=...) runs with rotary and the cache store as the product's epilogue: the
         small-rows kernel's rows, or any rows of this project's kernel (no bias: it goes before the rotation)."""
-        return super().takes_rotary(x) or (self.kernel == "pmx" and self.bias is None and x.dim() == 2 and
-                                           x.dtype == torch.float32 and not torch.compiler.is_compiling())
+        return super().takes_rotary(x) or (self.bias is None and self._pmx_takes(x, self.in_features))
 
     def takes_glu_out(self, x: torch.Tensor) -> bool:
         """Whether forward(x, glu_out=True) runs: this is a fused gate | up layer (out = 2 F, F a multiple of 64, no
         bias) on this project's kernel, which returns silu(gate) * up [rows, F] without the [rows, 2 F] output going
         through memory: in bfloat16 where `dot_bf16` (the down projection's x as its dot products round it; for a
         down projection that is `dot_bf16` too), else float32."""
-        return (self.kernel == "pmx" and self.bias is None and self.out_features % 128 == 0 and x.dim() == 2 and
-                x.dtype == torch.float32 and x.shape[1] == self.in_features and not torch.compiler.is_compiling())
+        return self.bias is None and self.out_features % 128 == 0 and self._pmx_takes(x, self.in_features)
 
     def _qkv_rotary(self, x: torch.Tensor, norm: Optional[tuple], r: RotaryStore) -> torch.Tensor:
         """forward(x, norm=, rotary=r) on this project's kernel: linear_f32_qkv (a float32 or int8 cache; another
