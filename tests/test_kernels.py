@@ -346,6 +346,9 @@ def test_linear_fuses_swiglu_norm_and_residual_at_any_rows(dtype, rows):
         torch.ops.pmx_cpu.linear_f32_fused(x, lin.packed, N, False, None, 0.0, res[:, 1:].contiguous())
     with pytest.raises(ValueError, match="no rotary epilogue"):
         lin(x, residual=res, rotary=object())
+    # (a bfloat16 x is the pairs of bfloat16 dot products, of an even K: 1031 is odd)
+    with pytest.raises(RuntimeError, match="a bfloat16 x goes to bfloat16 weights on AVX512-BF16 with an even K"):
+        lin(x.bfloat16())
 
 
 @needs_ext
