@@ -403,15 +403,16 @@ def test_qkv_linear_rotates_and_stores_as_its_epilogue(case, layout, dtype):
     kv = want.view(M, H + 2 * KV, D)[:, H:]
     torch.ops.pmx_cpu.kv_store_(caches[0][0], caches[0][1], layout, layer, kv[:, :KV], kv[:, KV:], slots)
     got = torch.ops.pmx_cpu.linear_f32_qkv(x, lin.packed, lin.out_features, norm, 1e-5, cos, sin, caches[1][0],
-                                           caches[1][1], layout, layer, slots, H, KV, D)
+                                           caches[1][1], layout, layer, slots)
     assert torch.equal(got, want) and torch.equal(caches[1][0], caches[0][0])
     assert not quant or torch.equal(caches[1][1], caches[0][1])
-    with pytest.raises(RuntimeError, match="must be \\(heads \\+ 2 kv_heads\\) head_dim"):
-        torch.ops.pmx_cpu.linear_f32_qkv(x, lin.packed, lin.out_features, None, 0.0, cos, sin, caches[1][0],
-                                         caches[1][1], layout, layer, slots, H + 1, KV, D)
+    wide = new_cache(layout, 2, 100, H + KV, D, torch.float32, torch.device("cpu"), False)[0]  # (too many KV heads)
+    with pytest.raises(RuntimeError, match="must be \\(heads \\+ 2 kv_heads\\) head_dim for the cache's"):
+        torch.ops.pmx_cpu.linear_f32_qkv(x, lin.packed, lin.out_features, None, 0.0, cos, sin, wide, None, layout,
+                                         layer, slots)
     with pytest.raises(RuntimeError, match="outside the cache's 100 rows"):
         torch.ops.pmx_cpu.linear_f32_qkv(x, lin.packed, lin.out_features, None, 0.0, cos, sin, caches[1][0],
-                                         caches[1][1], layout, layer, slots + 100, H, KV, D)
+                                         caches[1][1], layout, layer, slots + 100)
 
 
 # (B, H, KV, D, N, window): MHA and GQA, head_dim with a tail past 16 lanes, one row, a sliding window inside and

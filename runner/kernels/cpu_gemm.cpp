@@ -318,8 +318,8 @@ constexpr int NVB = NB / 16;  // vectors of 16 channels' pairs in a block
 
 // x [M, K] rounded to bfloat16, in pairs of k ([M, (K + 1) / 2] 32-bit words: k at the low half, k + 1 the high;
 // an odd K's last padded with a zero). swiglu: x is silu(g) * u of gate / up rows [M, 2 K] (g | u), at bfloat16's
-// precision (silu_mul_bf16: what the rounding keeps) as it is converted; norm: x is rms_norm(x) * norm (eps), computed a
-// row at a time into a buffer in L1.
+// precision (silu_mul_bf16: what the rounding keeps) as it is converted; norm: x is rms_norm(x) * norm (eps),
+// computed a row at a time into a buffer in L1.
 inline void x_pairs(const float* x, int64_t M, int64_t K, uint32_t* xp, bool swiglu = false,
                     const float* norm = nullptr, float eps = 0) {
   const int64_t kh = (K + 1) / 2;
@@ -477,11 +477,10 @@ void qkv_epilogue(const pmx_cpu::QKVEpilogue& e, float* y, int64_t N, int64_t r0
 // block and its up block (F / 64 blocks on) for its rows into buffers of its own, activates and rounds them there, so
 // the [M, 2 F] float32 output never goes through memory and the down projection converts nothing.
 void linear_dot(const float* x, const uint32_t* xb, int64_t M, int64_t K, const Bf16* w, int64_t blocks, int64_t N,
-                float* y, uint16_t* glu = nullptr, bool swiglu = false, const float* norm = nullptr, float eps = 0,
-                const float* res = nullptr, const pmx_cpu::QKVEpilogue* ep = nullptr) {
+                float* y, uint16_t* glu = nullptr, const pmx_cpu::AroundProduct& a = {}) {
   const int64_t kh = (K + 1) / 2;
   std::unique_ptr<uint32_t[]> own(new uint32_t[xb ? 0 : M * kh]);  // (not zeroed: x_pairs writes every word)
-  if (!xb) dot::x_pairs(x, M, K, own.get(), swiglu, norm, eps);
+  if (!xb) dot::x_pairs(x, M, K, own.get(), a.swiglu, a.norm, a.eps);
   const uint32_t* xp = xb ? xb : own.get();
   if (glu) {
     const int64_t F = N / 2, gate_blocks = F / NB;
@@ -512,8 +511,8 @@ void linear_dot(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
       int64_t b, r0, r1;
       rp.of(u, b, r0, r1);
       const int64_t at = r0 * N + b * NB, ncols = std::min(NB, N - b * NB);  // (the unit's first output)
-      dot::block(xp + r0 * kh, r1 - r0, K, w + b * K * NB, y + at, N, ncols, res ? res + at : nullptr);
-      if (ep) qkv_epilogue(*ep, y, N, r0, r1, b * NB, b * NB + ncols);
+      dot::block(xp + r0 * kh, r1 - r0, K, w + b * K * NB, y + at, N, ncols, a.res ? a.res + at : nullptr);
+      if (a.qkv) qkv_epilogue(*a.qkv, y, N, r0, r1, b * NB, b * NB + ncols);
     }
   });
 }
@@ -528,7 +527,7 @@ void linear_blocks(const float* x, int64_t M, int64_t K, const W* w, int64_t blo
 #if PMX_BF16_DOT
   if constexpr (std::is_same_v<W, Bf16>) {
     TORCH_CHECK(!glu, "bfloat16 dot products give the activation in bfloat16");
-    return linear_dot(x, nullptr, M, K, w, blocks, N, y, nullptr, false, nullptr, 0, nullptr, ep);
+    return linear_dot(x, nullptr, M, K, w, blocks, N, y, nullptr, pmx_cpu::AroundProduct{.qkv = ep});
   }
 #endif
   const int64_t gate_blocks = N / 2 / NB;
@@ -563,7 +562,8 @@ void linear_blocks(const float* x, int64_t M, int64_t K, const W* w, int64_t blo
         product(b, r0, m, g, NB);
         product(b + gate_blocks, r0, m, up, NB);
         pmx_cpu::swiglu_into(g, NB, up, NB, m, NB, act);
-        for (int64_t r = 0; r < m; ++r) std::memcpy(glu + (r0 + r) * (N / 2) + b * NB, act + r * NB, NB * sizeof(float));
+        for (int64_t r = 0; r < m; ++r)
+          std::memcpy(glu + (r0 + r) * (N / 2) + b * NB, act + r * NB, NB * sizeof(float));
         continue;
       }
       product(b, r0, m, y + r0 * N + b * NB, N);
@@ -619,33 +619,23 @@ void block_panel_f32(const float* x, int64_t M, int64_t K, const float* block, f
 }
 
 void float_linear_fused_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
-                             int64_t N, float* y, bool swiglu, const float* norm, float eps, const float* res) {
+                             int64_t N, float* y, const AroundProduct& a) {
+  TORCH_CHECK(!(a.res && a.qkv), "the qkv epilogue stores k and v as they are computed: no residual to add");
 #if PMX_BF16_DOT
   if (type == FloatWeight::bf16)
-    return linear_dot(x, nullptr, M, K, static_cast<const Bf16*>(w), blocks, N, y, nullptr, swiglu, norm, eps, res);
+    return linear_dot(x, nullptr, M, K, static_cast<const Bf16*>(w), blocks, N, y, nullptr, a);
 #endif
   std::unique_ptr<float[]> act;
-  if (swiglu) {
+  if (a.swiglu) {
     act.reset(new float[M * K]);
     swiglu_into(x, 2 * K, x + K, 2 * K, M, K, act.get());
     x = act.get();
   }
-  float_blocks(normed_rows(x, M, K, norm, eps, act), M, K, w, type, blocks, N, y);
-  if (res)
+  float_blocks(normed_rows(x, M, K, a.norm, a.eps, act), M, K, w, type, blocks, N, y, a.qkv);
+  if (a.res)
     at::parallel_for(0, M * N, 16384, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) y[i] += res[i];
+      for (int64_t i = i0; i < i1; ++i) y[i] += a.res[i];
     });
-}
-
-void float_linear_qkv_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
-                           int64_t N, float* y, const float* norm, float eps, const QKVEpilogue& ep) {
-#if PMX_BF16_DOT
-  if (type == FloatWeight::bf16)
-    return linear_dot(x, nullptr, M, K, static_cast<const Bf16*>(w), blocks, N, y, nullptr, false, norm, eps,
-                      nullptr, &ep);
-#endif
-  std::unique_ptr<float[]> normed;
-  float_blocks(normed_rows(x, M, K, norm, eps, normed), M, K, w, type, blocks, N, y, &ep);
 }
 
 void float_linear_glu_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
@@ -655,10 +645,9 @@ void float_linear_glu_into(const float* x, int64_t M, int64_t K, const void* w, 
 }
 
 void bf16_linear_dot_into(const uint16_t* xb, const float* x, int64_t M, int64_t K, const void* w, int64_t blocks,
-                          int64_t N, float* y, uint16_t* glu, const float* norm, float eps, const float* res) {
+                          int64_t N, float* y, uint16_t* glu, const AroundProduct& a) {
 #if PMX_BF16_DOT
-  linear_dot(x, reinterpret_cast<const uint32_t*>(xb), M, K, static_cast<const Bf16*>(w), blocks, N, y, glu, false,
-             norm, eps, res);
+  linear_dot(x, reinterpret_cast<const uint32_t*>(xb), M, K, static_cast<const Bf16*>(w), blocks, N, y, glu, a);
 #else
   TORCH_CHECK(false, "bfloat16 dot products need AVX512-BF16");
 #endif

@@ -81,25 +81,10 @@ void float_linear_into(const float* x, int64_t M, int64_t K, const void* w, Floa
 // channel i then channel g/2 + i (cpu_gemm.cpp; the packing code, runner/kernels/cpu_ext.py, asks for g).
 int64_t bf16_pair_channels();
 
-// float_linear_into with the work around it: swiglu, x = silu(g) * u for x [M, 2 K] = (g | u); norm (a weight [K]),
-// x = rms_norm(x) * norm (eps); res [M, N] (or null), y = x W^T + res. On bfloat16 weights with AVX512-BF16 each row's
-// activation or norm is computed in cache as x is converted for the dot products, and res is added as the output is
-// stored (no pass of its own over [M, K] or [M, N]); elsewhere they are passes before and after the product.
-void float_linear_fused_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
-                             int64_t N, float* y, bool swiglu, const float* norm, float eps, const float* res);
-
 // A gate | up layer (N = 2 F, F a multiple of 64) on float weights without bfloat16 dot products: act [M, F] =
 // silu(gate) * up in float32 of x W^T (x normed by `norm` where given), each block's activation computed in cache.
 void float_linear_glu_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
                            int64_t N, float* act, const float* norm, float eps);
-
-// Where bf16_k_pairs() (bfloat16 blocks, AVX512-BF16): y = x W^T (+ res) with x given as bfloat16 xb [M, K] (K even;
-// its rows are the dot products' pairs: nothing converted), or float32 x (normed by norm where given) when xb is
-// null. glu (N = 2 F, F a multiple of 64; y unused): the layer is a gate | up projection and glu [M, F] receives
-// silu(gate) * up rounded to bfloat16 (round to nearest even, as x is rounded for the dot products), computed a
-// block of each at a time in cache.
-void bf16_linear_dot_into(const uint16_t* xb, const float* x, int64_t M, int64_t K, const void* w, int64_t blocks,
-                          int64_t N, float* y, uint16_t* glu, const float* norm, float eps, const float* res);
 
 // Where the CPU has AVX512-BF16: bfloat16 blocks hold their k-rows in pairs instead (a 32-bit word (w[2p][c],
 // w[2p + 1][c]) a channel, an odd K's last row plainly; cpu_gemm.cpp), for vdpbf16ps.
@@ -186,7 +171,7 @@ KVRows kv_rows(const CacheView& c, const CacheView* scales, int64_t layer, int64
 HistoryRows history_rows(const at::Tensor& rows, int64_t page_size, const int64_t* kvlens, int64_t B, int64_t window,
                          int64_t maxt);
 
-// The qkv linear's epilogue at any rows (float_linear_qkv_into): q and k, the first (H + KV) D channels of row m,
+// The qkv linear's epilogue at any rows (AroundProduct::qkv): q and k, the first (H + KV) D channels of row m,
 // rotated as rotary() does (the interleaved pairs of each head's first R dims, at cos / sin [M, R/2] row m), then k
 // and v written into cache rows slots[m] of `layer` as kv_store does (s: an int8 cache's scales, else null).
 struct QKVEpilogue {
@@ -197,10 +182,28 @@ struct QKVEpilogue {
   const int64_t* slots;
 };
 
-// y = x W^T (x normed by `norm` where given) for the fused qkv weight, each block of rows then taken through the
-// epilogue while it is in cache: no pass over q, k and v of their own for rotary and the cache store.
-void float_linear_qkv_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
-                           int64_t N, float* y, const float* norm, float eps, const QKVEpilogue& ep);
+// The work around a linear's product, each part optional (float_linear_fused_into, bf16_linear_dot_into).
+struct AroundProduct {
+  bool swiglu = false;              // x [M, 2 K] = (g | u): the product's input is silu(g) * u
+  const float* norm = nullptr;      // x normed on the way in: rms_norm(x) * norm (a weight [K]; eps)
+  float eps = 0;
+  const float* res = nullptr;       // y = x W^T + res ([M, N])
+  const QKVEpilogue* qkv = nullptr;  // each block of rows through the qkv epilogue while it is in cache (not with res)
+};
+
+// float_linear_into with the work around it. On bfloat16 weights with AVX512-BF16 each row's activation or norm is
+// computed in cache as x is converted for the dot products, and res is added as the output is stored (no pass of its
+// own over [M, K] or [M, N]); elsewhere they are passes before and after the product. The qkv epilogue runs on each
+// unit's rows as they are computed, whatever the weight: no pass over q, k and v of their own.
+void float_linear_fused_into(const float* x, int64_t M, int64_t K, const void* w, FloatWeight type, int64_t blocks,
+                             int64_t N, float* y, const AroundProduct& a);
+
+// Where bf16_k_pairs() (bfloat16 blocks, AVX512-BF16): y = x W^T with `a`'s work, x given as bfloat16 xb [M, K] (K
+// even; its rows are the dot products' pairs: nothing converted), or float32 x when xb is null. glu (N = 2 F, F a
+// multiple of 64; y unused): the layer is a gate | up projection and glu [M, F] receives silu(gate) * up rounded to
+// bfloat16 (round to nearest even, as x is rounded for the dot products), computed a block of each at a time in cache.
+void bf16_linear_dot_into(const uint16_t* xb, const float* x, int64_t M, int64_t K, const void* w, int64_t blocks,
+                          int64_t N, float* y, uint16_t* glu, const AroundProduct& a);
 
 // reference.quantize_int8 of n values: per group of 8, scale = max(max|x| / 127, 1e-5) (stored float16), and
 // q = clamp(round_half_even(x / scale), -127, 127) divided by the float32 scale, as the reference does.

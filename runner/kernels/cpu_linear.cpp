@@ -403,7 +403,8 @@ bool is_float_weight(const at::Tensor& w) {
 // layer is a gate | up projection and the result is silu(gate) * up [M, F], computed a block at a time in cache:
 // bfloat16 where the dot products are (pmx_cpu::bf16_linear_dot_into), else float32 (float_linear_glu_into).
 at::Tensor linear_f32_fused(const at::Tensor& x, const at::Tensor& w, int64_t N, bool swiglu,
-                            const c10::optional<at::Tensor>& norm, double eps, const c10::optional<at::Tensor>& residual,
+                            const c10::optional<at::Tensor>& norm, double eps,
+                            const c10::optional<at::Tensor>& residual,
                             bool glu_out) {
   TORCH_CHECK(w.dim() == 3 && w.size(2) == NB && w.is_contiguous() && is_float_weight(w) && w.size(0) * NB >= N &&
                   (w.size(0) - 1) * NB < N,
@@ -439,46 +440,46 @@ at::Tensor linear_f32_fused(const at::Tensor& x, const at::Tensor& w, int64_t N,
     pmx_cpu::bf16_linear_dot_into(xb ? reinterpret_cast<const uint16_t*>(x.data_ptr()) : nullptr,
                                   xb ? nullptr : x.data_ptr<float>(), x.size(0), K, w.data_ptr(), w.size(0), N,
                                   glu_out ? nullptr : out.data_ptr<float>(),
-                                  glu_out ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr, np,
-                                  static_cast<float>(eps), rp);
+                                  glu_out ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr,
+                                  {.norm = np, .eps = static_cast<float>(eps), .res = rp});
     return out;
   }
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   pmx_cpu::float_linear_fused_into(x.data_ptr<float>(), x.size(0), K, w.data_ptr(), float_weight(w), w.size(0), N,
-                                   out.data_ptr<float>(), swiglu, np, static_cast<float>(eps), rp);
+                                   out.data_ptr<float>(),
+                                   {.swiglu = swiglu, .norm = np, .eps = static_cast<float>(eps), .res = rp});
   return out;
 }
 
 // The fused qkv linear of an attention layer with rotary and the cache store as its epilogue: y = x W^T (x normed by
 // `norm` where given), q and k rotated at cos / sin [M, R/2] (the first R dims of each head), k and v written into
-// rows `slots` of layer `layer` of the cache (float32, or int8 with its float16 scales): pmx_cpu::float_linear_qkv_into.
-// Returns y [M, (heads + 2 kv_heads) head_dim], q and k rotated.
+// rows `slots` of layer `layer` of the cache (float32, or int8 with its float16 scales): pmx_cpu::AroundProduct's qkv.
+// The cache gives kv_heads and head_dim, N the heads. Returns y [M, (heads + 2 kv_heads) head_dim], q and k rotated.
 at::Tensor linear_f32_qkv(const at::Tensor& x, const at::Tensor& w, int64_t N, const c10::optional<at::Tensor>& norm,
                           double eps, const at::Tensor& cos, const at::Tensor& sin, at::Tensor cache,
-                          const c10::optional<at::Tensor>& scale, int64_t layout, int64_t layer, const at::Tensor& slots,
-                          int64_t heads, int64_t kv_heads, int64_t head_dim) {
+                          const c10::optional<at::Tensor>& scale, int64_t layout, int64_t layer,
+                          const at::Tensor& slots) {
   check(x, w, N, NB);
   TORCH_CHECK(is_float_weight(w), "packed weight must be float32, bfloat16 or float16, not ", w.scalar_type());
-  const int64_t M = x.size(0), K = x.size(1), D = head_dim, R = 2 * cos.size(-1);
-  TORCH_CHECK(heads > 0 && kv_heads > 0 && D > 0 && D % 2 == 0 && N == (heads + 2 * kv_heads) * D,
-              "linear_f32_qkv: N = ", N, " must be (heads + 2 kv_heads) head_dim for heads ", heads, ", kv_heads ",
-              kv_heads, ", head_dim ", D, " (even)");
+  const auto [c, s] = pmx_cpu::cache_views(cache, scale, layout, "linear_f32_qkv");
+  const int64_t M = x.size(0), K = x.size(1), D = c.last, kv_heads = c.KV, R = 2 * cos.size(-1);
+  const int64_t heads = D > 0 && N % D == 0 ? N / D - 2 * kv_heads : 0;
+  TORCH_CHECK(heads > 0 && D % 2 == 0, "linear_f32_qkv: N = ", N, " must be (heads + 2 kv_heads) head_dim for the ",
+              "cache's kv_heads ", kv_heads, " and head_dim ", D, " (even)");
   const float* np = norm_weight(norm, K, "linear_f32_qkv");
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == M &&
                     R > 0 && R <= D && R % 2 == 0 && t->size(1) == cos.size(1),
                 "linear_f32_qkv: cos and sin must be contiguous float32 [", M, ", R/2] with R <= head_dim ", D);
-  const auto [c, s] = pmx_cpu::cache_views(cache, scale, layout, "linear_f32_qkv");
   const bool quant = cache.scalar_type() == at::kChar;
-  TORCH_CHECK(c.KV == kv_heads && c.last == D && layer >= 0 && layer < c.L && (!quant || D % pmx_cpu::QUANT_GROUP == 0),
-              "linear_f32_qkv: the cache must hold ", kv_heads, " heads of ", D, " and layer ", layer);
+  TORCH_CHECK(layer >= 0 && layer < c.L && (!quant || D % pmx_cpu::QUANT_GROUP == 0),
+              "linear_f32_qkv: layer ", layer, " must be one of the cache's ", c.L);
   const int64_t* rows = pmx_cpu::checked_slots(slots, M, c, "linear_f32_qkv");
   at::Tensor out = at::empty({M, N}, x.options());
   const pmx_cpu::QKVEpilogue ep{cos.data_ptr<float>(), sin.data_ptr<float>(), R, heads, kv_heads, D, layer, &c,
                                 quant ? &s : nullptr, rows};
-  pmx_cpu::float_linear_qkv_into(x.data_ptr<float>(), M, K, w.data_ptr(), float_weight(w), w.size(0), N,
-                                 out.data_ptr<float>(), np,
-                                 static_cast<float>(eps), ep);
+  pmx_cpu::float_linear_fused_into(x.data_ptr<float>(), M, K, w.data_ptr(), float_weight(w), w.size(0), N,
+                                   out.data_ptr<float>(), {.norm = np, .eps = static_cast<float>(eps), .qkv = &ep});
   return out;
 }
 
@@ -875,7 +876,7 @@ TORCH_LIBRARY(pmx_cpu, m) {
   m.def("linear_f32_fused(Tensor x, Tensor w, int n, bool swiglu=False, Tensor? norm=None, float eps=0.0, "
         "Tensor? residual=None, bool glu_out=False) -> Tensor");
   m.def("linear_f32_qkv(Tensor x, Tensor w, int n, Tensor? norm, float eps, Tensor cos, Tensor sin, Tensor(a!) cache, "
-        "Tensor(b!)? scale, int layout, int layer, Tensor slots, int heads, int kv_heads, int head_dim) -> Tensor");
+        "Tensor(b!)? scale, int layout, int layer, Tensor slots) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor w, Tensor scale, int n) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");
   m.def("linear_int8_group(Tensor x, Tensor w, Tensor scale, int group_size, int n) -> Tensor");

@@ -216,7 +216,7 @@ class Linear(SmallRows, torch.nn.Module):
         return torch.ops.pmx_cpu.linear_f32_qkv(
             x.contiguous(), self.packed, self.out_features, None if norm is None else norm[0].float().contiguous(),
             0.0 if norm is None else float(norm[1]), r.cos.float().contiguous(), r.sin.float().contiguous(), r.cache,
-            r.scale, r.layout, r.layer, r.slots.contiguous(), r.heads, r.kv_heads, r.head_dim)
+            r.scale, r.layout, r.layer, r.slots.contiguous())
 
     def dense_weight(self) -> torch.Tensor:
         """W [out, in] as a plain tensor (a copy for the packed kernels)."""
